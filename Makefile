@@ -1,0 +1,28 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+# Each creates .venv in the project root when missing and installs the pinned set (requirements.txt).
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean-venv
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements.txt -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/emdlm demo
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/python -m pytest -n 2 -q tests
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_ntil.py
+	$(BIN)/python benchmarks/bench_emo.py
+
+clean-venv:
+	rm -rf $(VENV)

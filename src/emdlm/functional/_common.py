@@ -1,0 +1,69 @@
+"""Input checks, reductions and CE mixing shared by every objective.
+
+Shape notation: B batch, T time, V vocabulary rows of the logits, N = B*T flattened positions.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+Reduction = Literal["mean", "sum"]
+IGNORE_INDEX = -100
+
+
+def check_logits_labels(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX
+) -> None:
+    """Raise a clear error for malformed inputs; no host sync unless validation needs one.
+
+    Checks: logits are floating point with a trailing vocab dim, labels are integer with the
+    logits' leading shape, every non-ignored label lies in [0, V).
+    """
+    if not torch.is_floating_point(logits):
+        raise TypeError(f"logits must be a floating-point tensor, got dtype {logits.dtype}")
+    if labels.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise TypeError(f"labels must be an integer tensor, got dtype {labels.dtype}")
+    if logits.dim() < 2:
+        raise ValueError(f"logits must have shape [..., V], got {tuple(logits.shape)}")
+    if tuple(logits.shape[:-1]) != tuple(labels.shape):
+        raise ValueError(
+            f"shape mismatch: logits {tuple(logits.shape)} need labels of shape "
+            f"{tuple(logits.shape[:-1])}, got labels {tuple(labels.shape)}"
+        )
+    vocab = logits.shape[-1]
+    valid = labels != ignore_index
+    # One reduction and a single host sync for the whole batch (not per token).
+    bad = valid & ((labels < 0) | (labels >= vocab))
+    if bool(bad.any()):
+        bad_values = labels[bad].unique()[:5].tolist()
+        raise ValueError(
+            f"labels out of range for a vocabulary of {vocab} logit rows: found {bad_values} "
+            f"(labels must be in [0, {vocab}) or equal ignore_index={ignore_index})"
+        )
+
+
+def reduce_sum(per_item: torch.Tensor, count: torch.Tensor, reduction: Reduction) -> torch.Tensor:
+    """Finish a reduction: ``sum`` as is, ``mean`` divided by ``max(count, 1)``.
+
+    With nothing counted the mean is an explicit zero that still carries the graph.
+    """
+    total = per_item.sum()
+    if reduction == "sum":
+        return total
+    if reduction == "mean":
+        return total / count.clamp_min(1).to(total.dtype)
+    raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+
+
+def dynamic_mix(
+    ce: torch.Tensor, aux: torch.Tensor, lam: float, eps: float = 1e-12
+) -> torch.Tensor:
+    """CE + lam * sg(CE / aux) * aux: aux's gradient direction, a value share of lam * CE.
+
+    Source: NTIL official training code (GUIDE §1.2); the same device as EMO's Eq. 19.
+    Where ``aux`` is zero the scale is taken as 0 (nothing to add), never inf/NaN.
+    """
+    scale = torch.where(aux.detach() > eps, ce.detach() / aux.detach().clamp_min(eps), 0.0)
+    return ce + lam * scale * aux

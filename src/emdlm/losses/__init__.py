@@ -1,0 +1,1 @@
+"""nn.Module wrappers: presets, input checks, component logging. One objective per module."""

@@ -1,0 +1,42 @@
+"""Plain cross-entropy with the emdlm loss interface (the MLE / CE baseline)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from emdlm._output import LossOutput
+from emdlm.functional._common import IGNORE_INDEX, Reduction, check_logits_labels
+
+
+class CrossEntropyLoss(nn.Module):
+    """Token-level cross-entropy, CE_t = -log softmax(z_t)[y_t], computed in float32.
+
+    Args:
+        ignore_index: label value that is not scored (default -100).
+        reduction: "mean" over counted tokens, or "sum" (for integrations that divide by a
+            global token count, e.g. transformers' ``num_items_in_batch``).
+
+    Call: ``out = loss_fn(logits [B, T, V], labels [B, T])`` with labels aligned to the logits
+    (no shift inside). ``out.components``: "ce" (mean CE over counted tokens), "n_tokens".
+    """
+
+    def __init__(self, ignore_index: int = IGNORE_INDEX, reduction: Reduction = "mean") -> None:
+        super().__init__()
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> LossOutput:
+        check_logits_labels(logits, labels, self.ignore_index)
+        flat_logits = logits.reshape(-1, logits.shape[-1]).float()  # [N, V]
+        flat_labels = labels.reshape(-1).long()  # [N]
+        total = F.cross_entropy(
+            flat_logits, flat_labels, ignore_index=self.ignore_index, reduction="sum"
+        )
+        count = (flat_labels != self.ignore_index).sum()
+        mean = total / count.clamp_min(1)
+        loss = total if self.reduction == "sum" else mean
+        return LossOutput(loss=loss, components={"ce": mean.detach(), "n_tokens": count})
