@@ -1,0 +1,161 @@
+"""EMOLoss module and ``cost_embedding_from``: EMO (ICLR 2024, Eq. 14 and Eq. 19) as a loss.
+
+The formulas, their sources and the official codes' behaviour are documented in
+:mod:`emdlm.functional.emo` (the reference). This module stores the row-normalized cost
+embedding once and picks an implementation: the chunked fast path
+(:func:`emdlm.ops.emo_chunked.emo_loss_chunked`, tested equal to the reference) or the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from emdlm._output import LossOutput
+from emdlm.functional._common import IGNORE_INDEX, Reduction
+from emdlm.functional.emo import EMOMode, check_emo_options, emo_loss, normalize_cost_embedding
+
+Implementation = Literal["chunked", "reference"]
+
+
+def cost_embedding_from(model: nn.Module) -> torch.Tensor:
+    """A frozen float32 copy of a model's output embedding (its LM head weight) [V, d].
+
+    EMO's cost uses the *pre-trained* head (DRSY/EMO clones ``lm_head.weight`` before
+    training), so call this before fine-tuning: the copy does not follow later updates, even
+    when the head is tied to the input embedding.
+    """
+    getter = getattr(model, "get_output_embeddings", None)
+    if getter is None:
+        raise TypeError(
+            f"{type(model).__name__} has no get_output_embeddings(); pass the cost embedding "
+            "[V, d'] to EMOLoss directly"
+        )
+    head = getter()
+    weight = getattr(head, "weight", head)
+    if not isinstance(weight, torch.Tensor):
+        raise ValueError(
+            f"{type(model).__name__}.get_output_embeddings() returned {type(head).__name__}, "
+            "not a module with a weight tensor"
+        )
+    return weight.detach().to(torch.float32, copy=True)
+
+
+class EMOLoss(nn.Module):
+    """EMO mixed with MLE: per token 0.5·(CE + sg(CE/DEMD)·DEMD) by default (EMO Eq. 19).
+
+    DEMD_t = 1 - (Êᵀ q_t)·ê_{y_t}, with q_t = softmax(z_t) and Ê the row-normalized cost
+    embedding (EMO Eq. 14); the cost between tokens is 1 - cos(e_i, e_j).
+
+    Args:
+        cost_embedding: E [V, d'] (any width; e.g. ``cost_embedding_from(model)``). Normalized
+            once and kept as a non-persistent float32 buffer ``cost_embedding_normalized``.
+        mode: "emo1" (Eq. 19, DRSY/EMO), "emo2" (emoloss mode 2: DEMD + sg(DEMD/CE)·CE) or
+            "static" (CE + mu·DEMD).
+        mu: DEMD weight for "static".
+        ignore_index: label value that is not scored (default -100).
+        reduction: "mean" over counted tokens, or "sum" (for integrations that divide by a
+            global token count).
+        implementation: "chunked" (fast path, less memory) or "reference"; ``None`` picks
+            "chunked" when the logits require grad and "reference" otherwise.
+        chunk_size: positions per chunk for the chunked path.
+        max_ratio: cap on the emo1 ratio sg(CE/DEMD); 3.0 reproduces the ``emoloss`` package
+            (v0.0.3); ``None`` (default) is the paper / DRSY/EMO (no cap).
+
+    Call: ``out = loss_fn(logits [B, T, V], labels [B, T])`` with labels aligned to the logits
+    (no shift inside). ``out.components``: "ce", "demd" (means over counted tokens), "n_tokens".
+
+    Example:
+        >>> loss_fn = EMOLoss.from_model(model)
+        >>> logits = model(input_ids).logits
+        >>> out = loss_fn(logits[:, :-1], input_ids[:, 1:])
+        >>> out.loss.backward()
+
+    Shape notation: B batch, T time, V vocabulary, d' cost-embedding width.
+    """
+
+    cost_embedding_normalized: torch.Tensor
+
+    def __init__(
+        self,
+        cost_embedding: torch.Tensor,
+        mode: EMOMode = "emo1",
+        mu: float = 1.0,
+        ignore_index: int = IGNORE_INDEX,
+        reduction: Reduction = "mean",
+        implementation: Implementation | None = None,
+        chunk_size: int = 1024,
+        max_ratio: float | None = None,
+    ) -> None:
+        super().__init__()
+        check_emo_options(mode, mu, max_ratio)
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        if implementation not in (None, "chunked", "reference"):
+            raise ValueError(
+                f"implementation must be 'chunked', 'reference' or None, got {implementation!r}"
+            )
+        if not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        self.mode = mode
+        self.mu = mu
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.implementation = implementation
+        self.chunk_size = chunk_size
+        self.max_ratio = max_ratio
+        self.register_buffer(
+            "cost_embedding_normalized", normalize_cost_embedding(cost_embedding), persistent=False
+        )
+
+    @classmethod
+    def from_model(cls, model: nn.Module, **kwargs: Any) -> EMOLoss:
+        """Build the loss from a frozen copy of ``model``'s output embedding."""
+        return cls(cost_embedding_from(model), **kwargs)
+
+    def resolved_implementation(self, logits: torch.Tensor) -> Implementation:
+        """The implementation ``forward`` will use for these logits."""
+        if self.implementation is not None:
+            return self.implementation
+        if logits.requires_grad:
+            return "chunked"
+        return "reference"
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> LossOutput:
+        if self.resolved_implementation(logits) == "chunked":
+            # Lazy import: the fast path is optional at import time of emdlm.losses.
+            from emdlm.ops.emo_chunked import emo_loss_chunked
+
+            return emo_loss_chunked(
+                logits,
+                labels,
+                self.cost_embedding_normalized,
+                mode=self.mode,
+                mu=self.mu,
+                ignore_index=self.ignore_index,
+                reduction=self.reduction,
+                chunk_size=self.chunk_size,
+                max_ratio=self.max_ratio,
+            )
+        return emo_loss(
+            logits,
+            labels,
+            self.cost_embedding_normalized,
+            mode=self.mode,
+            mu=self.mu,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+            max_ratio=self.max_ratio,
+        )
+
+    def extra_repr(self) -> str:
+        vocab, width = self.cost_embedding_normalized.shape
+        return (
+            f"mode={self.mode!r}, mu={self.mu}, vocab={vocab}, width={width}, "
+            f"reduction={self.reduction!r}, implementation={self.implementation!r}"
+        )
+
+
+__all__ = ["EMOLoss", "cost_embedding_from"]
