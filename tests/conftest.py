@@ -1,0 +1,76 @@
+"""Shared session fixtures: the real tokenizers and their NumberVocabs (built once per session).
+
+The expensive tokenizers ("qwen", "llama3-like") are cached on disk under ``$EMDLM_CACHE``
+(default ``~/.cache/emdlm``), so only the first test session pays for building them (~15 s).
+
+Fixtures:
+    gpt2_tokenizer, qwen_tokenizer, llama3_tokenizer, char_tokenizer
+    gpt2_vocab, qwen_vocab (151936 rows, as Qwen2.5's logits), llama3_vocab, char_vocab
+    real_tokenizer: parametrized over REAL_TOKENIZERS, yields (name, tokenizer, vocab)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from emdlm.numbers import NumberVocab
+from emdlm.tokenizers import load_tokenizer
+
+REAL_TOKENIZERS = ("gpt2", "qwen", "llama3-like")
+QWEN25_LOGIT_ROWS = 151936
+
+
+@pytest.fixture(scope="session")
+def gpt2_tokenizer() -> Any:
+    return load_tokenizer("gpt2")
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer() -> Any:
+    return load_tokenizer("qwen")
+
+
+@pytest.fixture(scope="session")
+def llama3_tokenizer() -> Any:
+    return load_tokenizer("llama3-like")
+
+
+@pytest.fixture(scope="session")
+def char_tokenizer() -> Any:
+    return load_tokenizer("char")
+
+
+@pytest.fixture(scope="session")
+def gpt2_vocab(gpt2_tokenizer: Any) -> NumberVocab:
+    return NumberVocab.from_tokenizer(gpt2_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def qwen_vocab(qwen_tokenizer: Any) -> NumberVocab:
+    return NumberVocab.from_tokenizer(qwen_tokenizer, vocab_size=QWEN25_LOGIT_ROWS)
+
+
+@pytest.fixture(scope="session")
+def llama3_vocab(llama3_tokenizer: Any) -> NumberVocab:
+    return NumberVocab.from_tokenizer(llama3_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def char_vocab(char_tokenizer: Any) -> NumberVocab:
+    return NumberVocab.from_tokenizer(char_tokenizer)
+
+
+_FIXTURE_PREFIX = {"gpt2": "gpt2", "qwen": "qwen", "llama3-like": "llama3"}
+
+
+@pytest.fixture(scope="session", params=REAL_TOKENIZERS)
+def real_tokenizer(request: pytest.FixtureRequest) -> tuple[str, Any, NumberVocab]:
+    """(name, tokenizer, NumberVocab) for each real tokenizer in turn."""
+    prefix = _FIXTURE_PREFIX[request.param]
+    return (
+        request.param,
+        request.getfixturevalue(f"{prefix}_tokenizer"),
+        request.getfixturevalue(f"{prefix}_vocab"),
+    )

@@ -1,0 +1,464 @@
+"""NumberVocab construction and find_number_spans: hand-worked span tables on the real
+tokenizers, equality with a plain-Python scanner on random rows, properties and errors."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from emdlm.numbers import NumberSpans, NumberVocab, find_number_spans
+
+PAPER = {"join_decimal": True, "signed": True}
+OFFICIAL = {"digits_only": True}
+
+
+# ----------------------------------------------------------------------------- helpers
+def table(tokenizer: Any, vocab: NumberVocab, text: str, **preset: bool) -> list[tuple]:
+    """(value, token pieces, digits_right, place) for each number of ``text``."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    spans = find_number_spans(torch.tensor([ids]), vocab, **preset)
+    pieces = tokenizer.convert_ids_to_tokens([ids[i] for i in spans.flat_index.tolist()])
+    out = []
+    for n in range(spans.n_numbers):
+        sel = (spans.number_id == n).nonzero().flatten().tolist()
+        out.append(
+            (
+                spans.gold_value[n].item(),
+                [pieces[i] for i in sel],
+                spans.digits_right[sel].tolist(),
+                spans.place[sel].tolist(),
+            )
+        )
+    return out
+
+
+def values(rows: list[tuple]) -> list[float]:
+    return [r[0] for r in rows]
+
+
+def pieces(rows: list[tuple]) -> list[list[str]]:
+    return [r[1] for r in rows]
+
+
+BIG = "12345678901234567890"
+MIXED = f"x=3.015, y=-42, t=2_55, {BIG}"
+
+
+# ----------------------------------------------------------------------------- vocab
+def test_gpt2_vocab_classes(gpt2_vocab: NumberVocab) -> None:
+    v = gpt2_vocab
+    assert v.vocab_size == 50257
+    assert int(v.is_number.sum()) == 1691  # GUIDE §2
+    assert v.digit_ids.tolist() == list(range(15, 25))  # '0'..'9' are ids 15..24 in GPT-2
+    ids = v.is_number.nonzero().flatten()
+    # Every number token sits at its (class, column) and classes are sorted by value.
+    assert torch.equal(v.class_members[v.token_class[ids], v.position_in_class[ids]], ids)
+    vals = torch.where(v.class_mask, v.class_values, torch.inf)
+    assert bool((vals[:, 1:] >= vals[:, :-1]).all())
+    assert torch.equal(v.class_mask.sum(1), torch.bincount(v.token_class[ids]))
+    keys = list(zip(v.class_num_digits.tolist(), v.class_has_space.tolist(), strict=True))
+    assert keys == sorted(keys)
+    assert bool((v.class_num_digits[v.token_class[ids]] == v.num_digits[ids]).all())
+    assert bool((v.class_has_space[v.token_class[ids]] == v.has_space[ids]).all())
+    assert bool((v.class_members[~v.class_mask] == 0).all())
+    assert bool((v.class_values[~v.class_mask] == 0).all())
+    # Padding and non-number rows.
+    assert bool((v.token_class[~v.is_number] == -1).all())
+    assert bool((v.value[~v.is_number] == 0).all())
+
+
+def test_vocab_from_strings_details() -> None:
+    toks = [
+        "7",
+        "Ġ007",
+        "▁12",
+        "²",
+        "١",
+        "Ġ",
+        "",
+        None,
+        ".",
+        "Ġ.",
+        "▁.",
+        "..",
+        "-",
+        "Ġ-",
+        "=-",
+        "Ġ3",
+        "ĠĠ4",
+        "0",
+        "x-y",
+    ]
+    v = NumberVocab.from_token_strings(toks, vocab_size=25)
+    num = [toks[i] for i in v.is_number.nonzero().flatten().tolist()]
+    assert num == ["7", "Ġ007", "▁12", "Ġ3", "0"]  # not '²', '١', 'ĠĠ4' (one marker only)
+    assert v.value[1].item() == 7.0 and v.num_digits[1].item() == 3
+    assert v.digit_ids.tolist() == [17, -1, -1, -1, -1, -1, -1, 0, -1, -1]
+    assert v.is_decimal_point.nonzero().flatten().tolist() == [8, 9, 10]
+    assert v.is_minus.nonzero().flatten().tolist() == [12, 13, 14]
+    assert v.has_space.nonzero().flatten().tolist() == [1, 2, 5, 9, 10, 13, 15, 16]
+    # Classes: (1, no space) = {'0','7'}, (1, space) = {'Ġ3'}, (2, space) = {'▁12'},
+    # (3, space) = {'Ġ007'}; rows past len(toks) are not numbers.
+    assert v.class_num_digits.tolist() == [1, 1, 2, 3]
+    assert v.class_has_space.tolist() == [False, True, True, True]
+    assert v.class_members.tolist() == [[17, 0], [15, 0], [2, 0], [1, 0]]
+    assert v.class_mask.tolist() == [[True, True], [True, False], [True, False], [True, False]]
+    assert v.class_values.tolist() == [[0.0, 7.0], [3.0, 0.0], [12.0, 0.0], [7.0, 0.0]]
+    assert v.position_in_class[[0, 17, 15]].tolist() == [1, 0, 0]
+    assert not bool(v.is_number[len(toks) :].any())
+
+
+def test_vocab_errors(gpt2_tokenizer: Any) -> None:
+    with pytest.raises(ValueError, match="no digit tokens"):
+        NumberVocab.from_token_strings(["a", "Ġb", "²", None])
+    with pytest.raises(ValueError, match=r"vocab_size=50000 .* 50257"):
+        NumberVocab.from_tokenizer(gpt2_tokenizer, vocab_size=50000)
+
+
+def test_qwen_vocab(qwen_tokenizer: Any, qwen_vocab: NumberVocab) -> None:
+    assert len(qwen_tokenizer) == 151665
+    assert qwen_vocab.vocab_size == 151936 and qwen_vocab.is_number.shape == (151936,)
+    assert not bool(qwen_vocab.is_number[151665:].any())
+    assert qwen_vocab.digit_ids.tolist() == qwen_tokenizer.convert_tokens_to_ids(list("0123456789"))
+
+
+def test_vocab_to_device(gpt2_vocab: NumberVocab) -> None:
+    assert gpt2_vocab.to("cpu") is gpt2_vocab
+    meta = gpt2_vocab.to("meta")
+    assert meta.class_members.device.type == "meta" and meta.vocab_size == 50257
+    assert gpt2_vocab.to("meta") is meta  # cached copy
+    assert gpt2_vocab.is_number.device.type == "cpu"  # original untouched
+
+
+def test_vocab_cached_per_tokenizer(char_tokenizer: Any) -> None:
+    assert NumberVocab.from_tokenizer(char_tokenizer) is NumberVocab.from_tokenizer(char_tokenizer)
+    assert NumberVocab.from_tokenizer(char_tokenizer, 128).vocab_size == 128
+
+
+# ----------------------------------------------------------------------------- real tables
+def test_gpt2_tables(gpt2_tokenizer: Any, gpt2_vocab: NumberVocab) -> None:
+    tok, v = gpt2_tokenizer, gpt2_vocab
+    got = table(tok, v, MIXED, **PAPER)
+    big_pieces = ["Ġ123", "45", "67", "89", "01", "23", "45", "678", "90"]
+    assert got[0] == (3.015, ["3", "015"], [3, 2], [0, -3])
+    assert got[1] == (-42.0, ["42"], [1], [0])  # '=-' signs it
+    assert got[2:4] == [(2.0, ["2"], [0], [0]), (55.0, ["55"], [1], [0])]
+    assert got[4][1:] == (
+        big_pieces,
+        [19, 16, 14, 12, 10, 8, 6, 4, 1],
+        [17, 15, 13, 11, 9, 7, 5, 2, 0],
+    )
+    assert got[4][0] == pytest.approx(float(BIG), rel=1e-15)
+    assert len(got) == 5
+    # Official: only '0'..'9' tokens count; '015', '42', '55' and the Ġ/multi-digit pieces don't.
+    assert table(tok, v, MIXED, **OFFICIAL) == [(3.0, ["3"], [0], [0]), (2.0, ["2"], [0], [0])]
+    assert table(tok, v, "12345", **PAPER) == [(12345.0, ["123", "45"], [4, 1], [2, 0])]
+    assert table(tok, v, "123 45", **PAPER) == [
+        (123.0, ["123"], [2], [0]),
+        (45.0, ["Ġ45"], [1], [0]),
+    ]
+    assert values(table(tok, v, "7 8 9", **PAPER)) == [7.0, 8.0, 9.0]
+    assert pieces(table(tok, v, "7 8 9", **OFFICIAL)) == [["7"]]
+    assert values(table(tok, v, "5 - 3", **PAPER)) == [5.0, 3.0]
+    assert values(table(tok, v, "3-5", **PAPER)) == [3.0, 5.0]
+    assert values(table(tok, v, "3-5", **OFFICIAL)) == [3.0, 5.0]
+    assert values(table(tok, v, "a -5 and (-7)", **PAPER)) == [-5.0, -7.0]
+    assert values(table(tok, v, "1.2.3", **PAPER)) == [1.2, 3.0]
+
+
+def test_qwen_tables(qwen_tokenizer: Any, qwen_vocab: NumberVocab) -> None:
+    tok, v = qwen_tokenizer, qwen_vocab
+    got = table(tok, v, MIXED, **PAPER)
+    assert got[0] == (3.015, ["3", "0", "1", "5"], [3, 2, 1, 0], [0, -1, -2, -3])
+    assert got[1] == (-42.0, ["4", "2"], [1, 0], [1, 0])
+    assert got[2:4] == [(2.0, ["2"], [0], [0]), (55.0, ["5", "5"], [1, 0], [1, 0])]
+    assert got[4][1:] == (list(BIG), list(range(19, -1, -1)), list(range(19, -1, -1)))
+    assert got[4][0] == pytest.approx(float(BIG), rel=1e-15)
+    assert len(got) == 5
+    off = table(tok, v, MIXED, **OFFICIAL)
+    assert values(off)[:4] == [3.0, 15.0, 42.0, 2.0]  # "3.015" -> 3 and 15; no sign
+    assert off[1] == (15.0, ["0", "1", "5"], [2, 1, 0], [2, 1, 0])
+    assert values(off)[4] == 55.0 and len(off) == 6
+    for preset in (PAPER, OFFICIAL):
+        assert values(table(tok, v, "123 45", **preset)) == [123.0, 45.0]
+        assert values(table(tok, v, "7 8 9", **preset)) == [7.0, 8.0, 9.0]
+        assert values(table(tok, v, "5 - 3", **preset)) == [5.0, 3.0]
+        assert values(table(tok, v, "3-5", **preset)) == [3.0, 5.0]
+
+
+def test_llama3_tables(llama3_tokenizer: Any, llama3_vocab: NumberVocab) -> None:
+    tok, v = llama3_tokenizer, llama3_vocab
+    got = table(tok, v, MIXED, **PAPER)
+    assert got[0] == (3.015, ["3", "015"], [3, 2], [0, -3])
+    assert got[1] == (-42.0, ["42"], [1], [0])  # '=', '-', '42'
+    assert got[2:4] == [(2.0, ["2"], [0], [0]), (55.0, ["55"], [1], [0])]
+    big = ["123", "456", "789", "012", "345", "678", "90"]
+    assert got[4][1:] == (big, [19, 16, 13, 10, 7, 4, 1], [17, 14, 11, 8, 5, 2, 0])
+    assert len(got) == 5
+    assert table(tok, v, MIXED, **OFFICIAL) == [(3.0, ["3"], [0], [0]), (2.0, ["2"], [0], [0])]
+    assert values(table(tok, v, "123 45", **PAPER)) == [123.0, 45.0]
+    assert values(table(tok, v, "7 8 9", **PAPER)) == [7.0, 8.0, 9.0]
+    assert values(table(tok, v, "7 8 9", **OFFICIAL)) == [7.0, 8.0, 9.0]
+    assert values(table(tok, v, "5 - 3", **PAPER)) == [5.0, 3.0]
+    assert values(table(tok, v, "3-5", **PAPER)) == [3.0, 5.0]
+
+
+def test_thirty_digit_number_is_finite(real_tokenizer: tuple) -> None:
+    _, tok, v = real_tokenizer
+    text = "n=" + "9" * 30 + ".5"
+    (row,) = table(tok, v, text, **PAPER)
+    assert row[0] == pytest.approx(1e30, rel=1e-12)
+    assert row[2][0] == 30 and row[3][-1] == -1  # leading digit weight exponent; last place
+
+
+# ----------------------------------------------------------------------------- reference
+SYN_TOKENS = [
+    "0",
+    "1",
+    "2",
+    "3",
+    "9",
+    "12",
+    "345",
+    "007",
+    "Ġ5",
+    "Ġ42",
+    "▁7",
+    ".",
+    "Ġ.",
+    "-",
+    "Ġ-",
+    "=-",
+    "x",
+    "Ġy",
+    "²",
+    None,
+]
+SYN_VOCAB = NumberVocab.from_token_strings(SYN_TOKENS, vocab_size=len(SYN_TOKENS) + 3)
+
+
+def _is_num(text: str | None, digits_only: bool) -> bool:
+    if not text:
+        return False
+    if digits_only:
+        return len(text) == 1 and text in "0123456789"
+    rest = text[1:] if text[0] in "Ġ▁" else text
+    return rest.isascii() and rest.isdigit()
+
+
+def reference_spans(rows: list[list[int]], join: bool, signed: bool, digits_only: bool) -> dict:
+    """Left-to-right scanner over each row; numbers as lists of (row, col, digit text, frac)."""
+    T = max((len(r) for r in rows), default=0)
+    numbers: list[dict] = []
+    for b, row in enumerate(rows):
+        texts = [
+            None if lab == -100 else SYN_TOKENS[lab] if lab < len(SYN_TOKENS) else None
+            for lab in row
+        ]
+        cur: dict | None = None
+        last_num_col = -2  # column of the previous token if it was in `cur`
+        dot_col = -2  # column of a '.' that may join the next run to `cur`
+        for t, text in enumerate(texts):
+            if _is_num(text, digits_only):
+                marked = text[0] in "Ġ▁"
+                digits = text[1:] if marked else text
+                if cur is not None and last_num_col == t - 1 and not marked:
+                    cur["tokens"].append((b, t, digits, cur["has_dot"]))
+                elif cur is not None and dot_col == t - 1 and not marked:
+                    cur["has_dot"] = True
+                    cur["tokens"].append((b, t, digits, True))
+                else:
+                    neg = (
+                        signed
+                        and not marked
+                        and t >= 1
+                        and (texts[t - 1] or "").endswith("-")
+                        and not (t >= 2 and _is_num(texts[t - 2], False))
+                    )
+                    cur = {
+                        "row": b,
+                        "tokens": [(b, t, digits, False)],
+                        "neg": neg,
+                        "has_dot": False,
+                    }
+                    numbers.append(cur)
+                last_num_col = t
+            else:
+                if join and text == "." and cur is not None and last_num_col == t - 1:
+                    dot_col = t if not cur["has_dot"] else -2
+                else:
+                    dot_col = -2
+                if dot_col != t:
+                    cur = None
+    out: dict[str, list] = {k: [] for k in ("flat", "nid", "nd", "dr", "place")}
+    out.update(row=[], value=[], ntok=[], sign=[])
+    for n, num in enumerate(numbers):
+        int_str = "".join(d for _, _, d, f in num["tokens"] if not f)
+        frac_str = "".join(d for _, _, d, f in num["tokens"] if f)
+        total = len(int_str) + len(frac_str)
+        seen = 0
+        for b, t, d, _ in num["tokens"]:
+            seen += len(d)
+            out["flat"].append(b * T + t)
+            out["nid"].append(n)
+            out["nd"].append(len(d))
+            out["dr"].append(total - seen + len(d) - 1)
+            out["place"].append(len(int_str) - seen)
+        mag = Fraction(int(int_str + frac_str), 10 ** len(frac_str))
+        out["row"].append(num["row"])
+        out["sign"].append(-1.0 if num["neg"] else 1.0)
+        out["value"].append(float(-mag if num["neg"] else mag))
+        out["ntok"].append(len(num["tokens"]))
+    return out
+
+
+def check_against_reference(rows: list[list[int]], spans: NumberSpans, **preset: bool) -> None:
+    ref = reference_spans(
+        rows,
+        preset.get("join_decimal", False),
+        preset.get("signed", False),
+        preset.get("digits_only", False),
+    )
+    assert spans.flat_index.tolist() == ref["flat"]
+    assert spans.number_id.tolist() == ref["nid"]
+    assert spans.num_digits.tolist() == ref["nd"]
+    assert spans.digits_right.tolist() == ref["dr"]
+    assert spans.place.tolist() == ref["place"]
+    assert spans.number_row.tolist() == ref["row"]
+    assert spans.num_tokens.tolist() == ref["ntok"]
+    assert spans.sign.tolist() == ref["sign"]
+    assert spans.gold_value.tolist() == pytest.approx(ref["value"], rel=1e-14)
+    labels = torch.tensor(rows)
+    gold = labels.view(-1)[spans.flat_index]
+    assert torch.equal(spans.token_class, SYN_VOCAB.token_class[gold])
+    assert torch.equal(spans.gold_column, SYN_VOCAB.position_in_class[gold])
+    for dt in (spans.flat_index, spans.number_id, spans.place, spans.num_tokens):
+        assert dt.dtype == torch.long
+    assert spans.gold_value.dtype == torch.float64 and spans.sign.dtype == torch.float64
+
+
+label_st = st.one_of(st.integers(0, SYN_VOCAB.vocab_size - 1), st.just(-100))
+# Weight the interesting tokens: digits, '.', '-'.
+label_st = st.one_of(label_st, st.sampled_from([0, 1, 2, 3, 4, 11, 13, 5, 8]))
+batch_st = st.integers(1, 14).flatmap(
+    lambda T: st.lists(st.lists(label_st, min_size=T, max_size=T), min_size=1, max_size=4)
+)
+presets = st.sampled_from(
+    [PAPER, OFFICIAL, {}, {"join_decimal": True}, {"signed": True}, {**PAPER, **OFFICIAL}]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=batch_st, preset=presets)
+def test_matches_reference(rows: list[list[int]], preset: dict) -> None:
+    spans = find_number_spans(torch.tensor(rows), SYN_VOCAB, **preset)
+    check_against_reference(rows, spans, **preset)
+
+
+@settings(max_examples=100, deadline=None)
+@given(rows=batch_st, preset=presets, pad=st.integers(1, 5), data=st.data())
+def test_padding_and_row_permutation(rows: list[list[int]], preset: dict, pad: int, data) -> None:
+    labels = torch.tensor(rows)
+    B, T = labels.shape
+    base = find_number_spans(labels, SYN_VOCAB, **preset)
+    padded = find_number_spans(
+        torch.cat([labels, torch.full((B, pad), -100)], 1), SYN_VOCAB, **preset
+    )
+    # Right padding: same numbers at the same (row, column).
+    assert torch.equal(base.flat_index // T, padded.flat_index // (T + pad))
+    assert torch.equal(base.flat_index % T, padded.flat_index % (T + pad))
+    for name in (
+        "number_id",
+        "place",
+        "digits_right",
+        "token_class",
+        "number_row",
+        "gold_value",
+        "sign",
+        "num_tokens",
+    ):
+        assert torch.equal(getattr(base, name), getattr(padded, name)), name
+    # Row permutation: the per-number results are permuted (numbers never span rows).
+    perm = data.draw(st.permutations(list(range(B))))
+    moved = find_number_spans(labels[perm], SYN_VOCAB, **preset)
+    inv = {new: old for new, old in enumerate(perm)}
+
+    def per_row(s: NumberSpans, row_map: dict[int, int]) -> list[tuple]:
+        return sorted(
+            (row_map[r], v, n)
+            for r, v, n in zip(
+                s.number_row.tolist(), s.gold_value.tolist(), s.num_tokens.tolist(), strict=True
+            )
+        )
+
+    assert per_row(moved, inv) == per_row(base, {b: b for b in range(B)})
+    # Numbers are contiguous in flat order and never cross a row.
+    rows_of_tokens = base.flat_index // T
+    assert torch.equal(rows_of_tokens, base.number_row[base.number_id])
+
+
+def test_decimal_and_sign_rules() -> None:
+    ids = {t: i for i, t in enumerate(SYN_TOKENS) if t is not None}
+
+    def run(seq: list[str], **preset: bool) -> list[float]:
+        lab = torch.tensor([[ids[t] if t != "PAD" else -100 for t in seq]])
+        return find_number_spans(lab, SYN_VOCAB, **preset).gold_value.tolist()
+
+    assert run(["1", ".", "2", ".", "3"], **PAPER) == [1.2, 3.0]
+    assert run(["1", ".", "2", ".", "3", ".", "9"], **PAPER) == [1.2, 3.9]
+    assert run(["3", "Ġ.", "1"], **PAPER) == [3.0, 1.0]  # marked '.' never joins
+    assert run(["3", ".", "Ġ5"], **PAPER) == [3.0, 5.0]  # marked fraction never joins
+    assert run(["3", ".", "PAD", "1"], **PAPER) == [3.0, 1.0]
+    assert run(["-", "3", ".", "1"], **PAPER) == [-3.1]
+    assert run(["-", "Ġ5"], **PAPER) == [5.0]  # "- 5": the marked number is not signed
+    assert run(["2", "-", "3"], **PAPER) == [2.0, 3.0]  # subtraction
+    assert run(["12", "Ġ-", "3"], **PAPER) == [12.0, 3.0]  # after any number token
+    assert run(["12", "Ġ-", "3"], signed=True, digits_only=True) == [3.0]  # '12' not scored
+    assert run(["x", "=-", "007"], **PAPER) == [-7.0]
+    assert run(["-", "PAD", "3"], **PAPER) == [3.0]
+    assert run(["3", ".", "1"], **OFFICIAL) == [3.0, 1.0]
+    assert run(["3", ".", "1"], **PAPER, digits_only=True) == [3.1]
+
+
+def test_empty_and_edge_inputs() -> None:
+    for lab in (
+        torch.full((3, 5), -100),
+        torch.zeros((2, 0), dtype=torch.long),
+        torch.tensor([[16, 17, 11]]),
+    ):
+        s = find_number_spans(lab, SYN_VOCAB, **PAPER)
+        assert s.n_tokens == 0 and s.n_numbers == 0
+        assert s.gold_value.dtype == torch.float64 and s.flat_index.dtype == torch.long
+    one_d = find_number_spans(torch.tensor([1, 2, 16, 3]), SYN_VOCAB)
+    assert one_d.gold_value.tolist() == [12.0, 3.0] and one_d.number_row.tolist() == [0, 0]
+    int32 = find_number_spans(torch.tensor([[1, 2, 16, 3]], dtype=torch.int32), SYN_VOCAB)
+    assert int32.flat_index.tolist() == [0, 1, 3]
+
+
+def test_label_errors() -> None:
+    with pytest.raises(ValueError, match=r"out of range .* \[23\]"):
+        find_number_spans(torch.tensor([[1, 23]]), SYN_VOCAB)
+    with pytest.raises(ValueError, match=r"out of range .* \[-5\]"):
+        find_number_spans(torch.tensor([[-5, 1]]), SYN_VOCAB)
+    with pytest.raises(ValueError, match="shape"):
+        find_number_spans(torch.zeros((2, 3, 4), dtype=torch.long), SYN_VOCAB)
+    with pytest.raises(TypeError, match="integer"):
+        find_number_spans(torch.zeros((2, 3)), SYN_VOCAB)
+    # A custom ignore_index is honoured; -100 then counts as a label (and is out of range).
+    s = find_number_spans(torch.tensor([[1, -1, 2]]), SYN_VOCAB, ignore_index=-1)
+    assert s.gold_value.tolist() == [1.0, 2.0]
+
+
+def test_huge_numbers_stay_finite() -> None:
+    # '1' then 399 '0' tokens (0 * 10**400 must not become NaN), and 400 nines with a fraction.
+    ones = [1] + [0] * 399
+    nines = [4] * 400 + [11] + [4] * 400
+    s = find_number_spans(torch.tensor([[*ones, 16, *nines]]), SYN_VOCAB, **PAPER)
+    assert s.n_numbers == 2 and bool(torch.isfinite(s.gold_value).all())
+    assert bool((s.gold_value > 1e300).all())
+    assert s.digits_right[0].item() == 399 and s.place[-1].item() == -400
