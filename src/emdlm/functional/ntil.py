@@ -1,0 +1,360 @@
+"""NTIL (Numerical Token Integrity Loss) and the digit-EMD baseline: the reference implementation.
+
+Source: NTIL paper (Fei et al., ACL 2025) Eq. 1–4, Appendix A, C, D.3; official code xfey/NTIL
+(ntil.py, emd.py) as described in GUIDE §1.3.
+
+    NTIL = emd_weight · (W·EMD) + α · relative + β · magnitude                      (Eq. 4)
+    total = CE + λ · sg(CE / NTIL) · NTIL      (mix="dynamic", the official code)
+    total = CE + λ · NTIL                      (mix="static")
+
+CE is the mean token cross-entropy over every counted (non-ignored) label of the batch, as the
+model's own loss in the official training code. Averaging of the NTIL terms (``averaging``):
+
+* ``"batch"`` (paper preset): W·EMD averaged over all number tokens of the batch, relative and
+  magnitude over all numbers of the batch.
+* ``"row"`` (official): each term averaged within a batch row (over its number tokens / numbers;
+  0 for a row without any), then over all B rows, rows without numbers included.
+
+All NTIL math runs on the small [M, K] tensor of the class-candidate logits of the M number
+positions (float64), gathered once: :func:`ntil_terms` is shared by this reference and by the
+fused fast path :mod:`emdlm.ops.ntil_fused`. With no number in the batch, every NTIL term is an
+explicit 0 and the loss equals CE.
+
+``reduction="sum"`` returns n · (the mean-reduced total), n = number of counted labels: the CE
+part is the exact CE sum, the NTIL part is its mean-based mix multiplied by n, so dividing by a
+global token count (transformers' ``num_items_in_batch``) gives each micro-batch's mean loss
+weighted by its share of tokens. Gradient accumulation is then exact for CE; for the NTIL part
+the ratio sg(CE/NTIL) and the NTIL means are per micro-batch (the closest the non-linear ratio
+allows without a second pass).
+
+Shape notation: B batch rows, T time, V vocabulary rows, N = B·T, M number tokens, K candidates
+per token, S numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from emdlm.functional._common import IGNORE_INDEX, Reduction, check_logits_labels
+from emdlm.functional.digit_emd import weighted_digit_emd
+from emdlm.functional.number_value import (
+    Smoothing,
+    ValueMode,
+    gumbel_noise,
+    magnitude_deviation,
+    number_units,
+    number_values,
+    relative_deviation,
+    token_values,
+)
+from emdlm.numbers import NumberSpans, NumberVocab
+
+Mix = Literal["dynamic", "static"]
+Averaging = Literal["batch", "row"]
+
+#: Denominator guard of the dynamic mix, as emdlm.functional._common.dynamic_mix.
+MIX_EPS = 1e-12
+
+
+@dataclass(frozen=True)
+class NTILSettings:
+    """Every knob of NTIL / digit EMD (the modules resolve presets into one of these).
+
+    Attributes:
+        lam: λ, weight of NTIL in the mix with CE (0.3).
+        alpha: α, weight of the relative deviation (0.2).
+        beta: β, weight of the magnitude deviation (0.2).
+        sigma: σ, position weight W = (1+σ)^digits_right (0.2; 0 for the EMD baseline).
+        emd_weight: weight of the W·EMD term (official ``digit_alpha``, 1.0).
+        mix: "dynamic" (CE + λ·sg(CE/NTIL)·NTIL) or "static" (CE + λ·NTIL).
+        value_mode: "gumbel", "argmax" or "expected" (see emdlm.functional.number_value).
+        tau: Gumbel-softmax temperature (0.1).
+        noise_scale: Gumbel noise multiplier (0.01).
+        averaging: "batch" (paper) or "row" (official).
+        smoothing: "paper" or "official" deviations (emdlm.functional.number_value).
+        sequence_terms: compute relative / magnitude (False for the plain EMD baseline).
+        reduction: "mean" or "sum" (module docstring).
+        ignore_index: label value that is not scored.
+        mix_eps: added to NTIL in the dynamic ratio (0: guarded CE/NTIL; official: 1e-10).
+    """
+
+    lam: float = 0.3
+    alpha: float = 0.2
+    beta: float = 0.2
+    sigma: float = 0.2
+    emd_weight: float = 1.0
+    mix: Mix = "dynamic"
+    value_mode: ValueMode = "gumbel"
+    tau: float = 0.1
+    noise_scale: float = 0.01
+    averaging: Averaging = "batch"
+    smoothing: Smoothing = "paper"
+    sequence_terms: bool = True
+    reduction: Reduction = "mean"
+    ignore_index: int = IGNORE_INDEX
+    mix_eps: float = 0.0
+
+    def __post_init__(self) -> None:
+        choices = {
+            "mix": ("dynamic", "static"),
+            "value_mode": ("gumbel", "argmax", "expected"),
+            "averaging": ("batch", "row"),
+            "smoothing": ("paper", "official"),
+            "reduction": ("mean", "sum"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.tau <= 0:
+            raise ValueError(f"tau must be > 0, got {self.tau}")
+
+
+@dataclass(frozen=True)
+class ClassCandidates:
+    """Candidates of each number token's gold class, trimmed to the widest class present.
+
+    Attributes:
+        ids: [M, K] long vocab ids (padding 0).
+        mask: [M, K] bool real members.
+        values: [M, K] float64 member values.
+    """
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclass(frozen=True)
+class NTILTerms:
+    """The NTIL terms of one batch (0-d float64 tensors carrying the graph to the logits).
+
+    Attributes:
+        emd: averaged W·EMD (before emd_weight).
+        relative: averaged relative deviation (0 when not computed).
+        magnitude: averaged magnitude deviation (0 when not computed).
+        ntil: emd_weight·emd + α·relative + β·magnitude.
+    """
+
+    emd: torch.Tensor
+    relative: torch.Tensor
+    magnitude: torch.Tensor
+    ntil: torch.Tensor
+
+
+def class_candidates(vocab: NumberVocab, spans: NumberSpans) -> ClassCandidates:
+    """Gather the class rows of the M gold tokens, trimmed to the widest class present.
+
+    One host sync (the trim width) per batch; none when M == 0.
+    """
+    members = vocab.class_members[spans.token_class]  # [M, K_all]
+    mask = vocab.class_mask[spans.token_class]  # [M, K_all]
+    values = vocab.class_values[spans.token_class]  # [M, K_all]
+    if spans.n_tokens > 0:
+        width = int(mask.sum(dim=1).max())  # real members are left-aligned (sorted by value)
+        members, mask, values = members[:, :width], mask[:, :width], values[:, :width]
+    return ClassCandidates(ids=members, mask=mask, values=values)
+
+
+def _row_mean(per_item: torch.Tensor, item_row: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """Mean within each row (0 for an empty row), then mean over all ``n_rows`` rows."""
+    sums = torch.zeros(n_rows, dtype=per_item.dtype, device=per_item.device)
+    sums = sums.index_add(0, item_row, per_item)  # [R]
+    counts = torch.zeros(n_rows, dtype=per_item.dtype, device=per_item.device)
+    counts = counts.index_add(0, item_row, torch.ones_like(per_item))  # [R]
+    return (sums / counts.clamp_min(1)).sum() / max(n_rows, 1)
+
+
+def _average(
+    per_item: torch.Tensor, item_row: torch.Tensor, n_rows: int, averaging: Averaging
+) -> torch.Tensor:
+    if averaging == "row":
+        return _row_mean(per_item, item_row, n_rows)
+    return per_item.sum() / max(per_item.numel(), 1)
+
+
+def ntil_terms(
+    class_logits: torch.Tensor,
+    candidates: ClassCandidates,
+    spans: NumberSpans,
+    n_rows: int,
+    settings: NTILSettings,
+    noise: torch.Tensor | None = None,
+) -> NTILTerms:
+    """NTIL terms from the [M, K] class-candidate logits (shared by reference and fused path).
+
+    Args:
+        class_logits: [M, K] logits of the candidates (cast to float64 here).
+        candidates: the matching :class:`ClassCandidates`.
+        spans: the batch's :class:`emdlm.numbers.NumberSpans`.
+        n_rows: B, the number of batch rows (for ``averaging="row"``).
+        settings: the knobs.
+        noise: [M, K] standard Gumbel samples for ``value_mode="gumbel"``.
+
+    Returns:
+        :class:`NTILTerms`; every term is an explicit 0 when M == 0.
+    """
+    z = class_logits.double()  # [M, K]
+    token_row = spans.number_row[spans.number_id]  # [M]
+    wemd = weighted_digit_emd(
+        z,
+        candidates.mask,
+        candidates.values,
+        spans.gold_column,
+        spans.num_digits,
+        spans.digits_right,
+        settings.sigma,
+    )  # [M]
+    emd = _average(wemd, token_row, n_rows, settings.averaging)
+    zero = z.sum() * 0.0  # a 0 that keeps the graph (and the dtype/device)
+    relative, magnitude = zero, zero
+    if settings.sequence_terms and spans.n_numbers > 0:
+        t = token_values(
+            z,
+            candidates.mask,
+            candidates.values,
+            settings.value_mode,
+            tau=settings.tau,
+            noise=noise,
+            noise_scale=settings.noise_scale,
+        )  # [M]
+        x = number_values(t, spans.place, spans.number_id, spans.sign)  # [S], built once
+        y = spans.gold_value.double()  # [S]
+        rel = relative_deviation(x, y, settings.smoothing)  # [S]
+        if settings.smoothing == "paper":
+            unit = number_units(spans.place, spans.number_id, spans.n_numbers)  # [S]
+        else:
+            unit = 1.0
+        mag = magnitude_deviation(x, y, unit)  # [S]
+        relative = _average(rel, spans.number_row, n_rows, settings.averaging)
+        magnitude = _average(mag, spans.number_row, n_rows, settings.averaging)
+    ntil = settings.emd_weight * emd + settings.alpha * relative + settings.beta * magnitude
+    return NTILTerms(emd=emd, relative=relative, magnitude=magnitude, ntil=ntil)
+
+
+def mix_coefficient(
+    ce_mean: torch.Tensor, ntil: torch.Tensor, settings: NTILSettings
+) -> torch.Tensor:
+    """The detached factor c with total = CE + c·NTIL, 0-d float64.
+
+    static: λ. dynamic: λ·sg(CE/NTIL), 0 where NTIL ≤ 1e-12 (as
+    emdlm.functional._common.dynamic_mix); with ``settings.mix_eps > 0`` (official preset: 1e-10)
+    λ·sg(CE/(NTIL + mix_eps)) as xfey/NTIL, still 0 where NTIL is exactly 0.
+    """
+    ce_d, ntil_d = ce_mean.detach().double(), ntil.detach().double()
+    if settings.mix == "static":
+        return torch.full_like(ntil_d, settings.lam)
+    if settings.mix_eps > 0:  # official: sg(CE / (NTIL + 1e-10)), and 0 when NTIL is 0
+        ratio = torch.where(ntil_d > 0, ce_d / (ntil_d + settings.mix_eps), 0.0)
+    else:
+        ratio = torch.where(ntil_d > MIX_EPS, ce_d / ntil_d.clamp_min(MIX_EPS), 0.0)
+    return settings.lam * ratio
+
+
+def resolve_spans(
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    *,
+    join_decimal: bool,
+    signed: bool,
+    digits_only: bool,
+    ignore_index: int = IGNORE_INDEX,
+) -> NumberSpans:
+    """Find the number spans of labels viewed as [B, T] (1-D labels are one row)."""
+    from emdlm.numbers import find_number_spans  # provided by emdlm.numbers
+
+    rows = labels.reshape(-1, labels.shape[-1]) if labels.dim() > 1 else labels.reshape(1, -1)
+    return find_number_spans(
+        rows.long(),
+        vocab,
+        join_decimal=join_decimal,
+        signed=signed,
+        digits_only=digits_only,
+        ignore_index=ignore_index,
+    )
+
+
+def sample_noise(
+    candidates: ClassCandidates, settings: NTILSettings, generator: torch.Generator | None
+) -> torch.Tensor | None:
+    """[M, K] float64 standard Gumbel noise when value_mode is "gumbel" (else None)."""
+    if settings.value_mode != "gumbel" or not settings.sequence_terms:
+        return None
+    return gumbel_noise(
+        tuple(candidates.ids.shape), device=candidates.ids.device, generator=generator
+    )
+
+
+def ntil_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    spans: NumberSpans,
+    settings: NTILSettings,
+    *,
+    noise: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Reference CE + NTIL with plain autograd (the oracle of :mod:`emdlm.ops.ntil_fused`).
+
+    Args:
+        logits: [..., T, V] any float dtype (CE in float32, or float64 for float64 logits;
+            NTIL in float64).
+        labels: [..., T] integer, aligned with the logits (no shift), ``ignore_index`` skipped.
+        vocab: the vocabulary's :class:`NumberVocab` (on the logits' device, V rows).
+        spans: :class:`NumberSpans` of ``labels`` viewed as [B, T].
+        settings: the knobs.
+        noise: [M, K] standard Gumbel noise (value_mode "gumbel"); drawn with ``generator``
+            when None.
+
+    Returns:
+        (loss, components): the 0-d loss (float32; float64 for float64 logits) and detached
+        components "ce", "emd", "relative", "magnitude", "ntil", "mix_coef", "n_numbers",
+        "n_digit_tokens", "n_tokens".
+    """
+    check_logits_labels(logits, labels, settings.ignore_index)
+    vocab_rows = logits.shape[-1]
+    flat = logits.reshape(-1, vocab_rows)  # [N, V]
+    flat_labels = labels.reshape(-1).long()  # [N]
+    n_rows = flat_labels.numel() // max(labels.shape[-1], 1) if labels.dim() > 1 else 1
+    compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    ce_sum = F.cross_entropy(
+        flat.to(compute), flat_labels, ignore_index=settings.ignore_index, reduction="sum"
+    )
+    count = (flat_labels != settings.ignore_index).sum()
+    ce_mean = ce_sum / count.clamp_min(1)
+    candidates = class_candidates(vocab, spans)
+    if noise is None:
+        noise = sample_noise(candidates, settings, generator)
+    class_logits = flat[spans.flat_index.unsqueeze(1), candidates.ids]  # [M, K]
+    terms = ntil_terms(class_logits, candidates, spans, n_rows, settings, noise)
+    coef = mix_coefficient(ce_mean, terms.ntil, settings)
+    mixed = (coef * terms.ntil).to(compute)
+    if settings.reduction == "sum":
+        loss = ce_sum + count.to(mixed.dtype) * mixed
+    else:
+        loss = ce_mean + mixed
+    return loss, _components(ce_mean, terms, coef, spans, count)
+
+
+def _components(
+    ce_mean: torch.Tensor,
+    terms: NTILTerms,
+    coef: torch.Tensor,
+    spans: NumberSpans,
+    count: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    return {
+        "ce": ce_mean.detach(),
+        "emd": terms.emd.detach(),
+        "relative": terms.relative.detach(),
+        "magnitude": terms.magnitude.detach(),
+        "ntil": terms.ntil.detach(),
+        "mix_coef": coef.detach(),
+        "n_numbers": torch.tensor(spans.n_numbers),
+        "n_digit_tokens": torch.tensor(spans.n_tokens),
+        "n_tokens": count.detach(),
+    }

@@ -1,0 +1,164 @@
+"""Sequence-level terms of NTIL: the predicted value X of each number and its deviations from Y.
+
+Source: NTIL paper Sec. 3.2 Eq. 2–3 and Appendix C; official code xfey/NTIL (GUIDE §1.2–1.3).
+
+Predicted value. At every number token the model's candidates (the gold token's class, see
+:mod:`emdlm.functional.digit_emd`) give a token value t, and
+
+    X = sign · Σ_tokens t · 10^place        (place = power of ten of the token's last digit),
+
+with ``value_mode``:
+
+* ``"gumbel"`` (official): h = softmax((z + s·g) / τ), g ~ Gumbel(0, 1), s = noise_scale (0.01),
+  τ = 0.1, then straight-through: t = v[argmax h] in the forward pass, gradient of Σ h·v.
+* ``"argmax"``: the same with no noise (deterministic): t = v[argmax z].
+* ``"expected"``: t = Σ p·v with p = softmax(z) (smooth, no straight-through).
+
+Deviations (float64, finite for every input; X and Y may be 0 or negative):
+
+* relative, Eq. 2: |X − Y| / max(|X|, |Y|), taken as 0 when both are 0 (``smoothing="paper"``:
+  the paper's formula with its ε → 0; the guard is the only smoothing), or
+  |X − Y| / (max(|X|, |Y|) + 1) with the value 0 where X == Y (``smoothing="official"``).
+* magnitude, Eq. 3: |log(|X| + u) − log(|Y| + u)| = log((max + u) / (min + u)), with u one unit
+  in the number's last place (1 for integers, 0.01 for '1.00') for ``"paper"`` — the least
+  smoothing that keeps it finite at 0 with a gradient bounded independently of the scale — and
+  u = 1 for ``"official"``.
+
+Shape notation: M number tokens, K candidates per token, S numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from emdlm.functional.digit_emd import masked_class_softmax
+
+ValueMode = Literal["gumbel", "argmax", "expected"]
+Smoothing = Literal["paper", "official"]
+
+
+def gumbel_noise(
+    shape: tuple[int, ...],
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float64,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Standard Gumbel(0, 1) samples −log(E), E ~ Exponential(1) (the official code's recipe)."""
+    expo = torch.empty(shape, device=device, dtype=dtype).exponential_(generator=generator)
+    return expo.log_().neg_()
+
+
+def token_values(
+    class_logits: torch.Tensor,
+    class_mask: torch.Tensor,
+    class_values: torch.Tensor,
+    mode: ValueMode = "gumbel",
+    *,
+    tau: float = 0.1,
+    noise: torch.Tensor | None = None,
+    noise_scale: float = 0.01,
+) -> torch.Tensor:
+    """Predicted value t of each number token over its class candidates.
+
+    Args:
+        class_logits: [M, K] candidate logits (float64 recommended).
+        class_mask: [M, K] bool real-member mask.
+        class_values: [M, K] float64 candidate values.
+        mode: "gumbel", "argmax" or "expected" (module docstring).
+        tau: Gumbel-softmax temperature for "gumbel"/"argmax".
+        noise: [M, K] standard Gumbel samples, required for "gumbel" (ignored otherwise).
+        noise_scale: multiplier of the noise (0.01 in the official code).
+
+    Returns:
+        [M] token values in ``class_logits.dtype``; in the hard modes the forward value is
+        exactly a candidate's value (straight-through estimator for the gradient).
+    """
+    values = class_values.to(class_logits.dtype)  # [M, K]
+    if mode == "expected":
+        probs = masked_class_softmax(class_logits, class_mask)  # [M, K]
+        return (probs * values).sum(dim=-1)
+    if mode not in ("gumbel", "argmax"):
+        raise ValueError(f"value_mode must be 'gumbel', 'argmax' or 'expected', got {mode!r}")
+    perturbed = class_logits
+    if mode == "gumbel":
+        if noise is None:
+            raise ValueError("value_mode='gumbel' needs a noise tensor of Gumbel samples")
+        perturbed = class_logits + noise_scale * noise.to(class_logits.dtype)
+    soft = masked_class_softmax(perturbed, class_mask, tau)  # [M, K]
+    hard_value = values.gather(1, soft.detach().argmax(dim=-1, keepdim=True)).squeeze(1)  # [M]
+    soft_value = (soft * values).sum(dim=-1)  # [M]
+    # Straight-through: forward = the hard value exactly, gradient = that of the soft value.
+    return hard_value + (soft_value - soft_value.detach())
+
+
+def number_values(
+    token_value: torch.Tensor,
+    place: torch.Tensor,
+    number_id: torch.Tensor,
+    sign: torch.Tensor,
+) -> torch.Tensor:
+    """X_s = sign_s · Σ_{tokens of s} t · 10^place, in float64 (exact up to 2^53, no overflow
+    below 1e308).
+
+    Args:
+        token_value: [M] token values.
+        place: [M] long, power of ten of each token's last digit.
+        number_id: [M] long, number of each token in [0, S).
+        sign: [S] float64, ±1.
+
+    Returns:
+        [S] float64 predicted values.
+    """
+    big = torch.finfo(torch.float64).max
+    scaled = token_value.double() * torch.pow(10.0, place.double()).clamp(max=big)  # [M]
+    total = torch.zeros_like(sign, dtype=torch.float64).index_add(0, number_id, scaled)  # [S]
+    return sign.double() * total.clamp(-big, big)
+
+
+def number_units(place: torch.Tensor, number_id: torch.Tensor, n_numbers: int) -> torch.Tensor:
+    """One unit in each number's last place, 10^(min place of its tokens); [S] float64."""
+    min_place = torch.zeros(n_numbers, dtype=torch.long, device=place.device).scatter_reduce(
+        0, number_id, place, reduce="amin", include_self=False
+    )  # [S]
+    return torch.pow(10.0, min_place.double())
+
+
+def _safe_ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """num / den with 0 where den == 0 (and a zero, not NaN, gradient there)."""
+    nonzero = den != 0
+    return torch.where(nonzero, num / torch.where(nonzero, den, torch.ones_like(den)), 0.0)
+
+
+def relative_deviation(
+    x: torch.Tensor, y: torch.Tensor, smoothing: Smoothing = "paper"
+) -> torch.Tensor:
+    """Relative deviation per number (NTIL Eq. 2); [S] float64, finite, in [0, 2].
+
+    ``"paper"``: |X − Y| / max(|X|, |Y|) (0 when both are 0).
+    ``"official"``: |X − Y| / (max(|X|, |Y|) + 1), and exactly 0 (no gradient) where X == Y.
+    """
+    x, y = x.double(), y.double()
+    diff = (x - y).abs()
+    top = torch.maximum(x.abs(), y.abs())
+    if smoothing == "paper":
+        return _safe_ratio(diff, top)
+    if smoothing == "official":
+        return torch.where(x == y, 0.0, diff / (top + 1.0))
+    raise ValueError(f"smoothing must be 'paper' or 'official', got {smoothing!r}")
+
+
+def magnitude_deviation(
+    x: torch.Tensor, y: torch.Tensor, unit: torch.Tensor | float = 1.0
+) -> torch.Tensor:
+    """Magnitude deviation per number (NTIL Eq. 3): log((max(|X|,|Y|) + u) / (min(|X|,|Y|) + u)).
+
+    Written as |log(|X| + u) − log(|Y| + u)| (equal, and overflow-free); u > 0 keeps it finite
+    at 0 (pass :func:`number_units` for the paper preset, 1.0 for the official one).
+    Returns [S] float64, ≥ 0.
+    """
+    x, y = x.double(), y.double()
+    u = unit.double() if isinstance(unit, torch.Tensor) else unit
+    return (torch.log(x.abs() + u) - torch.log(y.abs() + u)).abs()

@@ -1,0 +1,294 @@
+"""NTILLoss and DigitEMDLoss: CE mixed with the NTIL numeric objectives (presets, checks, logging).
+
+Source: NTIL paper (Fei et al., ACL 2025) Eq. 1–4 and Appendix A/C/D.3; official code
+xfey/NTIL (ntil.py for NTIL, emd.py for the EMD baseline). Formulas live in
+:mod:`emdlm.functional.ntil` (reference) and :mod:`emdlm.ops.ntil_fused` (fast path).
+
+Presets (explicit keyword arguments override them):
+
+* ``"paper"``: λ = 0.3, α = β = σ = 0.2, emd_weight = 1, dynamic mix; decimals joined into one
+  number ('3', '.', '14' is 3.14) and a leading minus makes a number negative; multi-digit tokens
+  scored with the class EMD; W·EMD averaged over all number tokens of the batch, relative and
+  magnitude over all numbers of the batch; the paper's Eq. 2–3 with the least smoothing that
+  keeps them finite (relative: none, 0/0 := 0; magnitude: one unit in the number's last place).
+* ``"official"``: reproduces xfey/NTIL: only the ten tokens '0'..'9' are scored, spans are
+  maximal digit runs (any other token ends them); each term is averaged within a batch row and
+  the rows are averaged (rows without digits count as 0); relative |X−Y|/(max(X,Y)+1) with 0
+  where X == Y; magnitude log((max+1)/(min+1)); total = CE + λ·sg(CE/NTIL)·NTIL with CE the mean
+  over all counted tokens. With ``value_mode="argmax"`` it is deterministic and equals the
+  official outputs (see the ambiguities in the NOTE lines of this docstring).
+
+NOTE (official preset, resolved ambiguities):
+  - X is built once per number and reused by relative and magnitude; the official code draws
+    separate Gumbel noise for each (equal in argmax mode).
+  - The dynamic ratio is sg(CE/(NTIL + 1e-10)) as the official code, but 0 where NTIL is
+    exactly 0 (same value; no 1e10-sized factor then). The paper preset uses sg(CE/NTIL),
+    0 where NTIL ≤ 1e-12 (emdlm.functional._common.dynamic_mix).
+  - The NTIL terms are computed in float64 (the official code: in the logits' dtype). Its
+    straight-through one-hot y_hard − y_soft + y_soft is exact in floating point, so X agrees
+    exactly for runs of up to 7 digits; longer runs are rounded by its float32 sums, not here.
+  - Rows are the leading dims of the labels ([B, T] -> B rows; 1-D labels are one row), not a
+    batch size cached at the first call; bad inputs raise errors instead of returning 0.
+  - value_mode defaults to "gumbel" (official τ = 0.1, noise 0.01·Gumbel, straight-through).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from emdlm._output import LossOutput
+from emdlm.functional._common import IGNORE_INDEX, Reduction, check_logits_labels
+from emdlm.functional.ntil import (
+    NTILSettings,
+    class_candidates,
+    ntil_loss,
+    resolve_spans,
+    sample_noise,
+)
+from emdlm.numbers import NumberVocab
+from emdlm.ops.ntil_fused import DEFAULT_CHUNK_ELEMENTS, ntil_fused
+
+Preset = Literal["paper", "official"]
+Implementation = Literal["fused", "reference"]
+
+# preset -> (settings overrides, span options)
+_PRESETS: dict[str, tuple[dict[str, Any], dict[str, bool]]] = {
+    "paper": (
+        {"averaging": "batch", "smoothing": "paper", "mix_eps": 0.0},
+        {"join_decimal": True, "signed": True, "digits_only": False},
+    ),
+    "official": (
+        {"averaging": "row", "smoothing": "official", "mix_eps": 1e-10},
+        {"join_decimal": False, "signed": False, "digits_only": True},
+    ),
+}
+
+
+class NTILLoss(nn.Module):
+    """CE + NTIL (NTIL paper Eq. 4, mixed with CE as in the official code).
+
+        NTIL  = emd_weight · mean(W·EMD) + α · mean(relative) + β · mean(magnitude)
+        total = CE + λ · sg(CE / NTIL) · NTIL      (mix="dynamic")   or   CE + λ · NTIL ("static")
+
+    with W = (1+σ)^(digits to the right), EMD the (class) ordinal EMD of each number token
+    (:mod:`emdlm.functional.digit_emd`), relative / magnitude the deviations of the predicted
+    value X of each gold number from its value Y (:mod:`emdlm.functional.number_value`).
+
+    Args:
+        tokenizer_or_number_vocab: a transformers tokenizer or a :class:`NumberVocab`.
+        preset: "paper" or "official" (module docstring).
+        lam, alpha, beta, sigma, emd_weight: λ, α, β, σ and the EMD weight (0.3, 0.2, 0.2, 0.2,
+            1.0).
+        mix: "dynamic" or "static".
+        value_mode: "gumbel" (default), "argmax" (deterministic) or "expected".
+        tau, noise_scale: Gumbel-softmax temperature (0.1) and noise scale (0.01).
+        ignore_index: label value that is not scored.
+        reduction: "mean" (CE mean + mix) or "sum" (n · the mean-reduced total, n = counted
+            labels: exact CE sum; divide by a global token count such as transformers'
+            ``num_items_in_batch`` to get each micro-batch's mean weighted by its token share).
+        vocab_size: logit rows V when building from a tokenizer (default: taken from the
+            logits at the first call; must be ≥ the tokenizer's ids).
+        join_decimal, signed, digits_only: span options overriding the preset
+            (:func:`emdlm.numbers.find_number_spans`).
+        averaging, smoothing: "batch"/"row" and "paper"/"official", overriding the preset.
+        implementation: "fused" (default; custom autograd sharing CE's gradient buffer, used
+            when the logits require grad) or "reference" (plain autograd).
+        generator: torch.Generator for the Gumbel noise (reproducible runs); a call may pass
+            its own.
+        chunk_elements: float32 elements per CE chunk of the fused path.
+
+    Call: ``out = loss_fn(logits [B, T, V], labels [B, T])``, labels aligned with the logits
+    (no shift inside), any float dtype (computed in float32, NTIL in float64), non-contiguous
+    views accepted. ``out.loss`` is the scalar to back-propagate; ``out.components`` holds
+    detached 0-d tensors "ce", "emd" (averaged W·EMD before emd_weight), "relative",
+    "magnitude", "ntil" (before mixing), "mix_coef" (λ·sg(CE/NTIL) or λ), "n_numbers",
+    "n_digit_tokens" (number tokens), "n_tokens" (counted labels). With no number in the batch
+    every NTIL component is an explicit 0 and the loss equals CE.
+
+    Example:
+        >>> loss_fn = NTILLoss(tokenizer, preset="paper")          # doctest: +SKIP
+        >>> out = loss_fn(logits[:, :-1], input_ids[:, 1:])       # doctest: +SKIP
+        >>> out.loss.backward()                                   # doctest: +SKIP
+
+    Shape notation: B batch, T time, V vocabulary rows.
+    """
+
+    def __init__(
+        self,
+        tokenizer_or_number_vocab: Any,
+        preset: Preset = "paper",
+        lam: float = 0.3,
+        alpha: float = 0.2,
+        beta: float = 0.2,
+        sigma: float = 0.2,
+        emd_weight: float = 1.0,
+        mix: Literal["dynamic", "static"] = "dynamic",
+        value_mode: Literal["gumbel", "argmax", "expected"] = "gumbel",
+        tau: float = 0.1,
+        noise_scale: float = 0.01,
+        ignore_index: int = IGNORE_INDEX,
+        reduction: Reduction = "mean",
+        vocab_size: int | None = None,
+        *,
+        join_decimal: bool | None = None,
+        signed: bool | None = None,
+        digits_only: bool | None = None,
+        averaging: Literal["batch", "row"] | None = None,
+        smoothing: Literal["paper", "official"] | None = None,
+        implementation: Implementation = "fused",
+        generator: torch.Generator | None = None,
+        chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    ) -> None:
+        super().__init__()
+        if preset not in _PRESETS:
+            raise ValueError(f"preset must be one of {tuple(_PRESETS)}, got {preset!r}")
+        if implementation not in ("fused", "reference"):
+            raise ValueError(
+                f"implementation must be 'fused' or 'reference', got {implementation!r}"
+            )
+        preset_settings, preset_spans = _PRESETS[preset]
+        overrides = {"averaging": averaging, "smoothing": smoothing, "mix_eps": None}
+        resolved = {
+            k: (overrides[k] if overrides[k] is not None else v) for k, v in preset_settings.items()
+        }
+        self.settings = NTILSettings(
+            lam=lam,
+            alpha=alpha,
+            beta=beta,
+            sigma=sigma,
+            emd_weight=emd_weight,
+            mix=mix,
+            value_mode=value_mode,
+            tau=tau,
+            noise_scale=noise_scale,
+            reduction=reduction,
+            ignore_index=ignore_index,
+            **resolved,
+        )
+        given = {"join_decimal": join_decimal, "signed": signed, "digits_only": digits_only}
+        self.span_options = {
+            k: (given[k] if given[k] is not None else v) for k, v in preset_spans.items()
+        }
+        self.preset = preset
+        self.implementation = implementation
+        self.generator = generator
+        self.chunk_elements = int(chunk_elements)
+        if isinstance(tokenizer_or_number_vocab, NumberVocab):
+            self._tokenizer = None
+            self._vocab: NumberVocab | None = tokenizer_or_number_vocab
+            if vocab_size is not None and vocab_size != self._vocab.vocab_size:
+                raise ValueError(
+                    f"vocab_size={vocab_size} disagrees with the NumberVocab's "
+                    f"{self._vocab.vocab_size} rows"
+                )
+            self._fixed_size = True
+        else:
+            self._tokenizer = tokenizer_or_number_vocab
+            self._vocab = (
+                NumberVocab.from_tokenizer(self._tokenizer, vocab_size)
+                if vocab_size is not None
+                else None
+            )
+            self._fixed_size = vocab_size is not None
+
+    @property
+    def number_vocab(self) -> NumberVocab | None:
+        """The :class:`NumberVocab` in use (None until the first call when built lazily)."""
+        return self._vocab
+
+    def _vocab_for(self, logits: torch.Tensor) -> NumberVocab:
+        rows = logits.shape[-1]
+        if self._vocab is None or (not self._fixed_size and self._vocab.vocab_size != rows):
+            # Raises a clear error when the logits have fewer rows than the tokenizer's ids.
+            self._vocab = NumberVocab.from_tokenizer(self._tokenizer, rows)
+        if self._vocab.vocab_size != rows:
+            raise ValueError(
+                f"logits have {rows} vocabulary rows (shape {tuple(logits.shape)}) but the "
+                f"NumberVocab was built for {self._vocab.vocab_size}: build it with "
+                f"vocab_size={rows}"
+            )
+        return self._vocab.to(logits.device)
+
+    def forward(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        generator: torch.Generator | None = None,
+    ) -> LossOutput:
+        settings = self.settings
+        check_logits_labels(logits, labels, settings.ignore_index)
+        vocab = self._vocab_for(logits)
+        labels = labels.to(logits.device)
+        spans = resolve_spans(
+            labels, vocab, ignore_index=settings.ignore_index, **self.span_options
+        )
+        candidates = class_candidates(vocab, spans)
+        noise = sample_noise(candidates, settings, generator or self.generator)
+        use_fused = (
+            self.implementation == "fused" and logits.requires_grad and torch.is_grad_enabled()
+        )
+        if use_fused:
+            n_rows = labels.numel() // labels.shape[-1] if labels.dim() > 1 else 1
+            loss, components = ntil_fused(
+                logits, labels, spans, candidates, n_rows, settings, noise, self.chunk_elements
+            )
+        else:
+            loss, components = ntil_loss(logits, labels, vocab, spans, settings, noise=noise)
+        return LossOutput(loss=loss, components=components)
+
+    def extra_repr(self) -> str:
+        fields = dataclasses.asdict(self.settings)
+        return f"preset={self.preset!r}, implementation={self.implementation!r}, " + ", ".join(
+            f"{k}={v!r}" for k, v in {**fields, **self.span_options}.items()
+        )
+
+
+class DigitEMDLoss(NTILLoss):
+    """The paper's EMD baseline: CE mixed with the position-weighted digit EMD alone.
+
+        total = CE + λ · sg(CE / EMD) · emd_weight·mean(W·EMD)     (mix="dynamic")
+
+    σ = 0 by default (W = 1; official emd.py uses digit_exp = 1.0). α = β = 0: "relative" and
+    "magnitude" are still reported as diagnostics of the predicted numbers (computed with
+    ``value_mode``, "argmax" by default, on the same small [M, K] tensor; they add nothing to
+    the loss or its gradient), so EMD and NTIL runs log the same components. Same presets,
+    arguments, call and components as :class:`NTILLoss` otherwise.
+    """
+
+    def __init__(
+        self,
+        tokenizer_or_number_vocab: Any,
+        preset: Preset = "paper",
+        lam: float = 0.3,
+        sigma: float = 0.0,
+        emd_weight: float = 1.0,
+        mix: Literal["dynamic", "static"] = "dynamic",
+        value_mode: Literal["gumbel", "argmax", "expected"] = "argmax",
+        ignore_index: int = IGNORE_INDEX,
+        reduction: Reduction = "mean",
+        vocab_size: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        for name in ("alpha", "beta"):
+            if kwargs.pop(name, 0.0) != 0.0:
+                raise ValueError(f"DigitEMDLoss has no {name} term; use NTILLoss")
+        super().__init__(
+            tokenizer_or_number_vocab,
+            preset=preset,
+            lam=lam,
+            alpha=0.0,
+            beta=0.0,
+            sigma=sigma,
+            emd_weight=emd_weight,
+            mix=mix,
+            value_mode=value_mode,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            vocab_size=vocab_size,
+            **kwargs,
+        )

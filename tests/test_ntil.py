@@ -1,0 +1,521 @@
+"""NTILLoss / DigitEMDLoss (reference path): official-code oracle, hand-worked cases, properties,
+edge cases and errors."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from emdlm.functional.number_value import (
+    magnitude_deviation,
+    relative_deviation,
+    token_values,
+)
+from emdlm.losses.ntil import DigitEMDLoss, NTILLoss
+from emdlm.numbers import NumberVocab
+
+TOKENS = (
+    [str(d) for d in range(10)]
+    + [f"Ġ{d}" for d in range(10)]
+    + ["12", "34", "00", "99", "Ġ123", "Ġ45", ".", "-", "Ġ-", "a", "b", "Ġc", "=", "Ġ."]
+)
+TOK = {t: i for i, t in enumerate(TOKENS)}
+V = len(TOKENS) + 3  # padded logit rows, as many models have
+VOCAB = NumberVocab.from_token_strings(TOKENS, V)
+DIGIT_IDS = [TOK[str(d)] for d in range(10)]
+
+
+def ids(*tokens: str) -> list[int]:
+    return [TOK[t] if t != "<pad>" else -100 for t in tokens]
+
+
+def labels_of(*rows: list[str]) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([ids(*r, *["<pad>"] * (width - len(r))) for r in rows])
+
+
+def loss_fn(**kw: Any) -> NTILLoss:
+    kw.setdefault("implementation", "reference")
+    return NTILLoss(VOCAB, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Oracle: the official xfey/NTIL algorithm (GUIDE §1.3), re-derived with Python loops in float64
+# autograd (argmax mode: Gumbel-softmax with no noise, straight-through).
+def official_oracle(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    lam: float = 0.3,
+    alpha: float = 0.2,
+    beta: float = 0.2,
+    digit_alpha: float = 1.0,
+    digit_exp: float = 1.2,
+    tau: float = 0.1,
+    sequence_terms: bool = True,
+) -> torch.Tensor:
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).long())
+    digit_of = {tid: d for d, tid in enumerate(DIGIT_IDS)}
+    arange = torch.arange(10, dtype=logits.dtype)
+    row_losses = []
+    for b in range(labels.shape[0]):
+        row = labels[b].tolist()
+        runs, cur = [], []
+        for t, tok in enumerate(row):
+            if tok in digit_of:
+                cur.append(t)
+            elif cur:
+                runs.append(cur)
+                cur = []
+        if cur:
+            runs.append(cur)
+        emds, rels, mags = [], [], []
+        for run in runs:
+            n = len(run)
+            z = logits[b, run][:, DIGIT_IDS]  # [n, 10]
+            gold = [digit_of[row[t]] for t in run]
+            p = torch.softmax(z, -1)
+            for i, g in enumerate(gold):
+                emds.append(digit_exp ** (n - 1 - i) * (p[i] * (arange - g).abs()).sum())
+            soft = torch.softmax(z / tau, -1)
+            hard = F.one_hot(soft.argmax(-1), 10).to(z.dtype)
+            vals = (hard - soft.detach() + soft) @ arange
+            pos = torch.tensor([10.0 ** (n - 1 - i) for i in range(n)], dtype=z.dtype)
+            x = (vals * pos).sum()
+            y = torch.tensor(
+                float(sum(g * 10 ** (n - 1 - i) for i, g in enumerate(gold))), dtype=z.dtype
+            )
+            rel = (x - y).abs() / (torch.maximum(x, y) + 1)
+            rels.append(torch.where(x == y, torch.zeros_like(rel), rel))
+            mags.append(torch.log((torch.maximum(x, y) + 1) / (torch.minimum(x, y) + 1)))
+        zero = logits.sum() * 0
+        emd = torch.stack(emds).mean() if emds else zero
+        rel = torch.stack(rels).mean() if rels else zero
+        mag = torch.stack(mags).mean() if mags else zero
+        row_loss = digit_alpha * emd
+        if sequence_terms:
+            row_loss = row_loss + alpha * rel + beta * mag
+        row_losses.append(row_loss)
+    ntil = torch.stack(row_losses).mean()
+    return ce + (ce / (ntil + 1e-10)).detach() * lam * ntil
+
+
+OFFICIAL_ROWS = (
+    ["a", "3", ".", "0", "1", "5", "b", "7", "0", "7"],
+    ["=", "5", "1", "2", "3", "a", "<pad>", "9", "9", "Ġ4"],
+    ["a", "b", "Ġ123", "=", "a", "b", "Ġc", "a", "Ġ.", "a"],  # no digit at all: counts as 0
+    ["9", "9", "9", "9", "9", "9", "9", "-", "0", "0"],
+)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("digit_emd_only", [False, True])
+def test_official_preset_matches_official_algorithm(seed: int, digit_emd_only: bool) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    labels = labels_of(*OFFICIAL_ROWS)
+    base = torch.randn(4, 10, V, generator=gen, dtype=torch.float64) * 3
+    # make some spans exactly right (X == Y: the official zero-when-equal rule)
+    base[0, 7, TOK["7"]] += 40
+    base[0, 8, TOK["0"]] += 40
+    base[0, 9, TOK["7"]] += 40
+    x_ref = base.clone().requires_grad_()
+    x_ours = base.clone().requires_grad_()
+    if digit_emd_only:
+        expected = official_oracle(x_ref, labels, digit_exp=1.0, sequence_terms=False)
+        ours = DigitEMDLoss(VOCAB, preset="official", implementation="reference")
+    else:
+        expected = official_oracle(x_ref, labels)
+        ours = loss_fn(preset="official", value_mode="argmax")
+    out = ours(x_ours, labels)
+    (2 * expected).backward()
+    (2 * out.loss).backward()
+    assert float(out.loss.detach()) == pytest.approx(float(expected.detach()), rel=1e-12)
+    torch.testing.assert_close(x_ours.grad, x_ref.grad, rtol=1e-9, atol=1e-12)
+    assert int(out.components["n_digit_tokens"]) == 22  # 7 + 6 + 0 + 9 digit tokens
+    assert int(out.components["n_numbers"]) == 7  # 3 | 015 | 707, 5123 | 99, -, 9999999 | 00
+
+
+def test_official_preset_in_float32_matches_oracle() -> None:
+    gen = torch.Generator().manual_seed(5)
+    labels = labels_of(*OFFICIAL_ROWS)
+    base = torch.randn(4, 10, V, generator=gen)
+    expected = official_oracle(base.double(), labels)
+    out = loss_fn(preset="official", value_mode="argmax")(base, labels)
+    assert out.loss.dtype == torch.float32
+    assert float(out.loss) == pytest.approx(float(expected), rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+def _onehot_logits(labels: torch.Tensor, predicted: torch.Tensor, scale: float = 20.0) -> Any:
+    logits = torch.zeros(*labels.shape, V, dtype=torch.float64)
+    logits.scatter_(-1, predicted.clamp_min(0).unsqueeze(-1), scale)
+    return logits
+
+
+@pytest.mark.parametrize(
+    ("predicted", "relative", "magnitude"),
+    [
+        (("0", "9", "8"), 0.02, math.log(1.01 / 0.99)),  # 0.98
+        (("1", "0", "1"), 0.01 / 1.01, math.log(1.02 / 1.01)),  # 1.01
+        (("1", "9", "8"), 0.98 / 1.98, math.log(1.99 / 1.01)),  # 1.98
+        (("1", "0", "0"), 0.0, 0.0),  # exact
+    ],
+)
+def test_paper_decimals_hand_worked(
+    predicted: tuple[str, str, str], relative: float, magnitude: float
+) -> None:
+    """Gold '1.00' (tokens 1 . 0 0): relative |X−Y|/max, magnitude with one unit = 0.01."""
+    labels = labels_of(["a", "1", ".", "0", "0", "b"])
+    pred = labels_of(["a", predicted[0], ".", predicted[1], predicted[2], "b"])
+    out = loss_fn(preset="paper", value_mode="argmax")(_onehot_logits(labels, pred), labels)
+    c = out.components
+    assert int(c["n_numbers"]) == 1 and int(c["n_digit_tokens"]) == 3
+    assert float(c["relative"]) == pytest.approx(relative, abs=1e-12)
+    assert float(c["magnitude"]) == pytest.approx(magnitude, abs=1e-12)
+
+
+def test_decimal_predictions_order_as_expected() -> None:
+    labels = labels_of(["a", "1", ".", "0", "0", "b"])
+    results = {}
+    for name, digits in {"0.98": "098", "1.01": "101", "1.98": "198"}.items():
+        pred = labels_of(["a", digits[0], ".", digits[1], digits[2], "b"])
+        out = loss_fn(value_mode="argmax")(_onehot_logits(labels, pred), labels)
+        results[name] = out.components
+    rel = {k: float(v["relative"]) for k, v in results.items()}
+    mag = {k: float(v["magnitude"]) for k, v in results.items()}
+    emd = {k: float(v["emd"]) for k, v in results.items()}
+    assert rel["1.01"] < rel["0.98"] < rel["1.98"]
+    assert mag["1.01"] < mag["0.98"] < mag["1.98"]
+    # the digit EMD alone prefers 1.01 but ranks 0.98 below 1.98: what the sequence terms fix
+    assert emd["1.01"] < emd["1.98"] < emd["0.98"]
+
+
+def test_negative_numbers_and_signs() -> None:
+    labels = labels_of(["a", "-", "4", "2", "b"])
+    pred = labels_of(["a", "-", "4", "0", "b"])
+    out = loss_fn(value_mode="argmax")(_onehot_logits(labels, pred), labels)
+    # X = −40, Y = −42: relative 2/42, magnitude log(42/40) with unit 1 -> log(43/41)
+    assert float(out.components["relative"]) == pytest.approx(2 / 42)
+    assert float(out.components["magnitude"]) == pytest.approx(math.log(43 / 41))
+    unsigned = loss_fn(value_mode="argmax", signed=False)(_onehot_logits(labels, pred), labels)
+    assert float(unsigned.components["relative"]) == pytest.approx(2 / 42)
+
+
+def test_multi_digit_tokens_value_and_emd() -> None:
+    """'12' '34' is 1234: candidates are the 2-digit no-space class {'00','12','34','99'}."""
+    labels = labels_of(["a", "12", "34", "b"])
+    pred = labels_of(["a", "12", "99", "b"])
+    out = loss_fn(value_mode="argmax", sigma=0.0)(_onehot_logits(labels, pred), labels)
+    # X = 1299, Y = 1234; EMD of '34'->'99' is |99−34|/10 = 6.5, averaged over 2 tokens
+    assert float(out.components["relative"]) == pytest.approx(65 / 1299)
+    assert float(out.components["emd"]) == pytest.approx(6.5 / 2, rel=1e-6)
+
+
+def test_expected_value_mode_by_hand() -> None:
+    z = torch.log(torch.tensor([[0.5, 0.25, 0.25]], dtype=torch.float64))
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    values = torch.tensor([[0.0, 4.0, 8.0]], dtype=torch.float64)
+    assert float(token_values(z, mask, values, "expected")) == pytest.approx(3.0)
+    assert float(token_values(z, mask, values, "argmax")) == 0.0
+
+
+def test_straight_through_gradient_is_soft_value_gradient() -> None:
+    z = torch.randn(5, 10, dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(5, 10, dtype=torch.bool)
+    values = torch.arange(10, dtype=torch.float64).expand(5, 10)
+    t = token_values(z, mask, values, "argmax", tau=0.1)
+    assert torch.equal(t.detach(), z.detach().argmax(-1).double())
+    (g_st,) = torch.autograd.grad(t.sum(), z)
+    soft = (torch.softmax(z / 0.1, -1) * values).sum(-1)
+    (g_soft,) = torch.autograd.grad(soft.sum(), z)
+    torch.testing.assert_close(g_st, g_soft)
+
+
+def test_deviation_functions_gradcheck_and_zero_guards() -> None:
+    x = torch.tensor([0.5, -3.0, 7.0, 1e29], dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([2.0, 4.0, -1.0, 3e29], dtype=torch.float64)
+    for smoothing in ("paper", "official"):
+        assert torch.autograd.gradcheck(lambda v, s=smoothing: relative_deviation(v, y, s), (x,))
+    assert torch.autograd.gradcheck(lambda v: magnitude_deviation(v, y, 0.01), (x,))
+    zeros = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    rel = relative_deviation(zeros, torch.zeros(2, dtype=torch.float64), "paper")
+    mag = magnitude_deviation(zeros, torch.tensor([0.0, 5.0], dtype=torch.float64), 1.0)
+    (rel.sum() + mag.sum()).backward()
+    assert rel.tolist() == [0.0, 0.0] and mag.tolist() == pytest.approx([0.0, math.log(6)])
+    assert torch.isfinite(zeros.grad).all()
+
+
+@pytest.mark.parametrize("preset", ["paper", "official"])
+def test_gradcheck_reference_static_expected(preset: str) -> None:
+    labels = labels_of(["a", "4", "2", ".", "5", "b"], ["1", "2", "12", "Ġ3", "-", "7"])
+    logits = torch.randn(2, 6, V, dtype=torch.float64, requires_grad=True)
+    fn = loss_fn(preset=preset, value_mode="expected", mix="static")
+    assert torch.autograd.gradcheck(lambda z: fn(z, labels).loss, (logits,), fast_mode=True)
+
+
+def test_gradcheck_digit_emd_argmax_static() -> None:
+    labels = labels_of(["a", "4", "2", ".", "5", "b"], ["1", "2", "12", "Ġ3", "-", "7"])
+    logits = torch.randn(2, 6, V, dtype=torch.float64, requires_grad=True)
+    fn = DigitEMDLoss(VOCAB, sigma=0.2, mix="static", implementation="reference")
+    assert torch.autograd.gradcheck(lambda z: fn(z, labels).loss, (logits,), fast_mode=True)
+
+
+# ---------------------------------------------------------------------------------------------
+label_tokens = st.sampled_from([*TOKENS, "<pad>"])
+
+
+@given(
+    st.lists(st.lists(label_tokens, min_size=7, max_size=7), min_size=1, max_size=3),
+    st.sampled_from(["paper", "official"]),
+    st.sampled_from(["argmax", "expected"]),
+    st.integers(0, 2**16),
+)
+@settings(max_examples=15, deadline=None)
+def test_properties_finite_nonnegative_row_permutation_padding(
+    rows: list[list[str]], preset: str, mode: str, seed: int
+) -> None:
+    labels = labels_of(*rows)
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(*labels.shape, V, generator=gen, dtype=torch.float64) * 4
+    fn = loss_fn(preset=preset, value_mode=mode)
+    x = base.clone().requires_grad_()
+    out = fn(x, labels)
+    out.loss.backward()
+    comps = {k: float(v) for k, v in out.components.items()}
+    assert all(math.isfinite(v) and v >= 0 for v in comps.values())
+    assert torch.isfinite(x.grad).all()
+    # permuting rows permutes nothing but the row order
+    perm = torch.arange(labels.shape[0]).flip(0)
+    xp = base[perm].clone().requires_grad_()
+    outp = fn(xp, labels[perm])
+    outp.loss.backward()
+    assert outp.loss.item() == pytest.approx(out.loss.item(), rel=1e-10)
+    torch.testing.assert_close(xp.grad, x.grad[perm], rtol=1e-9, atol=1e-12)
+    # right padding with ignored labels changes nothing
+    pad = torch.full((labels.shape[0], 3), -100)
+    xpad = torch.cat([base, torch.randn(labels.shape[0], 3, V, dtype=torch.float64)], 1)
+    xpad.requires_grad_()
+    outpad = fn(xpad, torch.cat([labels, pad], 1))
+    outpad.loss.backward()
+    assert outpad.loss.item() == pytest.approx(out.loss.item(), rel=1e-10)
+    torch.testing.assert_close(xpad.grad[:, :-3], x.grad, rtol=1e-9, atol=1e-12)
+    assert xpad.grad[:, -3:].abs().max() == 0
+
+
+@pytest.mark.parametrize("preset", ["paper", "official"])
+def test_perfect_prediction_has_zero_numeric_terms(preset: str) -> None:
+    labels = labels_of(["a", "4", "2", ".", "5", "b"], ["1", "0", "12", "34", "-", "7"])
+    out = loss_fn(preset=preset, value_mode="argmax")(_onehot_logits(labels, labels, 60), labels)
+    c = out.components
+    assert float(c["emd"]) < 1e-20
+    assert float(c["relative"]) == 0.0 and float(c["magnitude"]) == 0.0
+
+
+def test_thirty_digit_numbers_zeros_and_negatives_are_finite() -> None:
+    rows = (["a", *["9"] * 30, "b"], ["-", *["0"] * 30, "b"], ["-", "0", ".", *["0"] * 29, "b"])
+    labels = labels_of(*rows)
+    for preset in ("paper", "official"):
+        for mode in ("argmax", "expected", "gumbel"):
+            x = (torch.randn(*labels.shape, V) * 5).requires_grad_()
+            out = loss_fn(preset=preset, value_mode=mode)(x, labels)
+            out.loss.backward()
+            assert math.isfinite(out.loss.item())
+            assert all(math.isfinite(float(v)) for v in out.components.values())
+            assert torch.isfinite(x.grad).all()
+
+
+# ---------------------------------------------------------------------------------------------
+def test_no_numbers_gives_explicit_zero_and_plain_ce() -> None:
+    labels = labels_of(["a", "b", "Ġc", "=", "."])
+    x = torch.randn(1, 5, V, requires_grad=True)
+    out = loss_fn()(x, labels)
+    out.loss.backward()
+    ce = F.cross_entropy(x.detach().reshape(-1, V), labels.reshape(-1))
+    assert out.loss.item() == pytest.approx(float(ce), rel=1e-6)
+    for name in ("emd", "relative", "magnitude", "ntil", "n_numbers", "n_digit_tokens"):
+        assert float(out.components[name]) == 0.0
+    x2 = x.detach().clone().requires_grad_()
+    F.cross_entropy(x2.reshape(-1, V), labels.reshape(-1)).backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+
+
+def test_all_labels_ignored_is_zero_with_zero_gradient() -> None:
+    labels = torch.full((2, 4), -100)
+    x = torch.randn(2, 4, V, requires_grad=True)
+    out = loss_fn()(x, labels)
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and int(out.components["n_tokens"]) == 0
+    assert x.grad.abs().max() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_logits(dtype: torch.dtype) -> None:
+    labels = labels_of(["a", "4", "2", ".", "5", "b"], ["1", "0", "12", "34", "-", "7"])
+    base = torch.randn(*labels.shape, V) * 3
+    x = base.to(dtype).requires_grad_()
+    out = loss_fn(value_mode="argmax")(x, labels)
+    out.loss.backward()
+    ref = loss_fn(value_mode="argmax")(base.to(dtype).float(), labels)
+    assert out.loss.dtype == torch.float32
+    assert out.loss.item() == pytest.approx(float(ref.loss), rel=1e-5)
+    assert x.grad.dtype == dtype and torch.isfinite(x.grad.float()).all()
+    assert x.grad.float().abs().sum() > 0
+
+
+def test_reduction_sum_is_count_times_mean() -> None:
+    labels = labels_of(["a", "4", "2", ".", "5", "b"], ["1", "0", "<pad>", "34", "-", "7"])
+    base = torch.randn(*labels.shape, V, dtype=torch.float64)
+    mean = loss_fn(value_mode="argmax")(base, labels)
+    total = loss_fn(value_mode="argmax", reduction="sum")(base, labels)
+    n = int((labels != -100).sum())
+    assert float(total.loss) == pytest.approx(n * float(mean.loss), rel=1e-12)
+
+
+def test_static_mix_and_weights() -> None:
+    labels = labels_of(["a", "4", "2", ".", "5", "b"])
+    base = torch.randn(*labels.shape, V, dtype=torch.float64)
+    out = loss_fn(mix="static", lam=0.5, alpha=0.3, beta=0.7, emd_weight=2.0, value_mode="argmax")(
+        base, labels
+    )
+    c = out.components
+    ntil = 2.0 * c["emd"] + 0.3 * c["relative"] + 0.7 * c["magnitude"]
+    assert float(c["ntil"]) == pytest.approx(float(ntil))
+    assert float(out.loss) == pytest.approx(float(c["ce"] + 0.5 * ntil))
+    dyn = loss_fn(value_mode="argmax")(base, labels)  # dynamic: NTIL's share is λ·CE
+    assert float(dyn.loss) == pytest.approx(1.3 * float(dyn.components["ce"]))
+
+
+def test_gumbel_noise_reproducible_with_generator() -> None:
+    labels = labels_of(["a", "4", "2", "7", "5", "b"])
+    base = torch.randn(*labels.shape, V)
+    fn = loss_fn(noise_scale=5.0)
+    a = fn(base, labels, generator=torch.Generator().manual_seed(3)).components["relative"]
+    b = fn(base, labels, generator=torch.Generator().manual_seed(3)).components["relative"]
+    draws = {
+        float(fn(base, labels, generator=torch.Generator().manual_seed(s)).components["relative"])
+        for s in range(8)
+    }
+    assert float(a) == float(b) and len(draws) > 1
+
+
+def test_digit_emd_loss_sigma_zero_default_and_diagnostic_sequence_terms() -> None:
+    labels = labels_of(["a", "4", "2", "7", "5", "b"])
+    base = torch.randn(*labels.shape, V, dtype=torch.float64)
+    out = DigitEMDLoss(VOCAB, mix="static", implementation="reference")(base, labels)
+    w1 = DigitEMDLoss(VOCAB, sigma=0.5, implementation="reference")(base, labels)
+    c = out.components
+    assert float(w1.components["emd"]) > float(c["emd"])
+    # σ = 0: plain mean EMD; relative / magnitude are reported but not in the loss
+    probs = torch.softmax(base[0, 1:5][:, :10], -1)
+    gold = torch.tensor([4, 2, 7, 5])
+    plain = (probs * (torch.arange(10) - gold[:, None]).abs()).sum(-1).mean()
+    assert float(c["emd"]) == pytest.approx(float(plain))
+    assert float(c["relative"]) > 0 and float(c["ntil"]) == pytest.approx(float(c["emd"]))
+    assert float(out.loss) == pytest.approx(float(c["ce"] + 0.3 * c["emd"]))
+    with pytest.raises(ValueError, match="alpha"):
+        DigitEMDLoss(VOCAB, alpha=0.2)
+
+
+# ---------------------------------------------------------------------------------------------
+def test_bad_inputs_raise_clear_errors() -> None:
+    fn = loss_fn()
+    with pytest.raises(ValueError, match="shape mismatch"):
+        fn(torch.randn(2, 5, V), torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="out of range"):
+        fn(torch.randn(1, 2, V), torch.tensor([[0, V]]))
+    with pytest.raises(ValueError, match="vocabulary rows"):
+        fn(torch.randn(1, 2, V + 5), torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match="preset"):
+        NTILLoss(VOCAB, preset="nope")
+    with pytest.raises(ValueError, match="value_mode"):
+        NTILLoss(VOCAB, value_mode="mean")
+
+
+# ---------------------------------------------------------------------------------------------
+def test_gpt2_multi_digit_tokens(gpt2_tokenizer: Any, gpt2_vocab: NumberVocab) -> None:
+    text = "It cost 12345 dollars and 3.75 cents, or -42."
+    labels = torch.tensor([gpt2_tokenizer(text)["input_ids"]])
+    toks = gpt2_tokenizer.convert_ids_to_tokens(labels[0].tolist())
+    assert any(len(t.lstrip("Ġ")) > 1 and t.lstrip("Ġ").isdigit() for t in toks)
+    vsize = gpt2_vocab.vocab_size
+    perfect = torch.full((*labels.shape, vsize), -30.0)
+    perfect.scatter_(-1, labels.unsqueeze(-1), 30.0)
+    fn = NTILLoss(gpt2_vocab, value_mode="argmax", implementation="reference")
+    out = fn(perfect, labels)
+    assert int(out.components["n_numbers"]) == 3
+    assert float(out.components["relative"]) == 0.0 and float(out.components["emd"]) < 1e-12
+    x = (torch.randn(*labels.shape, vsize) * 2).requires_grad_()
+    out = NTILLoss(gpt2_vocab, value_mode="argmax")(x, labels)
+    out.loss.backward()
+    assert math.isfinite(out.loss.item()) and float(out.components["emd"]) > 0
+    assert torch.isfinite(x.grad).all()
+
+
+def test_qwen_single_digits_official_matches_oracle(
+    qwen_tokenizer: Any, qwen_vocab: NumberVocab
+) -> None:
+    ids_ = qwen_tokenizer("x = 305 + 17; y=9")["input_ids"]
+    labels = torch.tensor([ids_])
+    digit_ids = [qwen_tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
+    assert qwen_vocab.digit_ids.tolist() == digit_ids
+    vsize = qwen_vocab.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(*labels.shape, vsize, generator=gen)
+    out = NTILLoss(qwen_vocab, preset="official", value_mode="argmax")(logits, labels)
+    assert int(out.components["n_numbers"]) == 3 and int(out.components["n_digit_tokens"]) == 6
+    # restricted to the digit columns, the oracle needs only those logits
+    global DIGIT_IDS
+    saved = DIGIT_IDS
+    DIGIT_IDS = digit_ids
+    try:
+        expected = official_oracle(logits.double(), labels)
+    finally:
+        DIGIT_IDS = saved
+    assert float(out.loss) == pytest.approx(float(expected), rel=1e-6)
+
+
+def test_logits_with_fewer_rows_than_tokenizer_ids(gpt2_tokenizer: Any) -> None:
+    fn = NTILLoss(gpt2_tokenizer)
+    with pytest.raises(ValueError, match="smaller than the tokenizer"):
+        fn(torch.randn(1, 3, 1000), torch.tensor([[1, 2, 3]]))
+    with pytest.raises(ValueError, match="smaller than the tokenizer"):
+        NTILLoss(gpt2_tokenizer, vocab_size=1000)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "fused"])
+def test_sum_reduction_gradient_accumulation(implementation: str) -> None:
+    """Two micro-batches, each summed and divided by the global count: CE part exact (λ = 0
+    gives the full batch's mean CE and gradient); with NTIL, the token-share-weighted means."""
+    labels = labels_of(
+        ["a", "4", "2", ".", "5", "b"],
+        ["1", "0", "<pad>", "34", "-", "7"],
+        ["a", "9", "9", "<pad>", "<pad>", "b"],
+    )
+    base = torch.randn(*labels.shape, V, dtype=torch.float64)
+    n_total = int((labels != -100).sum())
+    for lam in (0.0, 0.3):
+        kw = {"lam": lam, "value_mode": "argmax", "implementation": implementation}
+        x = base.clone().requires_grad_()
+        acc = 0.0
+        for part in (slice(0, 1), slice(1, 3)):
+            out = loss_fn(reduction="sum", **kw)(x[part], labels[part])
+            (out.loss / n_total).backward()
+            acc += out.loss.item() / n_total
+        if lam == 0.0:
+            xf = base.clone().requires_grad_()
+            full = loss_fn(**kw)(xf, labels)
+            full.loss.backward()
+            assert acc == pytest.approx(full.loss.item(), rel=1e-12)
+            torch.testing.assert_close(x.grad, xf.grad)
+        else:
+            means = [
+                loss_fn(**kw)(base[p], labels[p]).loss.item() for p in (slice(0, 1), slice(1, 3))
+            ]
+            counts = [int((labels[p] != -100).sum()) for p in (slice(0, 1), slice(1, 3))]
+            weighted = sum(m * c for m, c in zip(means, counts, strict=True)) / n_total
+            assert acc == pytest.approx(weighted, rel=1e-12)
