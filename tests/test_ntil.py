@@ -151,6 +151,142 @@ def test_official_preset_in_float32_matches_oracle() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Pinned outputs of the real official code. Every number below was computed once by
+# xfey/NTIL ntil.py and emd.py at commit 1d32c5b0 (float32; gumbel_softmax with noise_scale=0,
+# i.e. the official recipe without noise; called as the official forward expects:
+# x = logits.view(B*T, V), y = labels.view(B*T), batch_size=B, mle_loss_value = HF-style mean CE
+# over the non-ignored labels) via a throwaway script outside this repository. The official code
+# is not imported here.
+PIN_TOKENS = ["<pad>", "a", ".", "-", "Ġ", "(", ")", "x", "=", ","]
+PIN_TOKENS += [str(d) for d in range(10)] + ["12", "Ġ7"]
+PIN_VOCAB = NumberVocab.from_token_strings(PIN_TOKENS)
+PIN_DIGITS = [PIN_TOKENS.index(str(d)) for d in range(10)]
+PIN_ROWS = (  # None = ignored label (-100)
+    ["3", ".", "0", "1", "5", "Ġ", "x", "=", "-", "4", "2", ","],
+    ["12", "7", None, "8", "9", "(", ")", "2", "Ġ7", "0", "0", "5"],
+)
+# official NTIL(ntil_lambda=0.3, abs_alpha=0.2, mag_alpha=0.2, digit_alpha=1.0, digit_exp=1.2)
+PIN_NTIL = {
+    "loss": 5.844474792480469,
+    "ce": 4.4957499504089355,
+    "emd": 2.540189266204834,  # rows: 3.3102331161499023, 1.7701454162597656
+    "relative": 0.40626072883605957,  # rows: 0.6180770397186279, 0.1944444477558136
+    "magnitude": 0.9022759199142456,  # rows: 1.500452995300293, 0.30409884452819824
+    "ntil": 2.801896572113037,
+}
+PIN_NTIL_GRAD = {  # d loss / d logits[b, t, '0'..'9']
+    (0, 0): [
+        0.247768298,
+        -0.000337281788,
+        -0.00174182118,
+        -0.0438540429,
+        -0.0065691974,
+        -9.13720287e-05,
+        -0.226496249,
+        0.00398543433,
+        0.00184177957,
+        0.000417545496,
+    ],
+    (0, 3): [
+        -0.0285062566,
+        -0.0500154197,
+        -0.000798403111,
+        -0.00638112193,
+        0.000834165316,
+        0.00089284085,
+        0.0019026181,
+        0.00220048334,
+        0.0294063892,
+        0.0272242464,
+    ],
+    (1, 1): [
+        0.0360397324,
+        0.00253284583,
+        0.00226921076,
+        0.000922092469,
+        0.00178258307,
+        -0.000232427774,
+        -0.00168577291,
+        -0.0442873351,
+        -0.0272478126,
+        -0.000125230072,
+    ],
+}
+# official emd.py NTIL(ntil_lambda=0.3) (digit_exp=1.0, digit_alpha=1.0)
+PIN_EMD = {"loss": 5.844474792480469, "emd": 2.302086353302002}
+PIN_EMD_GRAD = {
+    (0, 0): [
+        0.0120907901,
+        -0.000541450165,
+        -0.00225805165,
+        -0.0439522117,
+        -0.0085044159,
+        -0.000146682694,
+        0.0109401997,
+        0.00462305406,
+        0.00217478932,
+        0.000497090572,
+    ],
+    (1, 4): [
+        0.0129936729,
+        0.00027427118,
+        0.0205488056,
+        0.00224246667,
+        0.0213924311,
+        0.00166179042,
+        0.000279029802,
+        -0.000293620018,
+        -0.0131076183,
+        -0.0825788379,
+    ],
+}
+
+
+def _pinned_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    labels = torch.tensor(
+        [[-100 if t is None else PIN_TOKENS.index(t) for t in row] for row in PIN_ROWS]
+    )
+    gen = torch.Generator().manual_seed(1234)
+    logits = torch.randn(2, 12, len(PIN_TOKENS), generator=gen) * 2
+    # span "3" predicted '0' by a small margin: X = 0 < Y = 3 (the value gradient must survive)
+    logits[0, 0, PIN_TOKENS.index("0")] = logits[0, 0, PIN_DIGITS].max() + 0.1
+    for t, d in ((9, "0"), (10, "0"), (11, "5")):  # span "005" predicted exactly: X == Y
+        logits[1, t, PIN_TOKENS.index(d)] += 30.0
+    return logits, labels
+
+
+@pytest.mark.parametrize("implementation", ["reference", "fused"])
+@pytest.mark.parametrize("digit_emd_only", [False, True])
+def test_official_preset_equals_pinned_official_code_outputs(
+    implementation: str, digit_emd_only: bool
+) -> None:
+    logits, labels = _pinned_inputs()
+    x = logits.clone().requires_grad_(True)
+    if digit_emd_only:
+        module: NTILLoss = DigitEMDLoss(PIN_VOCAB, preset="official", implementation=implementation)
+        pinned, pinned_grad = PIN_EMD, PIN_EMD_GRAD
+    else:
+        module = NTILLoss(
+            PIN_VOCAB, preset="official", value_mode="argmax", implementation=implementation
+        )
+        pinned, pinned_grad = PIN_NTIL, PIN_NTIL_GRAD
+    out = module(x, labels)
+    out.loss.backward()
+    assert float(out.loss.detach()) == pytest.approx(pinned["loss"], rel=1e-6)
+    for name, value in pinned.items():
+        if name != "loss":
+            assert float(out.components[name]) == pytest.approx(value, rel=1e-6), name
+    if digit_emd_only:
+        assert float(out.components["ntil"]) == pytest.approx(pinned["emd"], rel=1e-6)
+    assert int(out.components["n_digit_tokens"]) == 13  # '12' and 'Ġ7' are not digits
+    assert int(out.components["n_numbers"]) == 7  # 3 | 015 | 42 ; 7 | 89 | 2 | 005
+    for (b, t), expected in pinned_grad.items():
+        torch.testing.assert_close(
+            x.grad[b, t, PIN_DIGITS], torch.tensor(expected), rtol=1e-5, atol=1e-7
+        )
+
+
+# ---------------------------------------------------------------------------------------------
 def _onehot_logits(labels: torch.Tensor, predicted: torch.Tensor, scale: float = 20.0) -> Any:
     logits = torch.zeros(*labels.shape, V, dtype=torch.float64)
     logits.scatter_(-1, predicted.clamp_min(0).unsqueeze(-1), scale)
@@ -248,6 +384,18 @@ def test_deviation_functions_gradcheck_and_zero_guards() -> None:
     (rel.sum() + mag.sum()).backward()
     assert rel.tolist() == [0.0, 0.0] and mag.tolist() == pytest.approx([0.0, math.log(6)])
     assert torch.isfinite(zeros.grad).all()
+
+
+def test_predicted_zero_keeps_the_value_gradient() -> None:
+    # X = 0 < Y = 3: official d/dX (Y - X)/(Y + 1) = -1/4 and d/dX log((Y + 1)/(X + 1)) = -1.
+    # (|X| with Tensor.abs would give 0 there and silently drop the push away from 0.)
+    for smoothing, expected in (("official", -0.25), ("paper", -1 / 3)):
+        x = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+        relative_deviation(x, torch.tensor([3.0], dtype=torch.float64), smoothing).sum().backward()
+        assert x.grad.item() == pytest.approx(expected)
+    x = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    magnitude_deviation(x, torch.tensor([3.0], dtype=torch.float64), 1.0).sum().backward()
+    assert x.grad.item() == pytest.approx(-1.0)
 
 
 @pytest.mark.parametrize("preset", ["paper", "official"])

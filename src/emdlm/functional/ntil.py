@@ -221,8 +221,12 @@ def ntil_terms(
             noise=noise,
             noise_scale=settings.noise_scale,
         )  # [M]
-        x = number_values(t, spans.place, spans.number_id, spans.sign)  # [S], built once
-        y = spans.gold_value.double()  # [S]
+        # X carries the gold number's sign (token values are >= 0), so the deviations, which
+        # depend only on |X|, |Y| and |X - Y| = ||X| - |Y||, are taken on the magnitudes: a
+        # predicted 0 then keeps the gradient of the official max/min (d|X|/dX = 1 at 0).
+        unsigned = torch.ones_like(spans.sign)
+        x = number_values(t, spans.place, spans.number_id, unsigned)  # [S] |X|, built once
+        y = spans.gold_value.double().abs()  # [S] |Y|
         rel = relative_deviation(x, y, settings.smoothing)  # [S]
         if settings.smoothing == "paper":
             unit = number_units(spans.place, spans.number_id, spans.n_numbers)  # [S]

@@ -24,6 +24,10 @@ Deviations (float64, finite for every input; X and Y may be 0 or negative):
   smoothing that keeps it finite at 0 with a gradient bounded independently of the scale — and
   u = 1 for ``"official"``.
 
+Both are taken on the unsigned magnitudes |X|, |Y| (X carries the gold sign), with
+d|X|/dX = 1 at X = 0, so a predicted 0 keeps the gradient that the official max/min of the
+non-negative X gives it (checked against xfey/NTIL's own outputs in tests/test_ntil.py).
+
 Shape notation: M number tokens, K candidates per token, S numbers.
 """
 
@@ -126,6 +130,16 @@ def number_units(place: torch.Tensor, number_id: torch.Tensor, n_numbers: int) -
     return torch.pow(10.0, min_place.double())
 
 
+def _magnitude(x: torch.Tensor) -> torch.Tensor:
+    """|x| with the derivative +1 at x = 0 (``Tensor.abs`` has 0 there).
+
+    A predicted value of exactly 0 (every predicted digit '0') must still receive the value
+    gradient: the official code takes max/min of the non-negative X itself, whose derivative at
+    X = 0 < Y is 1, so a 0 prediction is pushed up. Callers pass unsigned magnitudes.
+    """
+    return torch.where(x < 0, -x, x)
+
+
 def _safe_ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     """num / den with 0 where den == 0 (and a zero, not NaN, gradient there)."""
     nonzero = den != 0
@@ -142,7 +156,7 @@ def relative_deviation(
     """
     x, y = x.double(), y.double()
     diff = (x - y).abs()
-    top = torch.maximum(x.abs(), y.abs())
+    top = torch.maximum(_magnitude(x), _magnitude(y))
     if smoothing == "paper":
         return _safe_ratio(diff, top)
     if smoothing == "official":
@@ -161,4 +175,4 @@ def magnitude_deviation(
     """
     x, y = x.double(), y.double()
     u = unit.double() if isinstance(unit, torch.Tensor) else unit
-    return (torch.log(x.abs() + u) - torch.log(y.abs() + u)).abs()
+    return (torch.log(_magnitude(x) + u) - torch.log(_magnitude(y) + u)).abs()
