@@ -18,6 +18,7 @@ from emdlm.functional.emo import (
     demd_bound_dense,
     emo_loss,
     generalized_demd,
+    mix_emo,
     normalize_cost_embedding,
 )
 from emdlm.losses.emo import EMOLoss, cost_embedding_from
@@ -545,3 +546,24 @@ def test_module_chunked_path_equals_reference(mode: str, max_ratio) -> None:
     torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
     for key in ("ce", "demd"):
         torch.testing.assert_close(out_a.components[key], out_b.components[key])
+
+
+def test_emo1_treats_a_demd_rounded_below_zero_as_zero() -> None:
+    # 1 - ê_y·(Êᵀq) can land a few ulps below 0 in float32; without clamping, the ratio
+    # CE / (DEMD + 1e-10) ~ 1e10·CE would turn -1e-7 into a value of about -1000·CE.
+    from emdlm.ops._chunking import mode_coefficients
+
+    ce = torch.tensor([2.0, 2.0], dtype=torch.float64, requires_grad=True)
+    demd_value = torch.tensor([-1e-7, 0.5], dtype=torch.float64, requires_grad=True)
+    mixed = mix_emo(ce, demd_value, mode="emo1")
+    assert torch.allclose(mixed.detach(), torch.tensor([1.0, 2.0], dtype=torch.float64))
+    mixed.sum().backward()
+    assert demd_value.grad[0] == 0.0  # clamped: no push from a rounding error
+    assert torch.isclose(
+        demd_value.grad[1], torch.tensor(0.5 * 2.0 / (0.5 + 1e-10), dtype=torch.float64)
+    )
+
+    valid = torch.tensor([True, True])
+    _a, b, value = mode_coefficients(ce.detach(), demd_value.detach(), valid, "emo1", 1.0)
+    assert torch.allclose(value, mixed.detach())
+    assert b[0] == 0.0 and torch.isclose(b[1], demd_value.grad[1])

@@ -245,7 +245,10 @@ def mix_emo(
     """
     if mode == "emo1":
         # Eq. 19: value 0.5*(CE + CE) = CE, gradient 0.5*(∇CE + (CE/DEMD)·∇DEMD).
-        ratio = ce.detach() / (demd_value.detach().clamp_min(0.0) + _RATIO_EPS)
+        # DEMD >= 0 in exact arithmetic; a float32 rounding just below 0 would otherwise be
+        # multiplied by a ratio of ~CE/1e-10 and swing the value far below 0.
+        demd_value = demd_value.clamp_min(0.0)
+        ratio = ce.detach() / (demd_value.detach() + _RATIO_EPS)
         if max_ratio is not None:
             ratio = ratio.clamp_max(max_ratio)  # emoloss v0.0.3 caps the ratio at 3.0
         return 0.5 * (ce + ratio * demd_value)

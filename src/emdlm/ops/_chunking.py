@@ -128,11 +128,15 @@ def mode_coefficients(
     if mode == "ce":
         return valid.to(ce.dtype), None, torch.where(valid, ce, zero)
     if mode == "emo1":
-        r = ce / (demd.clamp_min(0.0) + RATIO_EPS)
+        # DEMD is clamped at 0 (as mix_emo does): a rounding just below 0 must not be
+        # multiplied by a ratio of ~CE/1e-10; the clamp's gradient is 0 there.
+        nonneg = demd >= 0
+        demd = demd.clamp_min(0.0)
+        r = ce / (demd + RATIO_EPS)
         if max_ratio is not None:
             r = r.clamp_max(max_ratio)
         a = torch.full_like(ce, 0.5)
-        b = 0.5 * r
+        b = torch.where(nonneg, 0.5 * r, 0.0)
         value = 0.5 * (ce + r * demd)
     elif mode == "emo2":
         r = demd / (ce + RATIO_EPS)
