@@ -567,3 +567,24 @@ def test_emo1_treats_a_demd_rounded_below_zero_as_zero() -> None:
     _a, b, value = mode_coefficients(ce.detach(), demd_value.detach(), valid, "emo1", 1.0)
     assert torch.allclose(value, mixed.detach())
     assert b[0] == 0.0 and torch.isclose(b[1], demd_value.grad[1])
+
+
+def test_from_hidden_equals_logits_path() -> None:
+    # The fused-linear entry point must give the loss and gradients of head(hidden) -> forward.
+    torch.manual_seed(3)
+    hidden = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    head = nn.Linear(8, 13, bias=True).double()
+    labels = torch.randint(0, 13, (2, 5))
+    labels[0, 0] = -100
+    loss_fn = EMOLoss(torch.randn(13, 6, dtype=torch.float64), implementation="reference")
+    fused = loss_fn.from_hidden(hidden, head.weight, labels, head.bias)
+    (2 * fused.loss).backward()
+    grads_fused = [hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()]
+    hidden.grad = None
+    head.zero_grad()
+    plain = loss_fn(head(hidden), labels)
+    (2 * plain.loss).backward()
+    assert torch.allclose(fused.loss, plain.loss, atol=1e-10)
+    want_grads = [hidden.grad, head.weight.grad, head.bias.grad]
+    for got, want in zip(grads_fused, want_grads, strict=True):
+        assert torch.allclose(got, want, atol=1e-10)

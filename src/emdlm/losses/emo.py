@@ -150,6 +150,35 @@ class EMOLoss(nn.Module):
             max_ratio=self.max_ratio,
         )
 
+    def from_hidden(
+        self,
+        hidden: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        labels: torch.Tensor,
+        lm_head_bias: torch.Tensor | None = None,
+    ) -> LossOutput:
+        """The same loss from hidden states, never materializing the full [N, V] logits.
+
+        Calls :func:`emdlm.ops.fused_linear_emo.fused_linear_emo_loss` (chunks over positions,
+        as Liger-Kernel's fused linear cross-entropy): gradients flow to ``hidden``, the head
+        weight and bias. ``hidden`` [..., H] and ``labels`` [...] must already be aligned.
+        """
+        from emdlm.ops.fused_linear_emo import fused_linear_emo_loss
+
+        return fused_linear_emo_loss(
+            hidden,
+            lm_head_weight,
+            labels,
+            self.cost_embedding_normalized,
+            bias=lm_head_bias,
+            mode=self.mode,
+            mu=self.mu,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+            chunk_size=self.chunk_size,
+            max_ratio=self.max_ratio,
+        )
+
     def extra_repr(self) -> str:
         vocab, width = self.cost_embedding_normalized.shape
         return (
