@@ -21,6 +21,14 @@ _EXPORTS: dict[str, str] = {
     "TaiLrLoss": "emdlm.losses.tailr",
     "MixCELoss": "emdlm.losses.mixce",
     "cost_embedding_from": "emdlm.losses.emo",
+    "find_number_spans": "emdlm.numbers",
+    "load_tokenizer": "emdlm.tokenizers",
+    "emo_loss_chunked": "emdlm.ops.emo_chunked",
+    "fused_linear_emo_loss": "emdlm.ops.fused_linear_emo",
+    "fused_linear_cross_entropy": "emdlm.ops.fused_linear_emo",
+    "lowrank_cost_embedding": "emdlm.ops.lowrank",
+    "compute_task_metrics": "emdlm.metrics",
+    "evaluate_examples": "emdlm.evaluation",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
