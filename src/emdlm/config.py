@@ -1,0 +1,334 @@
+"""Run configuration: nested dataclasses loaded from YAML, with dotted ``key=value`` overrides.
+
+A config file mirrors :class:`RunConfig`::
+
+    model: {name: tiny-gpt2, params: {n_layer: 2, n_embd: 96}}
+    tokenizer: char
+    data:
+      train: {task: arithmetic, n: 20000, params: {max_digits: 3}}
+      eval: {task: arithmetic, n: 200, split: test}
+    objective: {name: ntil, params: {lam: 0.3}}
+    optim: {lr: 1.0e-3, scheduler: cosine, warmup_ratio: 0.05}
+    train: {batch_size: 32, grad_accum: 1, max_steps: 500, seed: 0}
+    output_dir: runs/ntil
+
+Overrides use the same dotted paths: ``objective.name=ce train.max_steps=10``; values are parsed
+as YAML scalars ("1e-3" -> 0.001, "true" -> True, "[1, 2]" -> list). Unknown keys are an error
+naming the key and the valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import yaml
+
+OBJECTIVES = ("ce", "emd", "ntil", "emo", "tailr", "mixce")
+
+
+class ConfigError(ValueError):
+    """A configuration problem found before anything is run or written."""
+
+
+@dataclass
+class ModelConfig:
+    """``name``: a local Hugging Face checkpoint folder, or a named tiny architecture
+    ("tiny-gpt2", "tiny-llama") built from ``params`` (n_layer, n_embd, n_head, n_positions,...;
+    the vocab size comes from the tokenizer)."""
+
+    name: str = "tiny-gpt2"
+    params: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "float32"
+
+
+@dataclass
+class DataSourceConfig:
+    """One data source: exactly one of ``path`` (a .jsonl file with prompt/completion or text
+    fields, or a folder saved by ``datasets.save_to_disk``) or ``task`` (a registered generator,
+    see :mod:`emdlm.tasks`, with ``n`` examples of ``split`` and ``params``)."""
+
+    path: str | None = None
+    task: str | None = None
+    n: int = 1000
+    split: str = "train"
+    seed: int | None = None  # None: the run seed
+    params: dict[str, Any] = field(default_factory=dict)
+    limit: int | None = None  # keep only the first `limit` examples
+
+    def describe(self) -> str:
+        return self.path if self.path is not None else f"task {self.task} ({self.split})"
+
+
+@dataclass
+class DataConfig:
+    train: DataSourceConfig | None = None
+    eval: DataSourceConfig | None = None
+    max_length: int = 128
+    add_eos: bool = True
+    pad_to_multiple_of: int | None = None
+    extra_keys: list[str] = field(default_factory=list)  # tensor fields passed to the model
+
+
+@dataclass
+class ObjectiveConfig:
+    """``name``: one of ce | emd | ntil | emo | tailr | mixce; ``params`` go to the loss class.
+    ``cost_embedding`` (EMO only): "model" (a frozen copy of the model's output embedding at
+    the start of training) or a path to a tensor file (.pt / .safetensors, [V, d])."""
+
+    name: str = "ce"
+    params: dict[str, Any] = field(default_factory=dict)
+    cost_embedding: str | None = None
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    scheduler: str = "linear"  # any transformers SchedulerType: linear, cosine, constant, ...
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0
+    optim: str = "adamw_torch"
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 8  # per device
+    grad_accum: int = 1
+    epochs: float = 1.0
+    max_steps: int = -1  # > 0 overrides epochs
+    seed: int = 0
+    logging_steps: int = 1
+    save_steps: int = 500
+    save_total_limit: int | None = 2
+    eval_steps: int | None = None
+    progress_bar: bool = True
+    tensorboard: bool = True
+    num_workers: int = 0
+    gradient_checkpointing: bool = False
+    bf16: bool = False
+    fp16: bool = False
+    torch_threads: int | None = None
+    # FSDP through transformers.TrainingArguments(fsdp=True, fsdp_config=...); or launch with
+    # `accelerate launch --config_file configs/accelerate_fsdp.yaml` and leave this off
+    fsdp: bool = False
+    fsdp_config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] | None = None  # None: peft's default for the architecture
+
+
+@dataclass
+class EvalConfig:
+    kind: str = "number"  # number | clock | box | text
+    max_new_tokens: int = 16
+    batch_size: int = 64
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tokenizer: str = "gpt2"
+    data: DataConfig = field(default_factory=DataConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    output_dir: str = "runs/emdlm"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> None:
+        """Checks that need no file access (ConfigError on the first problem)."""
+        if self.objective.name not in OBJECTIVES:
+            raise ConfigError(
+                f"objective.name must be one of {', '.join(OBJECTIVES)}, "
+                f"got {self.objective.name!r}"
+            )
+        for name, src in (("data.train", self.data.train), ("data.eval", self.data.eval)):
+            if src is None:
+                continue
+            if (src.path is None) == (src.task is None):
+                raise ConfigError(f"{name}: give exactly one of 'path' or 'task'")
+            if src.split not in ("train", "test"):
+                raise ConfigError(f"{name}.split must be 'train' or 'test', got {src.split!r}")
+        t = self.train
+        for key in ("batch_size", "grad_accum", "logging_steps", "save_steps"):
+            if getattr(t, key) < 1:
+                raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")
+        if t.max_steps <= 0 and t.epochs <= 0:
+            raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
+        if self.data.max_length < 2:
+            raise ConfigError(f"data.max_length must be >= 2, got {self.data.max_length}")
+        if self.eval.kind not in ("number", "clock", "box", "text"):
+            raise ConfigError(f"eval.kind must be number|clock|box|text, got {self.eval.kind!r}")
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    """Build dataclass ``cls`` from a mapping, recursing into dataclass-typed fields."""
+    if data is None:
+        return cls()
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"unknown config key {where + key!r}{hint}; valid keys: {', '.join(names)}"
+            )
+        sub = _dataclass_in(hints[key])
+        if sub is not None and (isinstance(value, dict) or value is None):
+            kwargs[key] = None if value is None and _is_optional(hints[key]) else _build(
+                sub, value, f"{where}{key}."
+            )
+        elif key == "tokenizer" and cls is RunConfig and not isinstance(value, str):
+            raise ConfigError(f"tokenizer must be a name or a folder path, got {value!r}")
+        else:
+            kwargs[key] = _coerce(hints[key], value, where + key)
+    return cls(**kwargs)
+
+
+def _coerce(hint: Any, value: Any, where: str) -> Any:
+    """Convert YAML scalars to the field's scalar type ("1e-3" -> 0.001 for a float field)."""
+    origin = typing.get_origin(hint)
+    is_union = origin is typing.Union or origin is types.UnionType
+    args = typing.get_args(hint) if is_union else ()
+    if value is None:
+        if hint is type(None) or type(None) in args:
+            return None
+        raise ConfigError(f"{where} may not be null")
+    if origin is not None and not is_union:  # list[...] / dict[...]: checked by the consumer
+        return value
+    scalar = [t for t in (args or (hint,)) if t in (bool, int, float, str)]
+    if not scalar or type(value) in scalar:
+        return value
+    target = scalar[0]
+    try:
+        if target is bool:
+            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+                return value.lower() in ("true", "1")
+            raise ValueError
+        if target is int and isinstance(value, float) and value.is_integer():
+            return int(value)
+        if target is float and isinstance(value, (int, str)) and not isinstance(value, bool):
+            return float(value)
+        if target is int and isinstance(value, str):
+            return int(value)
+        if target is str and isinstance(value, (int, float)):
+            return str(value)
+    except ValueError:
+        pass
+    raise ConfigError(f"{where} must be {target.__name__}, got {value!r}")
+
+
+def _dataclass_in(hint: Any) -> type | None:
+    if dataclasses.is_dataclass(hint):
+        return hint
+    for arg in getattr(hint, "__args__", ()) or ():
+        if dataclasses.is_dataclass(arg):
+            return arg
+    return None
+
+
+def _is_optional(hint: Any) -> bool:
+    return type(None) in (getattr(hint, "__args__", ()) or ())
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``"a.b=1e-3"`` -> (["a", "b"], 0.001); the value is parsed as a YAML scalar/flow."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.seed=1)")
+    key, raw = item.split("=", 1)
+    key = key.strip().lstrip("-")
+    if not key:
+        raise ConfigError(f"override {item!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of the raw config mapping with dotted overrides applied."""
+    import copy
+
+    out = copy.deepcopy(data)
+    for item in overrides:
+        path, value = parse_override(item)
+        node = out
+        for part in path[:-1]:
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = {}
+                node[part] = nxt
+            elif not isinstance(nxt, dict):
+                # "tokenizer=char" style leaves can't take sub-keys
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+            node = nxt
+        node[path[-1]] = value
+    return out
+
+
+def load_config_dict(path: str | Path | None) -> dict[str, Any]:
+    """Raw mapping from a YAML file (a packaged config name like "arithmetic_ntil" also works)."""
+    if path is None:
+        return {}
+    p = Path(path)
+    if not p.exists():
+        packaged = Path(__file__).parent / "configs" / f"{path}.yaml"
+        if packaged.exists():
+            p = packaged
+        else:
+            raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{p}: not valid YAML: {err}") from err
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def build_config(data: dict[str, Any]) -> RunConfig:
+    """Validated :class:`RunConfig` from a raw mapping."""
+    cfg = _build(RunConfig, data, "")
+    cfg.validate()
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML config (or the defaults), apply ``key=value`` overrides, validate."""
+    return build_config(apply_overrides(load_config_dict(path), overrides or []))
+
+
+def packaged_configs() -> list[Path]:
+    """The run configs shipped with emdlm (accelerate launcher configs excluded)."""
+    folder = Path(__file__).parent / "configs"
+    return sorted(p for p in folder.glob("*.yaml") if not p.name.startswith("accelerate_"))

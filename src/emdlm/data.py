@@ -1,0 +1,245 @@
+"""Examples in, padded tensors out.
+
+Sources (see :class:`emdlm.config.DataSourceConfig`): a JSONL file (each line an object with
+string fields "prompt" and "completion", or "text"), a folder written by
+``datasets.Dataset.save_to_disk`` (same fields), or a registered task generator.
+
+Tokenization: prompt/completion examples become ``prompt_ids + completion_ids + [eos]`` (prompt
+encoded with the tokenizer's special tokens, completion without: the convention of
+:mod:`emdlm.evaluation`) with the prompt's labels set to -100, so only the completion (and its
+eos) is trained; text examples are
+``ids + [eos]`` with every token a label. Extra fields named in ``extra_keys`` (e.g. an image
+tensor "pixel_values") are kept as tensors and stacked by the collator, so a model taking more
+inputs needs no trainer change.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from emdlm.config import ConfigError, DataSourceConfig
+
+IGNORE_INDEX = -100
+_BASE_KEYS = ("input_ids", "labels", "attention_mask")
+
+
+def _check_row(row: Any, where: str) -> dict[str, Any]:
+    if not isinstance(row, dict):
+        raise ConfigError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    has_pc = "prompt" in row or "completion" in row
+    if has_pc:
+        for key in ("prompt", "completion"):
+            if not isinstance(row.get(key), str):
+                raise ConfigError(
+                    f"{where}: field {key!r} must be a string, got {type(row.get(key)).__name__}"
+                )
+        if not row["completion"]:
+            raise ConfigError(f"{where}: empty 'completion'")
+    elif "text" in row:
+        if not isinstance(row["text"], str) or not row["text"]:
+            raise ConfigError(f"{where}: field 'text' must be a non-empty string")
+    else:
+        raise ConfigError(
+            f"{where}: needs 'prompt' and 'completion' fields, or 'text' "
+            f"(found {', '.join(sorted(map(str, row))) or 'no fields'})"
+        )
+    return row
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a JSONL file; ConfigError naming ``file:line`` for any malformed line."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"data file not found: {p}")
+    rows: list[dict[str, Any]] = []
+    with p.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"{p}:{lineno}: not valid JSON ({err.msg})") from err
+            rows.append(_check_row(row, f"{p}:{lineno}"))
+    if not rows:
+        raise ConfigError(f"{p}: no examples")
+    return rows
+
+
+def _read_saved_dataset(path: Path, split: str) -> list[dict[str, Any]]:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as err:  # datasets raises FileNotFoundError/ValueError variants
+        raise ConfigError(f"{path}: not a dataset folder written by save_to_disk ({err})") from err
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise ConfigError(f"{path}: has splits {list(ds)}, not {split!r}")
+        ds = ds[split]
+    rows = [_check_row(dict(r), f"{path}: row {i}") for i, r in enumerate(ds)]
+    if not rows:
+        raise ConfigError(f"{path}: no examples")
+    return rows
+
+
+def load_examples(src: DataSourceConfig, *, seed: int) -> list[dict[str, Any]]:
+    """Examples (dicts) from one source; errors are ConfigError naming the source."""
+    if src.task is not None:
+        from emdlm.tasks import generate_task
+
+        try:
+            rows = generate_task(
+                src.task, n=src.n, split=src.split, seed=seed if src.seed is None else src.seed,
+                **src.params,
+            )
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+    else:
+        assert src.path is not None
+        p = Path(src.path)
+        if p.is_dir():
+            rows = _read_saved_dataset(p, src.split)
+        elif p.is_file():
+            rows = read_jsonl(p)
+        else:
+            raise ConfigError(f"data path not found: {p}")
+    if src.limit is not None:
+        rows = rows[: src.limit]
+    return rows
+
+
+def tokenize_example(
+    example: dict[str, Any],
+    tokenizer: Any,
+    *,
+    max_length: int,
+    add_eos: bool = True,
+    extra_keys: Sequence[str] = (),
+) -> dict[str, Any] | None:
+    """input_ids / labels (prompt masked with -100) for one example, or None if truncation
+    left no completion token."""
+    eos = [tokenizer.eos_token_id] if add_eos else []
+    if "completion" in example:
+        # same convention as emdlm.evaluation: the prompt with the tokenizer's special tokens
+        # (a BOS where it adds one), the completion without, concatenated as id lists
+        prompt = tokenizer(example["prompt"])["input_ids"]
+        completion = tokenizer(example["completion"], add_special_tokens=False)["input_ids"] + eos
+        ids = (prompt + completion)[:max_length]
+        labels = ([IGNORE_INDEX] * len(prompt) + completion)[:max_length]
+    else:
+        ids = (tokenizer(example["text"])["input_ids"] + eos)[:max_length]
+        labels = list(ids)
+    # the first position is never a target after the causal shift
+    if sum(lab != IGNORE_INDEX for lab in labels[1:]) == 0:
+        return None
+    item: dict[str, Any] = {"input_ids": ids, "labels": labels}
+    for key in extra_keys:
+        if key not in example:
+            raise ConfigError(f"extra key {key!r} missing from an example")
+        item[key] = torch.as_tensor(example[key])
+    return item
+
+
+class TokenizedDataset(torch.utils.data.Dataset):
+    """A list of tokenized examples (dicts of lists / tensors)."""
+
+    def __init__(self, items: list[dict[str, Any]]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.items[index]
+
+
+def build_dataset(
+    examples: Iterable[dict[str, Any]],
+    tokenizer: Any,
+    *,
+    max_length: int,
+    add_eos: bool = True,
+    extra_keys: Sequence[str] = (),
+    source: str = "data",
+) -> TokenizedDataset:
+    """Tokenize all examples (batched calls into the tokenizer; same result as
+    :func:`tokenize_example` per example); ConfigError if none has a trainable token left."""
+    rows = list(examples)
+    pc = [i for i, ex in enumerate(rows) if "completion" in ex]
+    tx = [i for i, ex in enumerate(rows) if "completion" not in ex]
+    eos = [tokenizer.eos_token_id] if add_eos else []
+    ids_of: dict[int, tuple[list[int], list[int]]] = {}
+    if pc:
+        prompts = tokenizer([rows[i]["prompt"] for i in pc])["input_ids"]
+        comps = tokenizer([rows[i]["completion"] for i in pc], add_special_tokens=False)
+        for i, p, c in zip(pc, prompts, comps["input_ids"], strict=True):
+            c = list(c) + eos
+            ids_of[i] = ((list(p) + c)[:max_length], ([IGNORE_INDEX] * len(p) + c)[:max_length])
+    if tx:
+        texts = tokenizer([rows[i]["text"] for i in tx])["input_ids"]
+        for i, t in zip(tx, texts, strict=True):
+            ids = (list(t) + eos)[:max_length]
+            ids_of[i] = (ids, list(ids))
+    items = []
+    for i, ex in enumerate(rows):
+        ids, labels = ids_of[i]
+        if all(lab == IGNORE_INDEX for lab in labels[1:]):
+            continue  # truncation left no target
+        item: dict[str, Any] = {"input_ids": ids, "labels": labels}
+        for key in extra_keys:
+            if key not in ex:
+                raise ConfigError(f"{source}: example {i} has no extra key {key!r}")
+            item[key] = torch.as_tensor(ex[key])
+        items.append(item)
+    if not items:
+        raise ConfigError(
+            f"{source}: no example has a target token left after truncation to "
+            f"data.max_length={max_length}"
+        )
+    return TokenizedDataset(items)
+
+
+class DataCollator:
+    """Right-pads input_ids (pad id), labels (-100) and builds attention_mask; any other key
+    whose values are tensors is stacked and passed through (e.g. "pixel_values").
+
+    Position 0's label is set to -100: after the causal shift it is never a target, and this
+    makes "count labels != -100" equal with or without the shift (so transformers'
+    ``num_items_in_batch`` is the scored-token count either way).
+    """
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None) -> None:
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        lengths = [len(f["input_ids"]) for f in features]
+        width = max(lengths)
+        if self.pad_to_multiple_of:
+            m = self.pad_to_multiple_of
+            width = (width + m - 1) // m * m
+        n = len(features)
+        input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((n, width), IGNORE_INDEX, dtype=torch.long)
+        attention = torch.zeros((n, width), dtype=torch.long)
+        for i, (f, length) in enumerate(zip(features, lengths, strict=True)):
+            input_ids[i, :length] = torch.as_tensor(f["input_ids"], dtype=torch.long)
+            labels[i, :length] = torch.as_tensor(f["labels"], dtype=torch.long)
+            attention[i, :length] = 1
+        labels[:, 0] = IGNORE_INDEX
+        batch: dict[str, torch.Tensor] = {
+            "input_ids": input_ids, "labels": labels, "attention_mask": attention,
+        }
+        for key in features[0]:
+            if key in _BASE_KEYS:
+                continue
+            values = [f[key] for f in features]
+            if all(isinstance(v, torch.Tensor) for v in values):
+                batch[key] = torch.stack(values)
+        return batch

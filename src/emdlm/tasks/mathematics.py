@@ -1,0 +1,73 @@
+"""DeepMind mathematics-dataset ``arithmetic__mixed`` (and siblings) as a named task.
+
+The package (mathematics-dataset 1.0.1) imports ``base_solution_linear`` from
+``sympy.solvers.diophantine``, which sympy >= 1.13 no longer exports there: :func:`_shim` puts it
+back from ``sympy.solvers.diophantine.diophantine`` before the import. Answers may be fractions
+("-6/11"). Train/test are disjoint by the dataset's own hash rule on the question text
+(``train_test_split.is_train``); "test" draws from the interpolation difficulty.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import random
+from typing import Any
+
+import numpy as np
+
+from emdlm.tasks import register_task
+
+
+def _shim() -> None:
+    # importlib, not "import ... as": sympy.solvers.diophantine is also a function's name
+    dioph = importlib.import_module("sympy.solvers.diophantine")
+    if not hasattr(dioph, "base_solution_linear"):
+        from sympy.solvers.diophantine.diophantine import base_solution_linear
+
+        dioph.base_solution_linear = base_solution_linear
+
+
+def _is_train(question: str) -> bool:
+    # same rule as mathematics_dataset.modules.train_test_split.is_train
+    return int(hashlib.md5(question.encode("utf-8")).hexdigest(), 16) % 2 == 0
+
+
+@register_task("math_arithmetic")
+def math_arithmetic(
+    n: int,
+    *,
+    split: str = "train",
+    seed: int = 0,
+    module: str = "mixed",
+    max_tries_per_example: int = 50,
+) -> list[dict[str, Any]]:
+    """``n`` problems from mathematics-dataset's arithmetic module ``module`` (default "mixed").
+
+    Prompt is the question followed by " Answer: ", completion is the answer text.
+    """
+    _shim()
+    from mathematics_dataset.modules import arithmetic as md_arith
+
+    mods = md_arith.train(lambda r: r) if split == "train" else md_arith.test()
+    if module not in mods:
+        raise ValueError(f"unknown arithmetic module {module!r}; known: {', '.join(sorted(mods))}")
+    gen = mods[module]
+    random.seed(seed * 2 + (split == "test"))
+    np.random.seed(seed * 2 + (split == "test"))
+    out: list[dict[str, Any]] = []
+    tries = 0
+    while len(out) < n:
+        tries += 1
+        if tries > n * max_tries_per_example:
+            raise RuntimeError(f"mathematics-dataset produced too few {split} problems")
+        problem = gen()
+        question, answer = str(problem.question), str(problem.answer)
+        if _is_train(question) != (split == "train"):
+            continue
+        out.append({"prompt": f"{question} Answer: ", "completion": answer})
+    return out
+
+
+# The issue's name for it.
+register_task("arithmetic__mixed")(math_arithmetic)

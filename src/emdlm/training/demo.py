@@ -1,0 +1,94 @@
+"""``emdlm demo``: CE vs NTIL on built-in integer arithmetic, same seed and data, side by side.
+
+Two runs of the packaged configs ``arithmetic_ce`` and ``arithmetic_ntil`` (identical apart from
+the objective): a tiny GPT-2 (< 1M parameters) on the "char" tokenizer, trained on generated
+add/sub problems, then evaluated greedily on a disjoint held-out set. One run and one seed can
+not separate the objectives (exact match moves by several points between seeds), so the table
+leads with the numeric errors and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from emdlm.config import load_config
+from emdlm.training.evaluate import evaluate_run
+from emdlm.training.train import run_training
+
+DEMO_OBJECTIVES = ("ce", "ntil")
+# numeric error first (GUIDE §2: exact match swings between seeds)
+METRIC_ORDER = (
+    "abs_error_mean", "abs_error_median", "rel_error_mean", "rel_error_median", "exact_match",
+    "parse_failure_rate", "perplexity", "n",
+)
+
+
+def _ordered(metrics: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = {k: metrics[k] for k in METRIC_ORDER if k in metrics}
+    out.update({k: v for k, v in metrics.items() if k not in out})
+    out.update(extra)
+    return out
+
+
+def run_demo(
+    out_dir: str | Path = "runs/demo",
+    overrides: list[str] | None = None,
+    objectives: tuple[str, ...] = DEMO_OBJECTIVES,
+    echo: Any = print,
+) -> dict[str, dict[str, Any]]:
+    """Train + evaluate one run per objective; print and save the side-by-side table."""
+    from emdlm.evaluation import format_metrics_table
+
+    out = Path(out_dir)
+    # Validate every run's config before training any of them.
+    configs = {
+        obj: load_config(f"arithmetic_{obj}", [*(overrides or []), f"output_dir={out / obj}"])
+        for obj in objectives
+    }
+    rows: dict[str, dict[str, Any]] = {}
+    for obj, cfg in configs.items():
+        echo(f"== {obj}: training {cfg.model.name} on {cfg.data.train.describe()} "  # type: ignore[union-attr]
+             f"(seed {cfg.train.seed}) ==")
+        t0 = time.perf_counter()
+        summary = run_training(cfg, overwrite=True)
+        t1 = time.perf_counter()
+        result = evaluate_run(cfg.output_dir, cfg, name=obj)
+        t2 = time.perf_counter()
+        rows[obj] = _ordered(
+            result["metrics"],
+            {"final_train_loss": _last_loss(Path(cfg.output_dir)),
+             "train_seconds": round(t1 - t0, 1), "eval_seconds": round(t2 - t1, 1),
+             "steps": summary["global_step"]},
+        )
+    seed = next(iter(configs.values())).train.seed
+    table = format_metrics_table(rows)
+    note = (
+        f"One run per objective, one seed (seed={seed}), same data and initial weights, short "
+        "training (not plateaued). In a pilot of this setup exact match moved by up to 9 "
+        "points between seeds, as much as any gap between objectives: read the numeric errors "
+        "(abs / rel error) first and draw no conclusion from one run. A claim needs plateaued "
+        "training, 5+ paired seeds and a significance test."
+    )
+    text = f"## emdlm demo: CE vs NTIL on integer add/sub (held-out set)\n\n{table}\n\n{note}\n"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "demo_results.md").write_text(text)
+    (out / "demo_metrics.json").write_text(json.dumps(rows, indent=2, default=str))
+    echo("")
+    echo(text)
+    echo(f"(saved to {out / 'demo_results.md'})")
+    return rows
+
+
+def _last_loss(run_dir: Path) -> float | None:
+    """CE-comparable last-step loss: the "ce" component when logged, else the objective."""
+    log = run_dir / "train_log.jsonl"
+    if not log.exists():
+        return None
+    lines = log.read_text().strip().splitlines()
+    if not lines:
+        return None
+    last = json.loads(lines[-1])
+    return last.get("ce", last.get("loss"))

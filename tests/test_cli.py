@@ -1,0 +1,207 @@
+"""emdlm CLI: help, configs and overrides, input errors before anything is written, and an
+end-to-end train + eval."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from emdlm.cli import app
+from emdlm.config import ConfigError, load_config, packaged_configs, parse_override
+
+runner = CliRunner()
+TINY = [
+    "model.params.n_layer=1", "model.params.n_embd=32", "data.train.n=64", "data.eval.n=16",
+    "train.max_steps=2", "train.batch_size=8", "train.progress_bar=false",
+    "train.tensorboard=false",
+]
+
+
+def _invoke(*args):
+    result = runner.invoke(app, [str(a) for a in args])
+    return result, result.output  # stdout and stderr interleaved
+
+
+@pytest.mark.parametrize("command", [[], ["train"], ["eval"], ["demo"]])
+def test_help(command):
+    result, text = _invoke(*command, "--help")
+    assert result.exit_code == 0
+    assert "Usage" in text
+    if command == ["train"]:
+        assert "--resume" in text and "overrides" in text
+
+
+@pytest.mark.parametrize("path", packaged_configs(), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert cfg.objective.name in ("ce", "emd", "ntil", "emo", "tailr", "mixce")
+    assert cfg.data.train is not None
+
+
+def test_shipped_accelerate_configs_parse():
+    from pathlib import Path
+
+    import emdlm
+
+    folder = Path(emdlm.__file__).parent / "configs"
+    names = {p.name for p in folder.glob("accelerate_*.yaml")}
+    assert {"accelerate_fsdp.yaml", "accelerate_deepspeed.yaml", "accelerate_ddp_cpu.yaml"} <= names
+    for name in names:
+        data = yaml.safe_load((folder / name).read_text())
+        assert data["num_processes"] == 2 and "distributed_type" in data
+
+
+def test_overrides_and_errors(tmp_path):
+    cfg = load_config("arithmetic_ce", [
+        "objective.name=ntil", "optim.lr=1e-4", "train.max_steps=7", "data.train.params.ops=+",
+        "lora.enabled=true", "lora.target_modules=[c_attn]",
+    ])
+    assert (cfg.objective.name, cfg.optim.lr, cfg.train.max_steps) == ("ntil", 1e-4, 7)
+    assert cfg.data.train.params == {"min_digits": 1, "max_digits": 3, "ops": "+"}
+    assert cfg.lora.enabled and cfg.lora.target_modules == ["c_attn"]
+    assert parse_override("a.b=[1, 2]") == (["a", "b"], [1, 2])
+    with pytest.raises(ConfigError, match="did you mean 'max_steps'"):
+        load_config("arithmetic_ce", ["train.max_step=3"])
+    with pytest.raises(ConfigError, match=r"train\.seed must be int"):
+        load_config("arithmetic_ce", ["train.seed=abc"])
+    with pytest.raises(ConfigError, match=r"objective\.name must be one of"):
+        load_config("arithmetic_ce", ["objective.name=mse"])
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config("arithmetic_ce", ["train.seed"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def _no_digit_tokenizer(folder):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate("abc+=")}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
+                                  unk_token="<unk>")
+    tok.save_pretrained(str(folder))
+    return folder
+
+
+def _small_model_folder(folder):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(vocab_size=20, n_layer=1, n_embd=16, n_head=2)).save_pretrained(
+        str(folder)
+    )
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing_data", "data path not found"),
+        ("bad_jsonl", "bad.jsonl:2: not valid JSON"),
+        ("missing_model", "neither a named architecture"),
+        ("vocab_mismatch", "tokenizer/model vocab mismatch: the tokenizer has 89 tokens"),
+        ("no_digits", "needs digit tokens|has no token that is a run of digits"),
+        ("emo_without_cost", "needs a cost embedding"),
+        ("bad_cost_file", "cost embedding file not found"),
+        ("missing_tokenizer", "tokenizer folder not found"),
+        ("unknown_task", "unknown task"),
+        pytest.param("fsdp_on_cpu", "train.fsdp needs GPUs", marks=pytest.mark.skipif(
+            __import__("torch").cuda.is_available(), reason="CPU-only check")),
+    ],
+)
+def test_bad_input_fails_before_writing(tmp_path, case, message):
+    out = tmp_path / "out"
+    args = ["train", "-c", "arithmetic_ce", *TINY, f"output_dir={out}"]
+    if case == "missing_data":
+        args += ["data.train.task=null", f"data.train.path={tmp_path / 'nope.jsonl'}"]
+    elif case == "bad_jsonl":
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"prompt": "1+1=", "completion": "2"}\n{"prompt": \n')
+        args += ["data.train.task=null", f"data.train.path={bad}"]
+    elif case == "missing_model":
+        args += [f"model.name={tmp_path / 'no_model'}", "model.params={}"]
+    elif case == "vocab_mismatch":
+        args += [f"model.name={_small_model_folder(tmp_path / 'm')}", "model.params={}"]
+    elif case == "no_digits":
+        args += [f"tokenizer={_no_digit_tokenizer(tmp_path / 'tok')}", "objective.name=ntil"]
+    elif case == "emo_without_cost":
+        args += ["objective.name=emo"]
+    elif case == "bad_cost_file":
+        args += ["objective.name=emo", f"objective.cost_embedding={tmp_path / 'e.pt'}"]
+    elif case == "missing_tokenizer":
+        args += [f"tokenizer={tmp_path / 'no_tok'}"]
+    elif case == "unknown_task":
+        args += ["data.train.task=arithmetics"]
+    elif case == "fsdp_on_cpu":
+        args += ["train.fsdp=true"]
+    result, text = _invoke(*args)
+    assert result.exit_code == 2, text
+    import re
+
+    assert re.search(message, text), text
+    assert not out.exists()  # nothing written half-way
+
+
+def test_existing_output_needs_resume_or_overwrite(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "something.txt").write_text("x")
+    result, text = _invoke("train", "-c", "arithmetic_ce", *TINY, f"output_dir={out}")
+    assert result.exit_code == 2 and "--resume" in text
+    result, text = _invoke("train", "-c", "arithmetic_ce", *TINY, f"output_dir={out}",
+                           "--overwrite")
+    assert result.exit_code == 2 and "not an emdlm run folder" in text
+    assert (out / "something.txt").exists()
+
+
+@pytest.mark.slow
+def test_train_then_eval_end_to_end(tmp_path):
+    out = tmp_path / "run"
+    result, text = _invoke("train", "-c", "arithmetic_ntil", *TINY, "--output", out)
+    assert result.exit_code == 0, text
+    assert (out / "model.safetensors").exists() and (out / "run_config.yaml").exists()
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2] and "ntil" in log[0]
+
+    result, text = _invoke("eval", out, "--n", 12, "eval.max_new_tokens=5")
+    assert result.exit_code == 0, text
+    metrics = json.loads((out / "eval" / "metrics.json").read_text())
+    preds = [json.loads(x) for x in (out / "eval" / "predictions.jsonl").read_text().splitlines()]
+    assert metrics["n"] == 12 and len(preds) == 12
+    assert {"exact_match", "abs_error_mean", "parse_failure_rate"} <= set(metrics)
+    assert {"prompt", "reference", "prediction"} <= set(preds[0])
+    assert "exact_match" in text  # the readable table
+
+    # a JSONL test set and an explicit output folder
+    data = tmp_path / "test.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1)}) + "\n"
+                            for i in range(5)))
+    result, text = _invoke("eval", out, "--data", data, "--out", tmp_path / "ev")
+    assert result.exit_code == 0, text
+    assert json.loads((tmp_path / "ev" / "metrics.json").read_text())["n"] == 5
+
+    result, text = _invoke("eval", tmp_path / "nothing_here")
+    assert result.exit_code == 2 and "not found" in text
+
+
+@pytest.mark.slow
+def test_demo_runs_both_objectives_and_prints_table(tmp_path):
+    result, text = _invoke(
+        "demo", "--out", tmp_path / "demo", "model.params.n_layer=1", "model.params.n_embd=32",
+        "data.train.n=64", "data.eval.n=8", "train.max_steps=2", "train.progress_bar=false",
+        "train.tensorboard=false",
+    )
+    assert result.exit_code == 0, text
+    rows = json.loads((tmp_path / "demo" / "demo_metrics.json").read_text())
+    assert list(rows) == ["ce", "ntil"]
+    assert list(rows["ce"])[:2] == ["abs_error_mean", "abs_error_median"]  # numeric error first
+    table = (tmp_path / "demo" / "demo_results.md").read_text()
+    header = next(line for line in table.splitlines() if line.startswith("| metric"))
+    assert header.split("|")[2].strip() == "ce" and header.split("|")[3].strip() == "ntil"
+    assert "one seed" in table
+    for name in ("ce", "ntil"):
+        assert (tmp_path / "demo" / name / "eval" / "metrics.json").exists()

@@ -1,0 +1,167 @@
+"""Data plumbing: JSONL / datasets folders / tasks, completion-only labels, collator."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from emdlm.config import ConfigError, DataSourceConfig
+from emdlm.data import (
+    IGNORE_INDEX,
+    DataCollator,
+    build_dataset,
+    load_examples,
+    read_jsonl,
+    tokenize_example,
+)
+from emdlm.tasks import available_tasks, generate_task, register_task
+from emdlm.tasks.arithmetic import problem_is_test
+from emdlm.tokenizers import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("char")
+
+
+def _write(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_jsonl_reads_prompt_completion_and_text(tmp_path):
+    p = _write(tmp_path / "d.jsonl", [
+        json.dumps({"prompt": "1+1=", "completion": "2"}),
+        "",
+        json.dumps({"text": "hello"}),
+    ])
+    rows = read_jsonl(p)
+    assert rows == [{"prompt": "1+1=", "completion": "2"}, {"text": "hello"}]
+
+
+@pytest.mark.parametrize(
+    ("bad_line", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ('["a", "b"]', "expected a JSON object"),
+        ('{"prompt": "1+1="}', "'completion' must be a string"),
+        ('{"question": "x"}', "needs 'prompt' and 'completion'"),
+        ('{"prompt": "1+1=", "completion": 2}', "'completion' must be a string"),
+    ],
+)
+def test_jsonl_errors_name_file_and_line(tmp_path, bad_line, message):
+    p = _write(tmp_path / "bad.jsonl", [json.dumps({"prompt": "1+1=", "completion": "2"}), "",
+                                        bad_line])
+    with pytest.raises(ConfigError, match=message) as err:
+        read_jsonl(p)
+    assert f"{p}:3:" in str(err.value)  # blank line 2 still counts
+
+
+def test_missing_paths(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_examples(DataSourceConfig(path=str(tmp_path / "nope.jsonl")), seed=0)
+
+
+def test_datasets_folder(tmp_path):
+    import datasets
+
+    ds = datasets.DatasetDict({
+        "train": datasets.Dataset.from_list([{"prompt": "2+2=", "completion": "4"}] * 3),
+        "test": datasets.Dataset.from_list([{"prompt": "3+3=", "completion": "6"}]),
+    })
+    ds.save_to_disk(str(tmp_path / "ds"))
+    rows = load_examples(DataSourceConfig(path=str(tmp_path / "ds"), split="test"), seed=0)
+    assert rows == [{"prompt": "3+3=", "completion": "6"}]
+    with pytest.raises(ConfigError, match="row 0"):
+        datasets.Dataset.from_list([{"q": "x"}]).save_to_disk(str(tmp_path / "bad"))
+        load_examples(DataSourceConfig(path=str(tmp_path / "bad")), seed=0)
+
+
+def test_completion_only_labels(tok):
+    item = tokenize_example({"prompt": "12+345=", "completion": "357"}, tok, max_length=64)
+    ids, labels = item["input_ids"], item["labels"]
+    assert tok.decode(ids[:7]) == "12+345="
+    assert labels[:7] == [IGNORE_INDEX] * 7  # prompt not trained
+    assert labels[7:] == ids[7:]  # completion + eos trained
+    assert tok.decode(ids[7:10]) == "357" and ids[-1] == tok.eos_token_id
+    text = tokenize_example({"text": "ab"}, tok, max_length=64)
+    assert text["labels"] == text["input_ids"] and text["input_ids"][-1] == tok.eos_token_id
+
+
+def test_truncation_drops_examples_without_targets(tok):
+    assert tokenize_example({"prompt": "1234567", "completion": "8"}, tok, max_length=5) is None
+    with pytest.raises(ConfigError, match="max_length"):
+        build_dataset([{"prompt": "1234567", "completion": "8"}], tok, max_length=5)
+
+
+def test_collator_pads_masks_and_passes_extra_tensors(tok):
+    a = tokenize_example({"prompt": "1+1=", "completion": "2"}, tok, max_length=32)
+    b = tokenize_example({"prompt": "10+10=", "completion": "20"}, tok, max_length=32)
+    a["pixel_values"], b["pixel_values"] = torch.zeros(3, 2, 2), torch.ones(3, 2, 2)
+    batch = DataCollator(tok.pad_token_id, pad_to_multiple_of=8)([a, b])
+    assert batch["input_ids"].shape == (2, 16)
+    assert batch["attention_mask"][0].sum() == len(a["input_ids"])
+    assert (batch["input_ids"][0, len(a["input_ids"]):] == tok.pad_token_id).all()
+    assert (batch["labels"][:, 0] == IGNORE_INDEX).all()
+    assert (batch["labels"][0, len(a["input_ids"]):] == IGNORE_INDEX).all()
+    # counting labels with or without the causal shift gives the same token count
+    assert (batch["labels"] != IGNORE_INDEX).sum() == (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+    assert batch["pixel_values"].shape == (2, 3, 2, 2)
+
+
+def test_arithmetic_task_is_seeded_correct_and_disjoint():
+    train = generate_task("arithmetic", n=3000, seed=1, max_digits=3)
+    again = generate_task("arithmetic", n=3000, seed=1, max_digits=3)
+    other = generate_task("arithmetic", n=3000, seed=2, max_digits=3)
+    test = generate_task("arithmetic", n=500, split="test", seed=1, max_digits=3)
+    assert train == again and train != other
+    for ex in train[:200] + test[:200]:
+        assert ex["completion"] == str(eval(ex["prompt"][:-1]))  # only digits and +/-
+    seen = {ex["prompt"] for ex in train + other}
+    assert not any(ex["prompt"] in seen for ex in test)
+    lengths = {len(p) for ex in train for p in ex["prompt"][:-1].replace("-", "+").split("+")}
+    assert lengths == {1, 2, 3}
+    no_neg = generate_task("arithmetic", n=500, seed=0, allow_negative=False)
+    assert all(not ex["completion"].startswith("-") for ex in no_neg)
+
+
+def test_test_split_hash_is_seed_independent():
+    import numpy as np
+
+    a = np.arange(1000)
+    flags = problem_is_test(a, np.zeros(1000, dtype=np.int64), a[::-1].copy(), 0.1)
+    assert 50 < flags.sum() < 150  # about the asked fraction
+
+
+def test_task_registry():
+    assert {"arithmetic", "arithmetic__mixed"} <= set(available_tasks())
+    with pytest.raises(ValueError, match="unknown task"):
+        generate_task("nope", n=1)
+    with pytest.raises(ValueError, match="bad parameters"):
+        generate_task("arithmetic", n=1, digits=3)
+
+    @register_task("_unit_test_task")
+    def _task(n, *, split, seed):
+        return [{"prompt": f"{split}{i}", "completion": str(seed)} for i in range(n)]
+
+    rows = load_examples(DataSourceConfig(task="_unit_test_task", n=2, split="test"), seed=7)
+    assert rows == [{"prompt": "test0", "completion": "7"}, {"prompt": "test1", "completion": "7"}]
+
+
+def test_mathematics_dataset_mixed_task():
+    rows = generate_task("arithmetic__mixed", n=5, seed=0)
+    assert len(rows) == 5 and all(r["prompt"].endswith("Answer: ") for r in rows)
+    assert rows == generate_task("arithmetic__mixed", n=5, seed=0)
+    test = generate_task("arithmetic__mixed", n=5, split="test", seed=0)
+    assert not {r["prompt"] for r in rows} & {r["prompt"] for r in test}
+
+
+def test_batched_dataset_equals_per_example(tok):
+    rows = [*generate_task("arithmetic", n=20, seed=0), {"text": "7+7=14"},
+            {"prompt": "9999999999", "completion": "1"}]
+    ds = build_dataset(rows, tok, max_length=10)
+    singles = [tokenize_example(r, tok, max_length=10) for r in rows]
+    assert [ds[i] for i in range(len(ds))] == [s for s in singles if s is not None]
+    assert len(ds) == len(rows) - 1  # the truncated one is dropped
