@@ -17,14 +17,28 @@ from emdlm.tokenizers import load_tokenizer
 from emdlm.training import prepare_run, train
 
 # Objectives whose summed loss is a sum of per-token terms: accumulation 4x2 == 8x1 exactly.
-EXACT_OBJECTIVES = {"ce": {}, "tailr": {}, "mixce": {}, "emo": {}}
-# NTIL / digit EMD average their terms over the numbers of the batch they are given and mix
-# with a batch ratio sg(CE/NTIL) ("sum" = n x the micro-batch mean, emdlm.functional.ntil), so
-# 4x2 is by definition not the computation 8x1 is. What is exact: the accumulated gradient is
-# the token-share weighted mean of the micro-batch losses, sum_i (n_i / N) grad L_i.
+# id -> (objective name, params). NTIL / digit EMD belong here with mix="static" and
+# averaging="token": every term is a sum over the batch divided by the counted labels, so
+# "sum" is sum_t CE_t + lam * sum of the NTIL terms (emdlm.functional.ntil). value_mode
+# "expected" / "argmax" (emd's default) keep the value deterministic (no Gumbel noise per call).
+TOKEN_NTIL = {"mix": "static", "averaging": "token"}
+EXACT_OBJECTIVES = {
+    "ce": ("ce", {}),
+    "tailr": ("tailr", {}),
+    "mixce": ("mixce", {}),
+    "emo": ("emo", {}),
+    "emd-static-token": ("emd", dict(TOKEN_NTIL)),
+    "ntil-static-token": ("ntil", {**TOKEN_NTIL, "value_mode": "expected"}),
+}
+# With the default averaging ("batch": means over the numbers of the batch it is given) or the
+# dynamic mix (a batch ratio sg(CE/NTIL), with any averaging), NTIL / digit EMD's "sum" is
+# n x the micro-batch mean (emdlm.functional.ntil), so 4x2 is by definition not the computation
+# 8x1 is. What is exact: the accumulated gradient is the token-share weighted mean of the
+# micro-batch losses, sum_i (n_i / N) grad L_i.
 BATCH_MEAN_OBJECTIVES = {
     "emd": {"value_mode": "expected"},
     "ntil": {"value_mode": "expected"},  # deterministic value (no Gumbel noise per call)
+    "ntil-dynamic-token": {"value_mode": "expected", "averaging": "token"},
 }
 
 
@@ -76,18 +90,23 @@ def _grads(model, clf, batches, n_items):
     return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
 
 
-@pytest.mark.parametrize("objective", sorted(EXACT_OBJECTIVES))
-def test_accumulation_4x2_equals_8x1(tok, batch8, objective):
+def _full_and_accumulated(tok, batch8, objective, params):
+    """Gradients of the tiny model through make_compute_loss_func: 8x1 and 4x2."""
     torch.manual_seed(0)
     model = build_model(ModelConfig("tiny-gpt2", {"n_layer": 1, "n_embd": 32}), tok)
-    cfg = ObjectiveConfig(objective, dict(EXACT_OBJECTIVES[objective]),
-                          "model" if objective == "emo" else None)
+    cfg = ObjectiveConfig(objective, dict(params), "model" if objective == "emo" else None)
     loss = build_objective(cfg, tokenizer=tok, model=model, vocab_size=len(tok))
     clf = make_compute_loss_func(loss)
     full, micro = batch8
     n_items = (full["labels"][:, 1:] != -100).sum()
-    g_full = _grads(model, clf, [full], n_items)
-    g_acc = _grads(model, clf, micro, n_items)
+    return _grads(model, clf, [full], n_items), _grads(model, clf, micro, n_items), model, clf
+
+
+@pytest.mark.parametrize("case", sorted(EXACT_OBJECTIVES))
+def test_accumulation_4x2_equals_8x1(tok, batch8, case):
+    objective, params = EXACT_OBJECTIVES[case]
+    g_full, g_acc, model, clf = _full_and_accumulated(tok, batch8, objective, params)
+    _, micro = batch8
     assert g_full.abs().max() > 1e-4
     torch.testing.assert_close(g_acc, g_full, rtol=1e-5, atol=1e-7)
     # negative control: a per-micro-batch mean (the pre-fix Trainer behaviour) is not exact,
@@ -99,15 +118,32 @@ def test_accumulation_4x2_equals_8x1(tok, batch8, objective):
         assert not torch.allclose(g_mean, g_full, rtol=1e-3, atol=1e-6)
 
 
-@pytest.mark.parametrize("objective", sorted(BATCH_MEAN_OBJECTIVES))
-def test_accumulation_is_token_weighted_mean_for_batch_averaged_objectives(tok, batch8, objective):
+@pytest.mark.parametrize(
+    ("objective", "params"),
+    [
+        ("ntil", {"mix": "static", "value_mode": "expected"}),  # "batch" means
+        ("ntil", {"averaging": "token", "value_mode": "expected"}),  # dynamic ratio
+        ("emd", {"averaging": "token"}),  # dynamic ratio
+    ],
+)
+def test_accumulation_not_exact_for_batch_means_or_dynamic_mix(tok, batch8, objective, params):
+    """Negative controls for the exact cases above: per-batch means or the dynamic ratio
+    sg(CE/NTIL) make 4x2 differ from 8x1 (the same comparison as the exact test)."""
+    g_full, g_acc, _, _ = _full_and_accumulated(tok, batch8, objective, params)
+    assert not torch.allclose(g_acc, g_full, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", sorted(BATCH_MEAN_OBJECTIVES))
+def test_accumulation_is_token_weighted_mean_for_batch_averaged_objectives(tok, batch8, case):
     torch.manual_seed(0)
     model = build_model(ModelConfig("tiny-gpt2", {"n_layer": 1, "n_embd": 32}), tok)
-    params = dict(BATCH_MEAN_OBJECTIVES[objective])
+    objective = case.split("-")[0]
+    params = dict(BATCH_MEAN_OBJECTIVES[case])
     if objective == "emd":
         params.pop("value_mode")
-    loss = build_objective(ObjectiveConfig(objective, params), tokenizer=tok, model=model,
-                           vocab_size=len(tok))
+    loss = build_objective(
+        ObjectiveConfig(objective, params), tokenizer=tok, model=model, vocab_size=len(tok)
+    )
     clf = make_compute_loss_func(loss)
     _, micro = batch8
     n_items = sum((m["labels"][:, 1:] != -100).sum() for m in micro)
@@ -124,14 +160,27 @@ def test_accumulation_is_token_weighted_mean_for_batch_averaged_objectives(tok, 
     torch.testing.assert_close(g_acc, g_ref, rtol=1e-5, atol=1e-7)
 
 
-def _one_sgd_step(tmp_path, name, objective, batch, accum):
+def _one_sgd_step(tmp_path, name, objective, batch, accum, params=()):
     overrides = [
-        f"objective.name={objective}", "model.params.n_layer=1", "model.params.n_embd=32",
-        "data.train.n=64", "data.eval=null", f"train.batch_size={batch}",
-        f"train.grad_accum={accum}", "train.max_steps=1", "train.progress_bar=false",
-        "train.tensorboard=false", "optim.optim=sgd", "optim.lr=1.0", "optim.max_grad_norm=0",
-        "optim.scheduler=constant", "optim.warmup_ratio=0", "optim.weight_decay=0",
-        "data.pad_to_multiple_of=16", f"output_dir={tmp_path / name}",
+        *params,
+        f"objective.name={objective}",
+        "model.params.n_layer=1",
+        "model.params.n_embd=32",
+        "data.train.n=64",
+        "data.eval=null",
+        f"train.batch_size={batch}",
+        f"train.grad_accum={accum}",
+        "train.max_steps=1",
+        "train.progress_bar=false",
+        "train.tensorboard=false",
+        "optim.optim=sgd",
+        "optim.lr=1.0",
+        "optim.max_grad_norm=0",
+        "optim.scheduler=constant",
+        "optim.warmup_ratio=0",
+        "optim.weight_decay=0",
+        "data.pad_to_multiple_of=16",
+        f"output_dir={tmp_path / name}",
     ]
     if objective == "emo":
         overrides += ["objective.cost_embedding=model"]
@@ -141,13 +190,23 @@ def _one_sgd_step(tmp_path, name, objective, batch, accum):
     return before, load_file(str(tmp_path / name / "model.safetensors"))
 
 
+# From the CLI / a YAML config: objective.params: {mix: static, averaging: token}.
+NTIL_TOKEN_OVERRIDES = (
+    "objective.params.mix=static",
+    "objective.params.averaging=token",
+    "objective.params.value_mode=expected",
+)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("objective", ["ce", "emo"])
-def test_trainer_accumulation_same_weights(tmp_path, objective):
+@pytest.mark.parametrize(
+    ("objective", "params"), [("ce", ()), ("emo", ()), ("ntil", NTIL_TOKEN_OVERRIDES)]
+)
+def test_trainer_accumulation_same_weights(tmp_path, objective, params):
     """Through transformers.Trainer: one SGD step (lr 1, no clipping, so the update is the
     gradient) with batch 8 x accumulation 1 and 4 x 2 lands on the same weights."""
-    before, w81 = _one_sgd_step(tmp_path, "b8", objective, 8, 1)
-    _, w42 = _one_sgd_step(tmp_path, "b4", objective, 4, 2)
+    before, w81 = _one_sgd_step(tmp_path, "b8", objective, 8, 1, params)
+    _, w42 = _one_sgd_step(tmp_path, "b4", objective, 4, 2, params)
     moved = max(float((w81[k] - before[k]).abs().max()) for k in w81 if k in before)
     assert moved > 1e-3
     for key in w81:

@@ -58,11 +58,16 @@ def official_oracle(
     digit_exp: float = 1.2,
     tau: float = 0.1,
     sequence_terms: bool = True,
+    averaging: str = "row",
+    mix: str = "dynamic",
 ) -> torch.Tensor:
+    """The official algorithm; ``averaging="token"`` sums each term over the whole batch and
+    divides by the counted labels instead (emdlm's option), ``mix="static"`` drops the ratio."""
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).long())
     digit_of = {tid: d for d, tid in enumerate(DIGIT_IDS)}
     arange = torch.arange(10, dtype=logits.dtype)
     row_losses = []
+    all_emds, all_rels, all_mags = [], [], []
     for b in range(labels.shape[0]):
         row = labels[b].tolist()
         runs, cur = [], []
@@ -93,6 +98,7 @@ def official_oracle(
             rel = (x - y).abs() / (torch.maximum(x, y) + 1)
             rels.append(torch.where(x == y, torch.zeros_like(rel), rel))
             mags.append(torch.log((torch.maximum(x, y) + 1) / (torch.minimum(x, y) + 1)))
+        all_emds, all_rels, all_mags = all_emds + emds, all_rels + rels, all_mags + mags
         zero = logits.sum() * 0
         emd = torch.stack(emds).mean() if emds else zero
         rel = torch.stack(rels).mean() if rels else zero
@@ -102,6 +108,13 @@ def official_oracle(
             row_loss = row_loss + alpha * rel + beta * mag
         row_losses.append(row_loss)
     ntil = torch.stack(row_losses).mean()
+    if averaging == "token":
+        n = int((labels != -100).sum())
+        ntil = digit_alpha * sum(all_emds, logits.sum() * 0) / n
+        if sequence_terms:
+            ntil = ntil + (alpha * sum(all_rels, 0.0) + beta * sum(all_mags, 0.0)) / n
+    if mix == "static":
+        return ce + lam * ntil
     return ce + (ce / (ntil + 1e-10)).detach() * lam * ntil
 
 
@@ -422,15 +435,16 @@ label_tokens = st.sampled_from([*TOKENS, "<pad>"])
     st.sampled_from(["paper", "official"]),
     st.sampled_from(["argmax", "expected"]),
     st.integers(0, 2**16),
+    st.sampled_from([None, "token"]),
 )
 @settings(max_examples=15, deadline=None)
 def test_properties_finite_nonnegative_row_permutation_padding(
-    rows: list[list[str]], preset: str, mode: str, seed: int
+    rows: list[list[str]], preset: str, mode: str, seed: int, averaging: str | None
 ) -> None:
     labels = labels_of(*rows)
     gen = torch.Generator().manual_seed(seed)
     base = torch.randn(*labels.shape, V, generator=gen, dtype=torch.float64) * 4
-    fn = loss_fn(preset=preset, value_mode=mode)
+    fn = loss_fn(preset=preset, value_mode=mode, averaging=averaging)
     x = base.clone().requires_grad_()
     out = fn(x, labels)
     out.loss.backward()
@@ -667,3 +681,127 @@ def test_sum_reduction_gradient_accumulation(implementation: str) -> None:
             counts = [int((labels[p] != -100).sum()) for p in (slice(0, 1), slice(1, 3))]
             weighted = sum(m * c for m, c in zip(means, counts, strict=True)) / n_total
             assert acc == pytest.approx(weighted, rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# averaging="token": every term summed over the batch and divided by the counted labels n.
+@pytest.mark.parametrize("mix", ["static", "dynamic"])
+@pytest.mark.parametrize("digit_emd_only", [False, True])
+def test_token_averaging_matches_oracle(mix: str, digit_emd_only: bool) -> None:
+    """Official spans and deviations, token averaging: value and gradient equal the loop oracle
+    that sums every W·EMD / deviation of the batch and divides by n."""
+    labels = labels_of(*OFFICIAL_ROWS)
+    base = torch.randn(4, 10, V, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    base = base * 3
+    x_ref, x_ours = base.clone().requires_grad_(), base.clone().requires_grad_()
+    kw = {"preset": "official", "averaging": "token", "mix": mix, "implementation": "reference"}
+    if digit_emd_only:
+        expected = official_oracle(
+            x_ref, labels, digit_exp=1.0, sequence_terms=False, averaging="token", mix=mix
+        )
+        out = DigitEMDLoss(VOCAB, **kw)(x_ours, labels)
+    else:
+        expected = official_oracle(x_ref, labels, averaging="token", mix=mix)
+        out = NTILLoss(VOCAB, value_mode="argmax", **kw)(x_ours, labels)
+    (2 * expected).backward()
+    (2 * out.loss).backward()
+    assert float(out.loss.detach()) == pytest.approx(float(expected.detach()), rel=1e-12)
+    torch.testing.assert_close(x_ours.grad, x_ref.grad, rtol=1e-9, atol=1e-12)
+    # negative control: the official row means give another gradient on these rows
+    x_row = base.clone().requires_grad_()
+    kw["averaging"] = "row"
+    fn = DigitEMDLoss(VOCAB, **kw) if digit_emd_only else NTILLoss(VOCAB, value_mode="argmax", **kw)
+    (2 * fn(x_row, labels).loss).backward()
+    assert (x_row.grad - x_ours.grad).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("preset", ["paper", "official"])
+def test_token_averaging_is_batch_sum_over_counted_labels(preset: str) -> None:
+    """Hand relation: token term = batch-mean term × items / n, for every term; the static
+    total is CE + λ·NTIL; "sum" is Σ CE_t + λ·Σ terms."""
+    labels = labels_of(["a", "4", "2", ".", "5", "b", "Ġ7"], ["1", "0", "<pad>", "34", "-", "7"])
+    base = torch.randn(*labels.shape, V, dtype=torch.float64) * 2
+    kw = {"preset": preset, "value_mode": "argmax", "mix": "static", "lam": 0.4}
+    mean = loss_fn(averaging="batch", **kw)(base, labels).components
+    tok = loss_fn(averaging="token", **kw)(base, labels)
+    c = tok.components
+    n = int((labels != -100).sum())
+    m, s = int(c["n_digit_tokens"]), int(c["n_numbers"])
+    assert n == 12 and 0 < s < m < n
+    assert float(c["emd"]) == pytest.approx(float(mean["emd"]) * m / n, rel=1e-12)
+    for term in ("relative", "magnitude"):
+        assert float(c[term]) == pytest.approx(float(mean[term]) * s / n, rel=1e-12)
+    assert float(c["relative"]) > 0 and float(c["magnitude"]) > 0
+    ntil = c["emd"] + 0.2 * c["relative"] + 0.2 * c["magnitude"]
+    assert float(c["ntil"]) == pytest.approx(float(ntil), rel=1e-12)
+    assert float(tok.loss) == pytest.approx(float(c["ce"] + 0.4 * ntil), rel=1e-12)
+    ce_sum = F.cross_entropy(base.reshape(-1, V), labels.reshape(-1), reduction="sum")
+    total = loss_fn(averaging="token", reduction="sum", **kw)(base, labels).loss
+    assert float(total) == pytest.approx(float(ce_sum + 0.4 * n * ntil), rel=1e-12)
+
+
+def test_digit_emd_token_averaging_hand_worked() -> None:
+    """σ = 0: Σ_m EMD_m / n, with n counting the word tokens too."""
+    labels = labels_of(["a", "4", "2", "7", "5", "b"], ["9", "b", "<pad>", "a", "a", "a"])
+    base = torch.randn(*labels.shape, V, dtype=torch.float64)
+    out = DigitEMDLoss(VOCAB, averaging="token", implementation="reference")(base, labels)
+    probs = torch.softmax(base[[0, 0, 0, 0, 1], [1, 2, 3, 4, 0]][:, :10], -1)
+    gold = torch.tensor([4, 2, 7, 5, 9])
+    emd_sum = (probs * (torch.arange(10) - gold[:, None]).abs()).sum()
+    assert float(out.components["emd"]) == pytest.approx(float(emd_sum) / 11, rel=1e-12)
+
+
+def test_token_averaging_edge_cases_and_bad_value() -> None:
+    fn = loss_fn(averaging="token", mix="static")
+    x = torch.randn(1, 5, V, requires_grad=True)
+    labels = labels_of(["a", "b", "Ġc", "=", "."])
+    out = fn(x, labels)
+    out.loss.backward()
+    ce = F.cross_entropy(x.detach().reshape(-1, V), labels.reshape(-1))
+    assert out.loss.item() == pytest.approx(float(ce), rel=1e-6)
+    assert float(out.components["ntil"]) == 0.0 and torch.isfinite(x.grad).all()
+    x = torch.randn(2, 4, V, requires_grad=True)
+    out = fn(x, torch.full((2, 4), -100))
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and x.grad.abs().max() == 0
+    with pytest.raises(ValueError, match="averaging"):
+        NTILLoss(VOCAB, averaging="tokens")
+
+
+ACC_LABELS = (
+    ["a", "4", "2", ".", "5", "b"],
+    ["1", "0", "<pad>", "34", "-", "7"],
+    ["a", "9", "9", "<pad>", "<pad>", "b"],
+    ["Ġ123", "Ġ45", "a", "8", "b", "b"],
+)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "fused"])
+@pytest.mark.parametrize("cls", [NTILLoss, DigitEMDLoss])
+def test_token_static_accumulation_equals_full_batch(implementation: str, cls: type) -> None:
+    """mix="static", averaging="token": micro-batches summed and divided by the global count
+    give the full batch's mean loss and gradient; "batch" averaging and the dynamic mix do not
+    (negative controls: the same check fails for them)."""
+    labels = labels_of(*ACC_LABELS)
+    base = torch.randn(*labels.shape, V, dtype=torch.float64) * 2
+    parts = [slice(0, 1), slice(1, 3), slice(3, 4)]
+
+    def check(averaging: str, mix: str) -> bool:
+        kw = {"averaging": averaging, "mix": mix, "implementation": implementation}
+        kw |= {"value_mode": "expected"} if cls is NTILLoss else {}
+        n_total = int((labels != -100).sum())
+        x = base.clone().requires_grad_()
+        acc = 0.0
+        for part in parts:
+            out = cls(VOCAB, reduction="sum", **kw)(x[part], labels[part])
+            (out.loss / n_total).backward()
+            acc += out.loss.item() / n_total
+        xf = base.clone().requires_grad_()
+        full = cls(VOCAB, **kw)(xf, labels)
+        full.loss.backward()
+        same_loss = acc == pytest.approx(full.loss.item(), rel=1e-12)
+        return same_loss and torch.allclose(x.grad, xf.grad, rtol=1e-10, atol=1e-13)
+
+    assert check("token", "static")
+    assert not check("batch", "static")
+    assert not check("token", "dynamic")

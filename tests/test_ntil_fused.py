@@ -48,16 +48,19 @@ def run(
 
 
 CASES = [
-    (preset, mode, reduction, mix)
+    (preset, mode, reduction, mix, averaging)
     for preset in ("paper", "official")
     for mode in ("argmax", "expected", "gumbel")
     for reduction in ("mean", "sum")
     for mix in ("dynamic", "static")
+    for averaging in (None, "token")  # None: the preset's ("batch" / "row")
 ]
 
 
-@pytest.mark.parametrize(("preset", "mode", "reduction", "mix"), CASES)
-def test_fused_equals_reference(preset: str, mode: str, reduction: str, mix: str) -> None:
+@pytest.mark.parametrize(("preset", "mode", "reduction", "mix", "averaging"), CASES)
+def test_fused_equals_reference(
+    preset: str, mode: str, reduction: str, mix: str, averaging: str | None
+) -> None:
     labels = random_labels(3, 13, seed=len(preset) + len(mode))  # odd sizes
     base = torch.randn(3, 13, V, generator=torch.Generator().manual_seed(1)) * 3
     kw = {
@@ -65,6 +68,7 @@ def test_fused_equals_reference(preset: str, mode: str, reduction: str, mix: str
         "value_mode": mode,
         "reduction": reduction,
         "mix": mix,
+        "averaging": averaging,
         "chunk_elements": 4 * V,
     }  # several chunks
     loss_f, grad_f, comp_f = run("fused", base, labels, **kw)
@@ -102,12 +106,14 @@ def test_fused_half_precision(dtype: torch.dtype, tol: float) -> None:
     torch.testing.assert_close(grad_f.float(), grad_r.float(), rtol=tol, atol=tol * 0.05)
 
 
-def test_fused_digit_emd_loss_and_edge_cases() -> None:
+@pytest.mark.parametrize("averaging", [None, "token"])
+def test_fused_digit_emd_loss_and_edge_cases(averaging: str | None) -> None:
     base = torch.randn(2, 7, V, generator=torch.Generator().manual_seed(5))
     labels = random_labels(2, 7, seed=5)
+    kw = {"cls": DigitEMDLoss, "averaging": averaging}
     for lab in (labels, torch.full_like(labels, -100), torch.full_like(labels, len(TOKENS) - 3)):
-        loss_f, grad_f, comp_f = run("fused", base, lab, cls=DigitEMDLoss)
-        loss_r, grad_r, comp_r = run("reference", base, lab, cls=DigitEMDLoss)
+        loss_f, grad_f, comp_f = run("fused", base, lab, **kw)
+        loss_r, grad_r, comp_r = run("reference", base, lab, **kw)
         torch.testing.assert_close(loss_f, loss_r, rtol=2e-6, atol=1e-6)
         torch.testing.assert_close(grad_f, grad_r, rtol=1e-5, atol=1e-7)
         assert comp_f == pytest.approx(comp_r, rel=1e-5, abs=1e-7)
@@ -120,8 +126,8 @@ def test_fused_gradcheck_float64() -> None:
     spans = resolve_spans(labels, vocab, join_decimal=True, signed=True, digits_only=False)
     cands = class_candidates(vocab, spans)
     assert spans.n_tokens > 0
-    for mode in ("expected", "argmax"):
-        settings = NTILSettings(mix="static", value_mode=mode, sigma=0.2)
+    for mode, averaging in (("expected", "batch"), ("argmax", "batch"), ("expected", "token")):
+        settings = NTILSettings(mix="static", value_mode=mode, sigma=0.2, averaging=averaging)
         if mode == "argmax":  # straight-through: only the EMD part has a true derivative
             settings = NTILSettings(mix="static", value_mode=mode, alpha=0.0, beta=0.0)
         logits = torch.randn(2, 5, V, dtype=torch.float64, requires_grad=True)

@@ -14,6 +14,25 @@ model's own loss in the official training code. Averaging of the NTIL terms (``a
   magnitude over all numbers of the batch.
 * ``"row"`` (official): each term averaged within a batch row (over its number tokens / numbers;
   0 for a row without any), then over all B rows, rows without numbers included.
+* ``"token"`` (emdlm's option for gradient accumulation and multi-process training): each term
+  is a SUM over the batch divided by n, the number of counted labels (CE's denominator):
+
+      emd = Σ_{number tokens m} W_m·EMD_m / n,   relative = Σ_{numbers s} rel_s / n,
+      magnitude = Σ_s mag_s / n.
+
+  With ``mix="static"`` the total is Σ_t CE_t / n + λ·(Σ NTIL terms) / n, where Σ NTIL terms =
+  emd_weight·Σ_m W_m·EMD_m + α·Σ_s rel_s + β·Σ_s mag_s, and ``reduction="sum"`` returns
+  Σ_t CE_t + λ·Σ NTIL terms: a plain sum over tokens and numbers, so dividing each
+  micro-batch's sum by the token count of the whole accumulated (all-process) batch gives
+  exactly the full batch's loss and gradient, however the rows are split (a number never
+  straddles two rows). "batch" and "row" means depend on which items share a micro-batch, so
+  they cannot be exact under accumulation. The scale of the terms differs: "token" ≈ "batch" ×
+  (number tokens or numbers) / n, so λ (or α, β) may need retuning relative to the paper's.
+
+NOTE: the dynamic mix λ·sg(CE/NTIL) is a ratio of two batch means (with "token": of two batch
+sums, Σ CE_t / Σ NTIL terms). A ratio of sums over a micro-batch is not the ratio over the whole
+batch, so the dynamic mix is NOT exact under gradient accumulation or multi-process training
+with any averaging; only ``mix="static", averaging="token"`` is.
 
 All NTIL math runs on the small [M, K] tensor of the class-candidate logits of the M number
 positions (float64), gathered once: :func:`ntil_terms` is shared by this reference and by the
@@ -21,11 +40,12 @@ fused fast path :mod:`emdlm.ops.ntil_fused`. With no number in the batch, every 
 explicit 0 and the loss equals CE.
 
 ``reduction="sum"`` returns n · (the mean-reduced total), n = number of counted labels: the CE
-part is the exact CE sum, the NTIL part is its mean-based mix multiplied by n, so dividing by a
-global token count (transformers' ``num_items_in_batch``) gives each micro-batch's mean loss
-weighted by its share of tokens. Gradient accumulation is then exact for CE; for the NTIL part
-the ratio sg(CE/NTIL) and the NTIL means are per micro-batch (the closest the non-linear ratio
-allows without a second pass).
+part is the exact CE sum. With ``mix="static", averaging="token"`` the NTIL part is λ · (sum of
+the NTIL terms), a sum too, and dividing by a global token count (transformers'
+``num_items_in_batch``) makes accumulation exact. Otherwise the NTIL part is n × its micro-batch
+mean-based mix, so dividing by a global count gives each micro-batch's mean loss weighted by its
+share of tokens: exact for CE, while the NTIL means and the ratio sg(CE/NTIL) stay per
+micro-batch.
 
 Shape notation: B batch rows, T time, V vocabulary rows, N = B·T, M number tokens, K candidates
 per token, S numbers.
@@ -54,7 +74,7 @@ from emdlm.functional.number_value import (
 from emdlm.numbers import NumberSpans, NumberVocab
 
 Mix = Literal["dynamic", "static"]
-Averaging = Literal["batch", "row"]
+Averaging = Literal["batch", "row", "token"]
 
 #: Denominator guard of the dynamic mix, as emdlm.functional._common.dynamic_mix.
 MIX_EPS = 1e-12
@@ -74,7 +94,8 @@ class NTILSettings:
         value_mode: "gumbel", "argmax" or "expected" (see emdlm.functional.number_value).
         tau: Gumbel-softmax temperature (0.1).
         noise_scale: Gumbel noise multiplier (0.01).
-        averaging: "batch" (paper) or "row" (official).
+        averaging: "batch" (paper), "row" (official) or "token" (sums over the batch / counted
+            labels: exact under gradient accumulation with mix="static"; module docstring).
         smoothing: "paper" or "official" deviations (emdlm.functional.number_value).
         sequence_terms: compute relative / magnitude (False for the plain EMD baseline).
         reduction: "mean" or "sum" (module docstring).
@@ -102,7 +123,7 @@ class NTILSettings:
         choices = {
             "mix": ("dynamic", "static"),
             "value_mode": ("gumbel", "argmax", "expected"),
-            "averaging": ("batch", "row"),
+            "averaging": ("batch", "row", "token"),
             "smoothing": ("paper", "official"),
             "reduction": ("mean", "sum"),
         }
@@ -169,10 +190,20 @@ def _row_mean(per_item: torch.Tensor, item_row: torch.Tensor, n_rows: int) -> to
 
 
 def _average(
-    per_item: torch.Tensor, item_row: torch.Tensor, n_rows: int, averaging: Averaging
+    per_item: torch.Tensor,
+    item_row: torch.Tensor,
+    n_rows: int,
+    averaging: Averaging,
+    n_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """Reduce [items] to 0-d: mean over items ("batch"), mean of row means ("row"), or sum over
+    items / ``n_tokens`` counted labels ("token"; n clamped to ≥ 1, no host sync)."""
     if averaging == "row":
         return _row_mean(per_item, item_row, n_rows)
+    if averaging == "token":
+        if n_tokens is None:
+            raise ValueError('averaging="token" needs n_tokens, the number of counted labels')
+        return per_item.sum() / n_tokens.to(per_item.dtype).clamp_min(1)
     return per_item.sum() / max(per_item.numel(), 1)
 
 
@@ -183,6 +214,7 @@ def ntil_terms(
     n_rows: int,
     settings: NTILSettings,
     noise: torch.Tensor | None = None,
+    n_tokens: torch.Tensor | None = None,
 ) -> NTILTerms:
     """NTIL terms from the [M, K] class-candidate logits (shared by reference and fused path).
 
@@ -193,6 +225,7 @@ def ntil_terms(
         n_rows: B, the number of batch rows (for ``averaging="row"``).
         settings: the knobs.
         noise: [M, K] standard Gumbel samples for ``value_mode="gumbel"``.
+        n_tokens: 0-d count of counted labels n (needed for ``averaging="token"``).
 
     Returns:
         :class:`NTILTerms`; every term is an explicit 0 when M == 0.
@@ -208,7 +241,7 @@ def ntil_terms(
         spans.digits_right,
         settings.sigma,
     )  # [M]
-    emd = _average(wemd, token_row, n_rows, settings.averaging)
+    emd = _average(wemd, token_row, n_rows, settings.averaging, n_tokens)
     zero = z.sum() * 0.0  # a 0 that keeps the graph (and the dtype/device)
     relative, magnitude = zero, zero
     if settings.sequence_terms and spans.n_numbers > 0:
@@ -233,8 +266,8 @@ def ntil_terms(
         else:
             unit = 1.0
         mag = magnitude_deviation(x, y, unit)  # [S]
-        relative = _average(rel, spans.number_row, n_rows, settings.averaging)
-        magnitude = _average(mag, spans.number_row, n_rows, settings.averaging)
+        relative = _average(rel, spans.number_row, n_rows, settings.averaging, n_tokens)
+        magnitude = _average(mag, spans.number_row, n_rows, settings.averaging, n_tokens)
     ntil = settings.emd_weight * emd + settings.alpha * relative + settings.beta * magnitude
     return NTILTerms(emd=emd, relative=relative, magnitude=magnitude, ntil=ntil)
 
@@ -334,7 +367,7 @@ def ntil_loss(
     if noise is None:
         noise = sample_noise(candidates, settings, generator)
     class_logits = flat[spans.flat_index.unsqueeze(1), candidates.ids]  # [M, K]
-    terms = ntil_terms(class_logits, candidates, spans, n_rows, settings, noise)
+    terms = ntil_terms(class_logits, candidates, spans, n_rows, settings, noise, count)
     coef = mix_coefficient(ce_mean, terms.ntil, settings)
     mixed = (coef * terms.ntil).to(compute)
     if settings.reduction == "sum":

@@ -18,6 +18,14 @@ Presets (explicit keyword arguments override them):
   over all counted tokens. With ``value_mode="argmax"`` it is deterministic and equals the
   official outputs (see the ambiguities in the NOTE lines of this docstring).
 
+``averaging="token"`` (either preset): every NTIL term is a sum over the batch divided by the
+number n of counted labels, CE's denominator. With ``mix="static"`` and ``reduction="sum"`` the
+loss is Σ_t CE_t + λ·Σ(NTIL terms), a plain sum over tokens and numbers, so dividing by the token
+count of the whole accumulated / all-process batch (``make_compute_loss_func``) makes gradient
+accumulation and DDP exact: 4 x 2 micro-batches give the gradient of 8 x 1. The dynamic mix
+λ·sg(CE/NTIL) is a ratio of batch means (sums) and cannot be exact under accumulation with any
+averaging; nor can the "batch" / "row" means. See :mod:`emdlm.functional.ntil`.
+
 NOTE (official preset, resolved ambiguities):
   - X is built once per number and reused by relative and magnitude; the official code draws
     separate Gumbel noise for each (equal in argmax mode).
@@ -76,7 +84,9 @@ class NTILLoss(nn.Module):
 
     with W = (1+σ)^(digits to the right), EMD the (class) ordinal EMD of each number token
     (:mod:`emdlm.functional.digit_emd`), relative / magnitude the deviations of the predicted
-    value X of each gold number from its value Y (:mod:`emdlm.functional.number_value`).
+    value X of each gold number from its value Y (:mod:`emdlm.functional.number_value`), and
+    "mean" as set by ``averaging``: over the batch's items ("batch"), of row means ("row"), or
+    Σ/n with n the counted labels ("token").
 
     Args:
         tokenizer_or_number_vocab: a transformers tokenizer or a :class:`NumberVocab`.
@@ -89,12 +99,18 @@ class NTILLoss(nn.Module):
         ignore_index: label value that is not scored.
         reduction: "mean" (CE mean + mix) or "sum" (n · the mean-reduced total, n = counted
             labels: exact CE sum; divide by a global token count such as transformers'
-            ``num_items_in_batch`` to get each micro-batch's mean weighted by its token share).
+            ``num_items_in_batch`` to get each micro-batch's mean weighted by its token share;
+            with mix="static", averaging="token" it is Σ CE_t + λ·Σ NTIL terms, exact under
+            accumulation).
         vocab_size: logit rows V when building from a tokenizer (default: taken from the
             logits at the first call; must be ≥ the tokenizer's ids).
         join_decimal, signed, digits_only: span options overriding the preset
             (:func:`emdlm.numbers.find_number_spans`).
-        averaging, smoothing: "batch"/"row" and "paper"/"official", overriding the preset.
+        averaging: "batch" (paper preset: means over the batch's number tokens / numbers), "row"
+            (official preset: means of row means) or "token" (sums over the batch divided by
+            the counted labels n; with mix="static" the summed loss is a sum over items, exact
+            under gradient accumulation), overriding the preset.
+        smoothing: "paper"/"official" deviations, overriding the preset.
         implementation: "fused" (default; custom autograd sharing CE's gradient buffer, used
             when the logits require grad) or "reference" (plain autograd).
         generator: torch.Generator for the Gumbel noise (reproducible runs); a call may pass
@@ -137,7 +153,7 @@ class NTILLoss(nn.Module):
         join_decimal: bool | None = None,
         signed: bool | None = None,
         digits_only: bool | None = None,
-        averaging: Literal["batch", "row"] | None = None,
+        averaging: Literal["batch", "row", "token"] | None = None,
         smoothing: Literal["paper", "official"] | None = None,
         implementation: Implementation = "fused",
         generator: torch.Generator | None = None,
@@ -252,6 +268,10 @@ class DigitEMDLoss(NTILLoss):
     """The paper's EMD baseline: CE mixed with the position-weighted digit EMD alone.
 
         total = CE + λ · sg(CE / EMD) · emd_weight·mean(W·EMD)     (mix="dynamic")
+        total = CE + λ · emd_weight · Σ(W·EMD) / n       (mix="static", averaging="token")
+
+    where n is the number of counted labels: with ``reduction="sum"`` the latter is
+    Σ_t CE_t + λ·emd_weight·Σ W·EMD, exact under gradient accumulation (:class:`NTILLoss`).
 
     σ = 0 by default (W = 1; official emd.py uses digit_exp = 1.0). α = β = 0: "relative" and
     "magnitude" are still reported as diagnostics of the predicted numbers (computed with

@@ -11,6 +11,9 @@ equal to float32 tolerance), at about the cost of cross-entropy alone (GUIDE §2
   detached float64 leaf (:func:`emdlm.functional.ntil.ntil_terms`); its gradient, times the mix
   coefficient (λ·sg(CE/NTIL) or λ) and the counted-token number n, is scatter-added into the
   buffer rows of the number positions.
+* ``averaging="token"`` (terms summed over the batch, divided by n) needs nothing special: n is
+  passed to :func:`~emdlm.functional.ntil.ntil_terms`, so the fused value and gradient are the
+  reference's for every averaging.
 * backward multiplies the buffer in place by grad_output · c (c = 1/n for "mean", 1 for "sum")
   and returns it: no second [N, V] tensor. The graph can therefore be back-propagated once.
 
@@ -143,7 +146,9 @@ class NTILFusedFunction(torch.autograd.Function):
         class_logits = gather_class_logits(logits.detach(), spans.flat_index, candidates.ids)
         leaf = class_logits.double().requires_grad_(True)  # [M, K]
         with torch.enable_grad():
-            terms: NTILTerms = ntil_terms(leaf, candidates, spans, n_rows, settings, noise)
+            terms: NTILTerms = ntil_terms(
+                leaf, candidates, spans, n_rows, settings, noise, n_tokens=count
+            )
             coef = mix_coefficient(ce_mean, terms.ntil, settings)
             if spans.n_tokens > 0:
                 (grad_z,) = torch.autograd.grad(terms.ntil, leaf, allow_unused=True)
