@@ -5,6 +5,7 @@ Shape notation: B batch, T time, V vocabulary rows of the logits, N = B*T flatte
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -67,3 +68,45 @@ def dynamic_mix(
     """
     scale = torch.where(aux.detach() > eps, ce.detach() / aux.detach().clamp_min(eps), 0.0)
     return ce + lam * scale * aux
+
+
+@dataclass(frozen=True)
+class TokenLogProbs:
+    """Per-position log-probabilities and CE of a flattened batch (see :func:`token_log_probs`).
+
+    Attributes:
+        log_q: [N, V] log-softmax in the compute dtype (float64 stays float64, else float32).
+        ce: [N] CE_t = -log q_t(y_t), 0 at ignored positions.
+        valid: [N] bool, label is counted.
+        safe_labels: [N] labels with ignored positions replaced by 0 (safe to gather with).
+        count: 0-d number of counted labels.
+    """
+
+    log_q: torch.Tensor
+    ce: torch.Tensor
+    valid: torch.Tensor
+    safe_labels: torch.Tensor
+    count: torch.Tensor
+
+
+def compute_dtype(logits: torch.Tensor) -> torch.dtype:
+    """float64 stays float64 (gradcheck, exact tests); every other float computes in float32."""
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def token_log_probs(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX
+) -> TokenLogProbs:
+    """Flatten [..., V] logits and [...] labels, log-softmax, gather the gold CE (no checks)."""
+    vocab = logits.shape[-1]
+    dtype = compute_dtype(logits)
+    flat_logits = logits.reshape(-1, vocab).to(dtype)  # [N, V]
+    flat_labels = labels.reshape(-1).long()  # [N]
+    valid = flat_labels != ignore_index  # [N]
+    safe_labels = torch.where(valid, flat_labels, 0)  # [N]
+    log_q = torch.log_softmax(flat_logits, dim=-1)  # [N, V]
+    gold = -log_q.gather(1, safe_labels.unsqueeze(1)).squeeze(1)  # [N]
+    ce = torch.where(valid, gold, torch.zeros((), dtype=dtype, device=gold.device))
+    return TokenLogProbs(
+        log_q=log_q, ce=ce, valid=valid, safe_labels=safe_labels, count=valid.sum()
+    )

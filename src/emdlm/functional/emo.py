@@ -55,16 +55,18 @@ from typing import Literal
 import torch
 
 from emdlm._output import LossOutput
-from emdlm.functional._common import IGNORE_INDEX, Reduction, check_logits_labels, reduce_sum
+from emdlm.functional._common import (
+    IGNORE_INDEX,
+    Reduction,
+    check_logits_labels,
+    compute_dtype,
+    reduce_sum,
+    token_log_probs,
+)
 
 EMOMode = Literal["emo1", "emo2", "static"]
 EMO_MODES: tuple[str, ...] = ("emo1", "emo2", "static")
 _RATIO_EPS = 1e-10  # the official codes' guard in CE / (DEMD + 1e-10) and DEMD / (CE + 1e-10)
-
-
-def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
-    """float64 stays float64 (gradcheck, exact tests); every other float computes in float32."""
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
 def normalize_cost_embedding(cost_embedding: torch.Tensor) -> torch.Tensor:
@@ -135,22 +137,14 @@ def _demd_flat(
     logits: torch.Tensor, labels: torch.Tensor, cost_normalized: torch.Tensor, ignore_index: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-position CE and DEMD on flattened inputs (no checks). Returns ce, demd, valid, count."""
-    vocab = logits.shape[-1]
-    dtype = _compute_dtype(logits)
-    flat_logits = logits.reshape(-1, vocab).to(dtype)  # [N, V]
-    flat_labels = labels.reshape(-1).long()  # [N]
-    valid = flat_labels != ignore_index  # [N]
-    safe_labels = torch.where(valid, flat_labels, 0)  # [N]
-    emb = cost_normalized.to(device=flat_logits.device, dtype=dtype)  # [V, d']
-    log_q = torch.log_softmax(flat_logits, dim=-1)  # [N, V]
-    ce = -log_q.gather(1, safe_labels.unsqueeze(1)).squeeze(1)  # [N]
+    tokens = token_log_probs(logits, labels, ignore_index)
+    log_q, valid = tokens.log_q, tokens.valid  # [N, V], [N]
+    emb = cost_normalized.to(device=log_q.device, dtype=log_q.dtype)  # [V, d']
     q_repr = log_q.exp() @ emb  # Êᵀq per row: [N, d']
-    gold_repr = emb.index_select(0, safe_labels)  # ê_y: [N, d']
+    gold_repr = emb.index_select(0, tokens.safe_labels)  # ê_y: [N, d']
     demd = 1.0 - (q_repr * gold_repr).sum(dim=-1)  # [N]
-    zero = torch.zeros((), dtype=dtype, device=flat_logits.device)
-    ce = torch.where(valid, ce, zero)
-    demd = torch.where(valid, demd, zero)
-    return ce, demd, valid, valid.sum()
+    demd = torch.where(valid, demd, torch.zeros((), dtype=demd.dtype, device=demd.device))
+    return tokens.ce, demd, valid, tokens.count
 
 
 def demd(
@@ -181,7 +175,7 @@ def _dense_reprs(
     _check_dense(logits, target_probs)
     _check_cost(logits, cost_normalized)
     vocab = logits.shape[-1]
-    dtype = _compute_dtype(logits)
+    dtype = compute_dtype(logits)
     q = torch.softmax(logits.reshape(-1, vocab).to(dtype), dim=-1)  # [N, V]
     p = target_probs.reshape(-1, vocab).to(dtype)  # [N, V]
     emb = cost_normalized.to(device=q.device, dtype=dtype)  # [V, d']

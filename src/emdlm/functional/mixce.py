@@ -19,7 +19,13 @@ from __future__ import annotations
 import torch
 
 from emdlm._output import LossOutput
-from emdlm.functional._common import IGNORE_INDEX, Reduction, check_logits_labels, reduce_sum
+from emdlm.functional._common import (
+    IGNORE_INDEX,
+    Reduction,
+    check_logits_labels,
+    reduce_sum,
+    token_log_probs,
+)
 
 
 def check_mixce_options(eta: float) -> None:
@@ -50,18 +56,12 @@ def mixce_loss(
     """
     check_mixce_options(eta)
     check_logits_labels(logits, labels, ignore_index)
-    vocab = logits.shape[-1]
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    flat_logits = logits.reshape(-1, vocab).to(dtype)  # [N, V]
-    flat_labels = labels.reshape(-1).long()  # [N]
-    valid = flat_labels != ignore_index  # [N]
-    safe_labels = torch.where(valid, flat_labels, 0)
-    log_q = torch.log_softmax(flat_logits, dim=-1)  # [N, V]
-    zero = torch.zeros((), dtype=dtype, device=flat_logits.device)
-    ce = torch.where(valid, -log_q.gather(1, safe_labels.unsqueeze(1)).squeeze(1), zero)  # [N]
+    tokens = token_log_probs(logits, labels, ignore_index)
+    ce, valid = tokens.ce, tokens.valid  # [N], [N]
+    dtype, zero = ce.dtype, ce.new_zeros(())
     multiplier = eta + (1.0 - eta) * torch.exp(-ce.detach())  # η + (1-η)·sg(q_y): [N]
     per_token = multiplier * ce
-    count = valid.sum()
+    count = tokens.count
     loss = reduce_sum(per_token, count, reduction)
     denom = count.clamp_min(1).to(dtype)
     components: dict[str, torch.Tensor | float] = {

@@ -34,7 +34,13 @@ from typing import Literal
 import torch
 
 from emdlm._output import LossOutput
-from emdlm.functional._common import IGNORE_INDEX, Reduction, check_logits_labels, reduce_sum
+from emdlm.functional._common import (
+    IGNORE_INDEX,
+    Reduction,
+    check_logits_labels,
+    reduce_sum,
+    token_log_probs,
+)
 
 TaiLrPreset = Literal["paper", "emo_repo"]
 
@@ -108,15 +114,9 @@ def tailr_loss(
     """
     check_tailr_options(gamma, min_weight, label_smoothing, preset, mixing_ratio)
     check_logits_labels(logits, labels, ignore_index)
-    vocab = logits.shape[-1]
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    flat_logits = logits.reshape(-1, vocab).to(dtype)  # [N, V]
-    flat_labels = labels.reshape(-1).long()  # [N]
-    valid = flat_labels != ignore_index  # [N]
-    safe_labels = torch.where(valid, flat_labels, 0)
-    log_q = torch.log_softmax(flat_logits, dim=-1)  # [N, V]
-    zero = torch.zeros((), dtype=dtype, device=flat_logits.device)
-    ce = torch.where(valid, -log_q.gather(1, safe_labels.unsqueeze(1)).squeeze(1), zero)  # [N]
+    tokens = token_log_probs(logits, labels, ignore_index)
+    log_q, ce, valid = tokens.log_q, tokens.ce, tokens.valid  # [N, V], [N], [N]
+    dtype, zero = ce.dtype, ce.new_zeros(())
     q_gold = torch.exp(-ce.detach())  # q_t(y_t), no gradient: [N]
 
     if preset == "paper":
@@ -124,7 +124,7 @@ def tailr_loss(
         per_token = (1.0 - label_smoothing) * weight * ce
         if label_smoothing > 0.0:
             smooth = torch.where(valid, -log_q.sum(dim=-1), zero)  # Σ_v -log q(v): [N]
-            per_token = per_token + (label_smoothing / vocab) * smooth
+            per_token = per_token + (label_smoothing / logits.shape[-1]) * smooth
         multiplier = weight
     else:
         eta = float(mixing_ratio)  # validated above
@@ -135,7 +135,7 @@ def tailr_loss(
         multiplier = eta + (1.0 - eta) * weight
         per_token = multiplier * ce
 
-    count = valid.sum()
+    count = tokens.count
     loss = reduce_sum(per_token, count, reduction)
     denom_count = count.clamp_min(1).to(dtype)
     components: dict[str, torch.Tensor | float] = {
