@@ -53,6 +53,7 @@ from emdlm.ops._chunking import (
     row_chunks,
     scratch,
 )
+from emdlm.ops._handover import hand_over_gradients
 
 
 def _check_inputs(
@@ -148,25 +149,18 @@ class EMOChunkedFunction(torch.autograd.Function):
         loss, ce, demd, count, grad = _emo_chunked_forward(
             logits, labels, cost, mode, mu, ignore_index, reduction, chunk_size, max_ratio, True
         )
-        ctx.grad_buffer = grad  # [N, V] d(loss)/d(logits) for grad_output = 1
+        ctx.grad_buffer = (grad,)  # [N, V] d(loss)/d(logits) for grad_output = 1
         ctx.logits_shape = logits.shape
         ctx.mark_non_differentiable(ce, demd, count)
         return loss, ce, demd, count
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
-        grad = ctx.grad_buffer
-        if grad is None:
-            raise RuntimeError(
-                "EMOChunkedFunction.backward was called twice: its gradient buffer is scaled in "
-                "place and handed over on the first call (retain_graph=True is not supported)"
-            )
-        if ctx.inplace_backward:
-            ctx.grad_buffer = None  # drop our reference: autograd takes the buffer without a copy
-            if not bool(grad_loss == 1):  # one host sync per batch; saves a pass over [N, V]
-                grad = grad.mul_(grad_loss.to(grad.dtype))
-        else:  # keep the buffer for another backward (one more [N, V] tensor now)
-            grad = grad * grad_loss.to(grad.dtype)
+        # One host sync per batch when in place: grad_output == 1 skips a pass over [N, V].
+        skip = ctx.inplace_backward and bool(grad_loss == 1)
+        (grad,) = hand_over_gradients(
+            ctx, "grad_buffer", None if skip else grad_loss, "EMOChunkedFunction"
+        )
         return (
             grad.view(ctx.logits_shape),
             None,  # labels

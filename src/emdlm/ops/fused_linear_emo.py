@@ -42,6 +42,7 @@ from emdlm.ops._chunking import (
     prepare_cost,
     scratch,
 )
+from emdlm.ops._handover import hand_over_gradients
 
 
 def _check_linear_inputs(
@@ -199,17 +200,7 @@ class FusedLinearEMOFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
-        grads = ctx.grads
-        if grads is None:
-            raise RuntimeError(
-                "FusedLinearEMOFunction.backward was called twice: its gradients are scaled in "
-                "place and handed over on the first call (retain_graph=True is not supported)"
-            )
-        if ctx.inplace_backward:
-            ctx.grads = None  # hand the tensors over without a copy
-            out = tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads)
-        else:  # keep them for another backward
-            out = tuple(None if g is None else g * grad_loss.to(g.dtype) for g in grads)
+        out = hand_over_gradients(ctx, "grads", grad_loss, "FusedLinearEMOFunction")
         return (
             *out,  # hidden, weight, bias
             None,  # labels

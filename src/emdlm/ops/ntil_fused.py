@@ -35,6 +35,7 @@ from emdlm.functional.ntil import (
     ntil_terms,
 )
 from emdlm.numbers import NumberSpans
+from emdlm.ops._handover import hand_over_gradients
 
 #: Elements per chunk (64 MiB of float32): float32 logits are written straight into the buffer,
 #: other dtypes use one float32 temporary of this size. Larger chunks ran faster on CPU.
@@ -165,7 +166,7 @@ class NTILFusedFunction(torch.autograd.Function):
         else:
             loss = ce_mean + coef * ntil
             ctx.scale = 1.0 / count_f.clamp_min(1)
-        ctx.buffer = buffer
+        ctx.buffer = (buffer,)
         ctx.inplace_backward = inplace_backward
         ctx.logits_shape = logits.shape
         components = torch.stack(
@@ -183,22 +184,11 @@ class NTILFusedFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor, grad_components: torch.Tensor) -> tuple:
-        buffer = getattr(ctx, "buffer", None)
-        if buffer is None:
-            raise RuntimeError(
-                "NTILFusedFunction can be back-propagated once (its gradient buffer is reused "
-                "in place); pass inplace_backward=False (or use implementation='reference') "
-                "to back-propagate it again"
-            )
         factor = grad_loss.to(torch.float64)
         if ctx.scale is not None:
             factor = factor * ctx.scale
-        factor = factor.to(compute_dtype(buffer.dtype))  # 0-d tensor: no host sync
-        if ctx.inplace_backward:
-            ctx.buffer = None
-            grad_logits = buffer.mul_(factor).view(ctx.logits_shape)
-        else:
-            grad_logits = (buffer * factor).view(ctx.logits_shape)
+        (grad_logits,) = hand_over_gradients(ctx, "buffer", factor, "NTILFusedFunction")
+        grad_logits = grad_logits.view(ctx.logits_shape)
         # logits, labels, spans, candidates, n_rows, settings, noise, chunk_elements, inplace
         return grad_logits, None, None, None, None, None, None, None, None
 
