@@ -45,6 +45,12 @@ def check_logits_labels(
         )
 
 
+def check_reduction(reduction: str) -> None:
+    """Raise a clear error unless ``reduction`` is "mean" or "sum"."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+
+
 def reduce_sum(per_item: torch.Tensor, count: torch.Tensor, reduction: Reduction) -> torch.Tensor:
     """Finish a reduction: ``sum`` as is, ``mean`` divided by ``max(count, 1)``.
 
@@ -53,21 +59,8 @@ def reduce_sum(per_item: torch.Tensor, count: torch.Tensor, reduction: Reduction
     total = per_item.sum()
     if reduction == "sum":
         return total
-    if reduction == "mean":
-        return total / count.clamp_min(1).to(total.dtype)
-    raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-
-
-def dynamic_mix(
-    ce: torch.Tensor, aux: torch.Tensor, lam: float, eps: float = 1e-12
-) -> torch.Tensor:
-    """CE + lam * sg(CE / aux) * aux: aux's gradient direction, a value share of lam * CE.
-
-    Source: NTIL official training code (GUIDE §1.2); the same device as EMO's Eq. 19.
-    Where ``aux`` is zero the scale is taken as 0 (nothing to add), never inf/NaN.
-    """
-    scale = torch.where(aux.detach() > eps, ce.detach() / aux.detach().clamp_min(eps), 0.0)
-    return ce + lam * scale * aux
+    check_reduction(reduction)
+    return total / count.clamp_min(1).to(total.dtype)
 
 
 @dataclass(frozen=True)
@@ -89,9 +82,9 @@ class TokenLogProbs:
     count: torch.Tensor
 
 
-def compute_dtype(logits: torch.Tensor) -> torch.dtype:
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 stays float64 (gradcheck, exact tests); every other float computes in float32."""
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def token_log_probs(
@@ -99,7 +92,7 @@ def token_log_probs(
 ) -> TokenLogProbs:
     """Flatten [..., V] logits and [...] labels, log-softmax, gather the gold CE (no checks)."""
     vocab = logits.shape[-1]
-    dtype = compute_dtype(logits)
+    dtype = compute_dtype(logits.dtype)
     flat_logits = logits.reshape(-1, vocab).to(dtype)  # [N, V]
     flat_labels = labels.reshape(-1).long()  # [N]
     valid = flat_labels != ignore_index  # [N]

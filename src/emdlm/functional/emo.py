@@ -175,7 +175,7 @@ def _dense_reprs(
     _check_dense(logits, target_probs)
     _check_cost(logits, cost_normalized)
     vocab = logits.shape[-1]
-    dtype = compute_dtype(logits)
+    dtype = compute_dtype(logits.dtype)
     q = torch.softmax(logits.reshape(-1, vocab).to(dtype), dim=-1)  # [N, V]
     p = target_probs.reshape(-1, vocab).to(dtype)  # [N, V]
     emb = cost_normalized.to(device=q.device, dtype=dtype)  # [V, d']

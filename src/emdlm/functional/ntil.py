@@ -76,7 +76,7 @@ from emdlm.numbers import NumberSpans, NumberVocab
 Mix = Literal["dynamic", "static"]
 Averaging = Literal["batch", "row", "token"]
 
-#: Denominator guard of the dynamic mix, as emdlm.functional._common.dynamic_mix.
+#: Denominator guard of the dynamic mix (paper preset): ratio 0 where NTIL <= MIX_EPS.
 MIX_EPS = 1e-12
 
 
@@ -277,8 +277,8 @@ def mix_coefficient(
 ) -> torch.Tensor:
     """The detached factor c with total = CE + c·NTIL, 0-d float64.
 
-    static: λ. dynamic: λ·sg(CE/NTIL), 0 where NTIL ≤ 1e-12 (as
-    emdlm.functional._common.dynamic_mix); with ``settings.mix_eps > 0`` (official preset: 1e-10)
+    static: λ. dynamic: λ·sg(CE/NTIL), 0 where NTIL ≤ 1e-12 (MIX_EPS;
+    no 1e12-sized factor); with ``settings.mix_eps > 0`` (official preset: 1e-10)
     λ·sg(CE/(NTIL + mix_eps)) as xfey/NTIL, still 0 where NTIL is exactly 0.
     """
     ce_d, ntil_d = ce_mean.detach().double(), ntil.detach().double()

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from emdlm._output import LossOutput
-from emdlm.functional._common import IGNORE_INDEX, Reduction, check_logits_labels
+from emdlm.functional._common import IGNORE_INDEX, Reduction, check_logits_labels, check_reduction
 
 
 class CrossEntropyLoss(nn.Module):
@@ -24,8 +24,7 @@ class CrossEntropyLoss(nn.Module):
 
     def __init__(self, ignore_index: int = IGNORE_INDEX, reduction: Reduction = "mean") -> None:
         super().__init__()
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        check_reduction(reduction)
         self.ignore_index = ignore_index
         self.reduction = reduction
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from emdlm._output import LossOutput
-from emdlm.functional._common import IGNORE_INDEX, Reduction
+from emdlm.functional._common import IGNORE_INDEX, Reduction, check_reduction
 from emdlm.functional.emo import EMOMode, check_emo_options, emo_loss, normalize_cost_embedding
 
 Implementation = Literal["chunked", "reference"]
@@ -91,8 +91,7 @@ class EMOLoss(nn.Module):
     ) -> None:
         super().__init__()
         check_emo_options(mode, mu, max_ratio)
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        check_reduction(reduction)
         if implementation not in (None, "chunked", "reference"):
             raise ValueError(
                 f"implementation must be 'chunked', 'reference' or None, got {implementation!r}"

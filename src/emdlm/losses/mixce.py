@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from emdlm._output import LossOutput
-from emdlm.functional._common import IGNORE_INDEX, Reduction
+from emdlm.functional._common import IGNORE_INDEX, Reduction, check_reduction
 from emdlm.functional.mixce import check_mixce_options, mixce_loss
 
 
@@ -31,8 +31,7 @@ class MixCELoss(nn.Module):
     ) -> None:
         super().__init__()
         check_mixce_options(eta)
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        check_reduction(reduction)
         self.eta = eta
         self.ignore_index = ignore_index
         self.reduction = reduction

@@ -31,7 +31,7 @@ NOTE (official preset, resolved ambiguities):
     separate Gumbel noise for each (equal in argmax mode).
   - The dynamic ratio is sg(CE/(NTIL + 1e-10)) as the official code, but 0 where NTIL is
     exactly 0 (same value; no 1e10-sized factor then). The paper preset uses sg(CE/NTIL),
-    0 where NTIL ≤ 1e-12 (emdlm.functional._common.dynamic_mix).
+    0 where NTIL ≤ 1e-12 (emdlm.functional.ntil.mix_coefficient).
   - The NTIL terms are computed in float64 (the official code: in the logits' dtype). Its
     straight-through one-hot y_hard − y_soft + y_soft is exact in floating point, so X agrees
     exactly for runs of up to 7 digits; longer runs are rounded by its float32 sums, not here.

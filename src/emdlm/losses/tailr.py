@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from emdlm._output import LossOutput
-from emdlm.functional._common import IGNORE_INDEX, Reduction
+from emdlm.functional._common import IGNORE_INDEX, Reduction, check_reduction
 from emdlm.functional.tailr import TaiLrPreset, check_tailr_options, tailr_loss
 
 
@@ -44,8 +44,7 @@ class TaiLrLoss(nn.Module):
     ) -> None:
         super().__init__()
         check_tailr_options(gamma, min_weight, label_smoothing, preset, mixing_ratio)
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        check_reduction(reduction)
         self.gamma = gamma
         self.min_weight = min_weight
         self.label_smoothing = label_smoothing

@@ -29,6 +29,7 @@ from typing import Literal
 
 import torch
 
+from emdlm.functional._common import check_reduction
 from emdlm.functional.emo import check_emo_options
 
 EMOMode = Literal["emo1", "emo2", "static"]
@@ -55,16 +56,10 @@ class ChunkSums:
         return cls(loss=z.clone(), ce=z.clone(), demd=z.clone())
 
 
-def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
-    """float64 inputs are computed in float64 (for gradcheck); everything else in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def check_mode(mode: str, reduction: str, mu: float = 1.0, max_ratio: float | None = None) -> None:
     """Same option rules as the reference (``emdlm.functional.emo.check_emo_options``)."""
     check_emo_options(mode, mu, max_ratio)
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    check_reduction(reduction)
 
 
 def check_chunk_size(chunk_size: int) -> None:

@@ -40,14 +40,18 @@ from typing import Any
 import torch
 
 from emdlm._output import LossOutput
-from emdlm.functional._common import IGNORE_INDEX, Reduction, check_logits_labels
+from emdlm.functional._common import (
+    IGNORE_INDEX,
+    Reduction,
+    check_logits_labels,
+    compute_dtype,
+)
 from emdlm.ops._chunking import (
     ChunkSums,
     EMOMode,
     check_chunk_size,
     check_cost_embedding,
     check_mode,
-    compute_dtype_for,
     emo_chunk,
     prepare_cost,
     row_chunks,
@@ -95,7 +99,7 @@ def _emo_chunked_forward(
     device = logits.device
     flat_labels = labels.reshape(-1).long()  # [N]
     n_rows = flat_labels.numel()
-    cdtype = compute_dtype_for(logits.dtype)
+    cdtype = compute_dtype(logits.dtype)
     count = (flat_labels != ignore_index).sum()  # 0-d, stays on device
     denom = count.clamp_min(1).to(cdtype)
     scale = 1.0 / denom if reduction == "mean" else torch.ones_like(denom)
@@ -226,7 +230,7 @@ def emo_loss_chunked(
     _check_inputs(
         logits, labels, cost_embedding, mode, reduction, ignore_index, chunk_size, mu, max_ratio
     )
-    cost = prepare_cost(cost_embedding, cost_dtype, compute_dtype_for(logits.dtype))
+    cost = prepare_cost(cost_embedding, cost_dtype, compute_dtype(logits.dtype))
     if torch.is_grad_enabled() and logits.requires_grad:
         loss, ce, demd, count = EMOChunkedFunction.apply(
             logits,
@@ -262,7 +266,7 @@ def demd_chunked(
     Returns a tensor of the labels' shape in the compute dtype (float32, or float64).
     """
     _check_inputs(logits, labels, cost_embedding, "static", "sum", ignore_index, chunk_size)
-    cdtype = compute_dtype_for(logits.dtype)
+    cdtype = compute_dtype(logits.dtype)
     cost = prepare_cost(cost_embedding, cost_dtype, cdtype)
     out = torch.zeros(labels.numel(), dtype=cdtype, device=logits.device)
     _emo_chunked_forward(

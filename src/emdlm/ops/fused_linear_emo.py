@@ -30,14 +30,19 @@ from typing import Any
 import torch
 
 from emdlm._output import LossOutput
-from emdlm.functional._common import IGNORE_INDEX, Reduction, check_logits_labels
+from emdlm.functional._common import (
+    IGNORE_INDEX,
+    Reduction,
+    check_logits_labels,
+    check_reduction,
+    compute_dtype,
+)
 from emdlm.ops._chunking import (
     ChunkSums,
     EMOMode,
     check_chunk_size,
     check_cost_embedding,
     check_mode,
-    compute_dtype_for,
     emo_chunk,
     prepare_cost,
     scratch,
@@ -94,7 +99,7 @@ def _fused_forward(
     with_grad = need_h or need_w or need_b
     h2 = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
     flat_labels = labels.reshape(-1).long()  # [N]
-    cdtype = compute_dtype_for(hidden.dtype)
+    cdtype = compute_dtype(hidden.dtype)
     count = (flat_labels != ignore_index).sum()
     denom = count.clamp_min(1).to(cdtype)
     scale = 1.0 / denom if reduction == "mean" else torch.ones_like(denom)
@@ -283,7 +288,7 @@ def fused_linear_emo_loss(
     check_mode(mode, reduction, mu, max_ratio)
     _check_linear_inputs(hidden, weight, labels, bias, ignore_index, chunk_size)
     check_cost_embedding(cost_embedding, weight.shape[0], hidden.device)
-    cost = prepare_cost(cost_embedding, cost_dtype, compute_dtype_for(hidden.dtype))
+    cost = prepare_cost(cost_embedding, cost_dtype, compute_dtype(hidden.dtype))
     options = (mode, mu, ignore_index, reduction, chunk_size, max_ratio)
     loss, ce, demd, count = _run(hidden, weight, bias, labels, cost, options, inplace_backward)
     return LossOutput(loss=loss, components={"ce": ce, "demd": demd, "n_tokens": count})
@@ -305,8 +310,7 @@ def fused_linear_cross_entropy(
     CE_t = logsumexp(z_t) - z_t[y_t] in float32, reduced over counted tokens; gradients for hidden,
     weight and bias computed chunk by chunk in forward. Components: "ce", "n_tokens".
     """
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    check_reduction(reduction)
     _check_linear_inputs(hidden, weight, labels, bias, ignore_index, chunk_size)
     options = ("ce", 0.0, ignore_index, reduction, chunk_size, None)
     loss, ce, _demd, count = _run(hidden, weight, bias, labels, None, options, inplace_backward)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from emdlm.functional._common import compute_dtype
 from emdlm.functional.ntil import (
     ClassCandidates,
     NTILSettings,
@@ -42,11 +43,6 @@ from emdlm.ops._handover import hand_over_gradients
 DEFAULT_CHUNK_ELEMENTS = 1 << 24
 
 COMPONENT_NAMES = ("ce", "emd", "relative", "magnitude", "ntil", "mix_coef")
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64 (gradcheck); every other float dtype is computed in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _row_chunks(logits: torch.Tensor, chunk_rows: int) -> Iterator[tuple[int, int, torch.Tensor]]:
