@@ -102,7 +102,24 @@ def _small_model_folder(folder):
     [
         ("missing_data", "data path not found"),
         ("bad_jsonl", "bad.jsonl:2: not valid JSON"),
-        ("missing_model", "neither a named architecture"),
+        ("missing_model", r"model folder not found: .*no_model \(model\.name\)"),
+        ("misspelt_model", r"'tiny-gtp2' is neither a named architecture "
+                           r"\(did you mean 'tiny-gpt2'"),
+        ("scheduler_typo", r"optim\.scheduler='cosin' is not valid \(did you mean 'cosine'\?\)"),
+        ("optim_typo", r"optim\.optim='adamw_troch' is not valid \(did you mean 'adamw_torch'"),
+        ("objective_param_typo", r"objective 'ntil' has no parameter objective\.params\.lamda "
+                                 r"\(did you mean 'lam'\?\)"),
+        ("emd_param_typo", r"no parameter objective\.params\.emd_wieght \(did you mean "
+                           r"'emd_weight'"),
+        ("non_utf8", r"latin1\.jsonl:2: not UTF-8"),
+        ("missing_field", r"missing\.jsonl:1: field 'completion' is missing"),
+        ("strict_truncation", r"[1-9]\d* of 64 examples truncated.*data\.on_truncate=error"),
+        ("transformers_rejects", "transformers rejected the training settings: .*min_lr"),
+        ("plateau_without_eval", "reduce_lr_on_plateau requires an eval strategy"),
+        pytest.param(
+            "optimizer_package_missing", "install `bitsandbytes`", marks=pytest.mark.skipif(
+                __import__("importlib").util.find_spec("bitsandbytes") is not None,
+                reason="bitsandbytes installed")),
         ("vocab_mismatch", "tokenizer/model vocab mismatch: the tokenizer has 89 tokens"),
         ("no_digits", "needs digit tokens|has no token that is a run of digits"),
         ("emo_without_cost", "needs a cost embedding"),
@@ -124,6 +141,33 @@ def test_bad_input_fails_before_writing(tmp_path, case, message):
         args += ["data.train.task=null", f"data.train.path={bad}"]
     elif case == "missing_model":
         args += [f"model.name={tmp_path / 'no_model'}", "model.params={}"]
+    elif case == "misspelt_model":
+        args += ["model.name=tiny-gtp2", "model.params={}"]
+    elif case == "scheduler_typo":
+        args += ["optim.scheduler=cosin"]
+    elif case == "optim_typo":
+        args += ["optim.optim=adamw_troch"]
+    elif case == "objective_param_typo":
+        args += ["objective.name=ntil", "objective.params.lamda=0.5"]
+    elif case == "emd_param_typo":
+        args += ["objective.name=emd", "objective.params.emd_wieght=0.5"]
+    elif case == "non_utf8":
+        bad = tmp_path / "latin1.jsonl"
+        bad.write_bytes(b'{"prompt": "1+1=", "completion": "2"}\n{"prompt": "caf\xe9=", '
+                        b'"completion": "2"}\n')
+        args += ["data.train.task=null", f"data.train.path={bad}"]
+    elif case == "missing_field":
+        bad = tmp_path / "missing.jsonl"
+        bad.write_text('{"prompt": "1+1="}\n')
+        args += ["data.train.task=null", f"data.train.path={bad}"]
+    elif case == "strict_truncation":  # 3-digit sums: some answers do not fit in 9 tokens
+        args += ["data.max_length=9", "data.on_truncate=error", "data.eval=null"]
+    elif case == "plateau_without_eval":
+        args += ["optim.scheduler=reduce_lr_on_plateau"]
+    elif case == "optimizer_package_missing":
+        args += ["optim.optim=adamw_bnb_8bit"]
+    elif case == "transformers_rejects":  # a cosine-with-min-lr schedule needs min_lr set
+        args += ["optim.scheduler=cosine_with_min_lr"]
     elif case == "vocab_mismatch":
         args += [f"model.name={_small_model_folder(tmp_path / 'm')}", "model.params={}"]
     elif case == "no_digits":
@@ -205,3 +249,21 @@ def test_demo_runs_both_objectives_and_prints_table(tmp_path):
     assert "one seed" in table
     for name in ("ce", "ntil"):
         assert (tmp_path / "demo" / name / "eval" / "metrics.json").exists()
+
+
+@pytest.mark.slow
+def test_cut_examples_are_reported_and_summarised(tmp_path):
+    data = tmp_path / "train.jsonl"
+    rows = [{"prompt": "1+1=", "completion": "2"}] * 6 + [
+        {"prompt": "1+1=", "completion": "2" * 20},  # cut: loses its end and EOS
+        {"prompt": "9" * 30, "completion": "1"},  # the prompt fills max_length: dropped
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    result, text = _invoke("train", "-c", "arithmetic_ce", *TINY, "data.eval=null",
+                           "data.train.task=null", f"data.train.path={data}",
+                           "data.max_length=16", "train.max_steps=1", f"output_dir={out}")
+    assert result.exit_code == 0, text
+    assert f"{data}: 1 of 8 examples truncated, 1 dropped (data.max_length=16)" in text
+    cuts = json.loads((out / "train_summary.json").read_text())["data"]["train"]
+    assert (cuts["examples"], cuts["truncated"], cuts["dropped"]) == (8, 1, 1)

@@ -46,7 +46,9 @@ def test_jsonl_reads_prompt_completion_and_text(tmp_path):
     [
         ("{not json", "not valid JSON"),
         ('["a", "b"]', "expected a JSON object"),
-        ('{"prompt": "1+1="}', "'completion' must be a string"),
+        ('{"prompt": "1+1="}', "field 'completion' is missing"),
+        ('{"completion": "2"}', "field 'prompt' is missing"),
+        ('{"prompt": null, "completion": "2"}', "'prompt' must be a string, got NoneType"),
         ('{"question": "x"}', "needs 'prompt' and 'completion'"),
         ('{"prompt": "1+1=", "completion": 2}', "'completion' must be a string"),
     ],
@@ -165,3 +167,65 @@ def test_batched_dataset_equals_per_example(tok):
     singles = [tokenize_example(r, tok, max_length=10) for r in rows]
     assert [ds[i] for i in range(len(ds))] == [s for s in singles if s is not None]
     assert len(ds) == len(rows) - 1  # the truncated one is dropped
+
+
+def test_non_utf8_line_is_named(tmp_path):
+    p = tmp_path / "latin1.jsonl"
+    good = json.dumps({"prompt": "1+1=", "completion": "2"}).encode()
+    p.write_bytes(b"\xef\xbb\xbf" + good + b"\n" + good + b"\n"
+                  + '{"prompt": "caf\u00e9", "completion": "1"}\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1\.jsonl:3: not UTF-8 \(byte 0xe9") as err:
+        read_jsonl(p)
+    assert err.value.__cause__ is None  # no 50-line UnicodeDecodeError chained behind it
+    p.write_bytes(b"\xef\xbb\xbf" + good + b"\n")  # a UTF-8 byte-order mark is fine
+    assert read_jsonl(p) == [{"prompt": "1+1=", "completion": "2"}]
+
+
+def _cut_rows():
+    # char tokenizer: one id per character, no BOS; completion gets an EOS
+    return [
+        {"prompt": "1+1=", "completion": "22222"},  # 4 + 5 + eos = 10: fits exactly
+        {"prompt": "1+1=", "completion": "222222"},  # 11: cut, loses its EOS
+        {"text": "abcdefghijk"},  # 12: cut
+        {"prompt": "1234567890", "completion": "1"},  # the prompt fills max_length: dropped
+    ]
+
+
+def test_truncated_and_dropped_examples_are_counted_and_reported(tok, capsys):
+    ds = build_dataset(_cut_rows(), tok, max_length=10, source="d.jsonl")
+    assert len(ds) == 3
+    assert (ds.cuts.examples, ds.cuts.truncated, ds.cuts.dropped) == (4, 2, 1)
+    assert ds[0]["input_ids"][-1] == tok.eos_token_id  # the exact fit keeps its EOS
+    assert tok.eos_token_id not in ds[1]["input_ids"]
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: d.jsonl: 2 of 4 examples truncated, 1 dropped (data.max_length=10)"
+    ]
+    assert ds.cuts.to_dict()["truncated"] == 2  # what train_summary.json stores
+
+    quiet = build_dataset(_cut_rows()[:1], tok, max_length=10, source="d.jsonl")
+    assert (quiet.cuts.truncated, quiet.cuts.dropped) == (0, 0)
+    assert capsys.readouterr().err == ""  # nothing cut: nothing printed
+
+
+@pytest.mark.parametrize(
+    ("policy", "message"),
+    [
+        ({"on_truncate": "error"}, r"2 of 4 examples truncated.*data\.on_truncate=error"),
+        ({"on_drop": "error"}, r"1 dropped.*data\.on_drop=error"),
+        ({"on_drop": "fail"}, r"data\.on_drop must be one of warn, error"),
+    ],
+)
+def test_cut_policies_make_it_an_error(tok, policy, message):
+    with pytest.raises(ConfigError, match=message):
+        build_dataset(_cut_rows(), tok, max_length=10, source="d.jsonl", **policy)
+    ok = build_dataset(_cut_rows()[:1], tok, max_length=10, on_truncate="error", on_drop="error")
+    assert len(ok) == 1  # nothing cut: the strict policies pass
+
+
+def test_cut_policy_config_values_are_checked():
+    from emdlm.config import load_config
+
+    cfg = load_config("arithmetic_ce", ["data.on_truncate=error"])
+    assert (cfg.data.on_truncate, cfg.data.on_drop) == ("error", "warn")
+    with pytest.raises(ConfigError, match=r"data\.on_drop='ignore' is not valid"):
+        load_config("arithmetic_ce", ["data.on_drop=ignore"])

@@ -436,14 +436,16 @@ def test_emo1_value_equals_mean_ce() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def test_zero_norm_rows_are_reported_with_indices() -> None:
+def test_zero_rows_warn_and_non_finite_rows_are_reported_with_indices() -> None:
     emb = torch.randn(8, 3)
     emb[2] = 0.0
     emb[5] = 0.0
-    with pytest.raises(ValueError, match=r"indices \[2, 5\]"):
-        normalize_cost_embedding(emb)
+    with pytest.warns(UserWarning, match=r"2 zero row\(s\) \(indices \[2, 5\]"):
+        emb_hat = normalize_cost_embedding(emb)
+    assert torch.equal(emb_hat[[2, 5]], torch.zeros(2, 3))  # cosine 0 with every token
     emb[5] = float("nan")
-    with pytest.raises(ValueError, match="non-finite"):
+    emb[6, 1] = float("inf")
+    with pytest.raises(ValueError, match=r"2 row\(s\) with non-finite entries at indices \[5, 6\]"):
         EMOLoss(emb)
     assert normalize_cost_embedding(torch.randn(4, 3, dtype=torch.bfloat16)).dtype == torch.float32
 

@@ -90,6 +90,41 @@ def test_parse_number(text: str, value: float | None) -> None:
         assert got == pytest.approx(value, rel=1e-15)
 
 
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("１２３", 123.0),  # fullwidth digits (NFKC)
+        ("１２３．５", 123.5),  # fullwidth full stop
+        ("－７", -7.0),  # fullwidth hyphen-minus
+        ("−5", -5.0),  # U+2212 MINUS SIGN
+        ("١٢٣", 123.0),  # Arabic-Indic digits
+        ("٣٫٥", 3.5),  # Arabic decimal separator
+        ("٣٬٤٥٦", 3456.0),  # Arabic thousands separator
+        ("१२३", 123.0),  # Devanagari digits
+        ("１，２３４", 1234.0),
+        ("12³", None),  # a superscript is not a digit: NFKC would have made it 123
+        ("½", None),
+        ("x²", None),
+    ],
+)
+def test_parse_number_reads_unicode_digits(text: str, value: float | None) -> None:
+    got = parse_number(text)
+    assert got == value if value is None else got == pytest.approx(value, rel=1e-15)
+
+
+def test_thousands_separator_option() -> None:
+    assert parse_number("1,234") == 1234.0  # default ","
+    assert parse_number("1,234", thousands_separator=None) is None
+    assert parse_number("1234", thousands_separator=None) == 1234.0
+    assert parse_number("1_234_567", thousands_separator="_") == 1234567.0
+    assert parse_number("1'234", thousands_separator="'") == 1234.0
+    assert parse_number("1,234", thousands_separator="_") is None
+    assert parse_number("12_34", thousands_separator="_") is None  # bad grouping
+    assert parse_fraction("-1_000/3", thousands_separator="_") == Fraction(-1000, 3)
+    with pytest.raises(ValueError, match="thousands_separator"):
+        parse_number("1 234", thousands_separator=" ")
+
+
 def test_parse_fraction_is_exact() -> None:
     assert parse_fraction("-12/22") == Fraction(-6, 11)
     assert parse_fraction("0.1") == Fraction(1, 10)

@@ -318,14 +318,20 @@ def _onehot_logits(labels: torch.Tensor, predicted: torch.Tensor, scale: float =
 def test_paper_decimals_hand_worked(
     predicted: tuple[str, str, str], relative: float, magnitude: float
 ) -> None:
-    """Gold '1.00' (tokens 1 . 0 0): relative |X−Y|/max, magnitude with one unit = 0.01."""
+    """Gold '1.00' (tokens 1 . 0 0): relative |X−Y|/max, magnitude with one unit = 0.01
+    (the paper preset: Eq. 3's unit smoothing alone); the stable preset's floor u = 0.1·|Y|."""
     labels = labels_of(["a", "1", ".", "0", "0", "b"])
     pred = labels_of(["a", predicted[0], ".", predicted[1], predicted[2], "b"])
-    out = loss_fn(preset="paper", value_mode="argmax")(_onehot_logits(labels, pred), labels)
-    c = out.components
+    fn = loss_fn(preset="paper", value_mode="argmax")
+    c = fn(_onehot_logits(labels, pred), labels).components
     assert int(c["n_numbers"]) == 1 and int(c["n_digit_tokens"]) == 3
     assert float(c["relative"]) == pytest.approx(relative, abs=1e-12)
     assert float(c["magnitude"]) == pytest.approx(magnitude, abs=1e-12)
+    floored = loss_fn(preset="stable", value_mode="argmax")(_onehot_logits(labels, pred), labels)
+    x = float(predicted[0] + "." + predicted[1] + predicted[2])
+    expected = abs(math.log((x + 0.1) / 1.1))  # u = max(0.01, 0.1 · 1.00)
+    assert float(floored.components["magnitude"]) == pytest.approx(expected, abs=1e-12)
+    assert float(floored.components["relative"]) == pytest.approx(relative, abs=1e-12)
 
 
 def test_decimal_predictions_order_as_expected() -> None:
@@ -347,10 +353,12 @@ def test_decimal_predictions_order_as_expected() -> None:
 def test_negative_numbers_and_signs() -> None:
     labels = labels_of(["a", "-", "4", "2", "b"])
     pred = labels_of(["a", "-", "4", "0", "b"])
-    out = loss_fn(value_mode="argmax")(_onehot_logits(labels, pred), labels)
+    out = loss_fn(value_mode="argmax", magnitude_floor=0.0)(_onehot_logits(labels, pred), labels)
     # X = −40, Y = −42: relative 2/42, magnitude log(42/40) with unit 1 -> log(43/41)
     assert float(out.components["relative"]) == pytest.approx(2 / 42)
     assert float(out.components["magnitude"]) == pytest.approx(math.log(43 / 41))
+    floored = loss_fn(value_mode="argmax")(_onehot_logits(labels, pred), labels)  # u = 4.2
+    assert float(floored.components["magnitude"]) == pytest.approx(math.log(46.2 / 44.2))
     unsigned = loss_fn(value_mode="argmax", signed=False)(_onehot_logits(labels, pred), labels)
     assert float(unsigned.components["relative"]) == pytest.approx(2 / 42)
 
@@ -571,12 +579,19 @@ def test_digit_emd_loss_sigma_zero_default_and_diagnostic_sequence_terms() -> No
     out = DigitEMDLoss(VOCAB, mix="static", implementation="reference")(base, labels)
     w1 = DigitEMDLoss(VOCAB, sigma=0.5, implementation="reference")(base, labels)
     c = out.components
-    assert float(w1.components["emd"]) > float(c["emd"])
     # σ = 0: plain mean EMD; relative / magnitude are reported but not in the loss
     probs = torch.softmax(base[0, 1:5][:, :10], -1)
     gold = torch.tensor([4, 2, 7, 5])
-    plain = (probs * (torch.arange(10) - gold[:, None]).abs()).sum(-1).mean()
-    assert float(c["emd"]) == pytest.approx(float(plain))
+    emd = (probs * (torch.arange(10) - gold[:, None]).abs()).sum(-1)  # [4]
+    assert float(c["emd"]) == pytest.approx(float(emd.mean()))
+    # σ = 0.5, per number (stable preset, the default): the weighted mean with W = 1.5^(3, 2, 1, 0)
+    weights = 1.5 ** torch.tensor([3.0, 2.0, 1.0, 0.0], dtype=torch.float64)
+    weighted = (weights * emd).sum() / weights.sum()
+    assert float(w1.components["emd"]) == pytest.approx(float(weighted), rel=1e-12)
+    flat = DigitEMDLoss(VOCAB, sigma=0.5, per_number=False, implementation="reference")
+    flat_emd = float(flat(base, labels).components["emd"])  # W·EMD over tokens: W ≥ 1 adds
+    assert flat_emd == pytest.approx(float((weights * emd).mean()), rel=1e-12)
+    assert flat_emd > float(c["emd"])
     assert float(c["relative"]) > 0 and float(c["ntil"]) == pytest.approx(float(c["emd"]))
     assert float(out.loss) == pytest.approx(float(c["ce"] + 0.3 * c["emd"]))
     with pytest.raises(ValueError, match="alpha"):
@@ -715,7 +730,7 @@ def test_token_averaging_matches_oracle(mix: str, digit_emd_only: bool) -> None:
     assert (x_row.grad - x_ours.grad).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("preset", ["paper", "official"])
+@pytest.mark.parametrize("preset", ["stable", "paper", "official"])
 def test_token_averaging_is_batch_sum_over_counted_labels(preset: str) -> None:
     """Hand relation: token term = batch-mean term × items / n, for every term; the static
     total is CE + λ·NTIL; "sum" is Σ CE_t + λ·Σ terms."""
@@ -728,7 +743,8 @@ def test_token_averaging_is_batch_sum_over_counted_labels(preset: str) -> None:
     n = int((labels != -100).sum())
     m, s = int(c["n_digit_tokens"]), int(c["n_numbers"])
     assert n == 12 and 0 < s < m < n
-    assert float(c["emd"]) == pytest.approx(float(mean["emd"]) * m / n, rel=1e-12)
+    emd_items = s if preset == "stable" else m  # stable: per-number EMD (per_number=True)
+    assert float(c["emd"]) == pytest.approx(float(mean["emd"]) * emd_items / n, rel=1e-12)
     for term in ("relative", "magnitude"):
         assert float(c[term]) == pytest.approx(float(mean[term]) * s / n, rel=1e-12)
     assert float(c["relative"]) > 0 and float(c["magnitude"]) > 0
@@ -741,14 +757,20 @@ def test_token_averaging_is_batch_sum_over_counted_labels(preset: str) -> None:
 
 
 def test_digit_emd_token_averaging_hand_worked() -> None:
-    """σ = 0: Σ_m EMD_m / n, with n counting the word tokens too."""
+    """σ = 0: Σ_s mean_{m in s} EMD_m / n (per number), or Σ_m EMD_m / n with
+    per_number=False, with n counting the word tokens too."""
     labels = labels_of(["a", "4", "2", "7", "5", "b"], ["9", "b", "<pad>", "a", "a", "a"])
     base = torch.randn(*labels.shape, V, dtype=torch.float64)
     out = DigitEMDLoss(VOCAB, averaging="token", implementation="reference")(base, labels)
     probs = torch.softmax(base[[0, 0, 0, 0, 1], [1, 2, 3, 4, 0]][:, :10], -1)
     gold = torch.tensor([4, 2, 7, 5, 9])
-    emd_sum = (probs * (torch.arange(10) - gold[:, None]).abs()).sum()
-    assert float(out.components["emd"]) == pytest.approx(float(emd_sum) / 11, rel=1e-12)
+    emd = (probs * (torch.arange(10) - gold[:, None]).abs()).sum(-1)  # [5]
+    per_number = emd[:4].mean() + emd[4]  # numbers 4275 and 9
+    assert float(out.components["emd"]) == pytest.approx(float(per_number) / 11, rel=1e-12)
+    flat = DigitEMDLoss(VOCAB, averaging="token", implementation="reference", per_number=False)
+    assert float(flat(base, labels).components["emd"]) == pytest.approx(
+        float(emd.sum()) / 11, rel=1e-12
+    )
 
 
 def test_token_averaging_edge_cases_and_bad_value() -> None:
@@ -805,3 +827,210 @@ def test_token_static_accumulation_equals_full_batch(implementation: str, cls: t
     assert check("token", "static")
     assert not check("batch", "static")
     assert not check("token", "dynamic")
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 12: stable NTIL gradients (mix-ratio cap, per-number EMD, floored magnitude) and numbers
+# beyond float64.
+LEGACY = {"max_ratio": None, "per_number": False, "magnitude_floor": 0.0}  # = preset "paper"
+
+
+def _other_row_gradient(long_number: bool, implementation: str, **kw: Any) -> float:
+    """Norm of NTIL's gradient (CE's removed) on row 0's 5-digit number, with row 1 holding a
+    40-digit number or a 5-digit one padded with words to the same length (same CE count)."""
+    row0 = ["a", "1", "2", "3", "4", "5", "b", *["a"] * 36]
+    if long_number:
+        row1 = ["a", *[str((7 * i + 3) % 10) for i in range(40)], "b", "a"]
+    else:
+        row1 = ["a", "6", "7", "8", "9", "1", "b", *["a"] * 36]
+    labels = labels_of(row0, row1)
+    base = torch.randn(2, 43, V, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x = (2 * base).requires_grad_()
+    fn = loss_fn(value_mode="argmax", implementation=implementation, **kw)
+    fn(x, labels).loss.backward()
+    ce_x = (2 * base).requires_grad_()
+    F.cross_entropy(ce_x.reshape(-1, V), labels.reshape(-1)).backward()
+    return float((x.grad - ce_x.grad)[0, 1:6].norm())
+
+
+@pytest.mark.parametrize("implementation", ["reference", "fused"])
+def test_long_number_no_longer_silences_other_rows(implementation: str) -> None:
+    """Audit: one 40-digit number cut another row's 5-digit NTIL gradient 89x (433x here):
+    W = 1.2^39 dominated the batch EMD and the dynamic ratio CE/NTIL shrank with it."""
+    before = [_other_row_gradient(long, implementation, **LEGACY) for long in (False, True)]
+    assert before[0] / before[1] > 50  # reproduces the defect with the pre-fix settings
+    after = [_other_row_gradient(long, implementation) for long in (False, True)]
+    assert 0.5 < after[0] / after[1] < 2  # stable preset: one long number is one number
+    for averaging in ("row", "token"):
+        ratio = _other_row_gradient(False, implementation, averaging=averaging)
+        assert 0.5 < ratio / _other_row_gradient(True, implementation, averaging=averaging) < 2
+
+
+def test_per_number_emd_hand_worked_and_invariant_to_number_length() -> None:
+    """EMD_s = Σ W_i·EMD_i / Σ W_i, W = 1.2^digits_right; then the mean over numbers."""
+    labels = labels_of(["a", "4", "2", "b", "7"])
+    base = torch.randn(*labels.shape, V, dtype=torch.float64)
+    out = loss_fn(value_mode="argmax")(base, labels)
+    probs = torch.softmax(base[0, [1, 2, 4]][:, :10], -1)
+    gold = torch.tensor([4, 2, 7])
+    emd = (probs * (torch.arange(10) - gold[:, None]).abs()).sum(-1)
+    expected = ((1.2 * emd[0] + emd[1]) / 2.2 + emd[2]) / 2
+    assert float(out.components["emd"]) == pytest.approx(float(expected), rel=1e-12)
+    # 400 equal digits: the weights never overflow and the number's EMD is its digits' EMD
+    long = labels_of(["a", *["3"] * 400, "b"])
+    z = torch.zeros(*long.shape, V, dtype=torch.float64)
+    z[..., TOK["5"]] = 50.0  # every digit predicted 5, gold 3: EMD 2 per digit
+    c = loss_fn(value_mode="argmax")(z, long).components
+    assert float(c["emd"]) == pytest.approx(2.0, rel=1e-12)
+    legacy = loss_fn(value_mode="argmax", **LEGACY)(z, long).components
+    assert float(legacy["emd"]) > 1e20  # before: the mean of 2·1.2^r over r < 400
+
+
+def test_max_ratio_caps_the_dynamic_mix() -> None:
+    """Numbers almost right, words wrong: CE/NTIL is huge; the stable preset caps it at 10."""
+    labels = labels_of(["a", "4", "2", "b", "a", "b", "a"])
+    z = torch.zeros(*labels.shape, V, dtype=torch.float64)
+    z[0, 1, TOK["4"]] = z[0, 2, TOK["2"]] = 30.0  # digits right: NTIL ≈ 1e-12 and below
+    capped = loss_fn(value_mode="argmax")(z, labels).components
+    assert float(capped["mix_coef"]) == pytest.approx(0.3 * 10)
+    uncapped = loss_fn(value_mode="argmax", max_ratio=None)(z, labels).components
+    assert float(uncapped["mix_coef"]) > 1e6
+    official = loss_fn(preset="official", value_mode="argmax")(z, labels).components
+    assert float(official["mix_coef"]) > 1e6  # the official preset keeps no cap
+    custom = loss_fn(value_mode="argmax", max_ratio=2.5)(z, labels).components
+    assert float(custom["mix_coef"]) == pytest.approx(0.3 * 2.5)
+    # below the cap nothing changes: NTIL's share of the loss value stays λ·CE
+    base = torch.randn(*labels.shape, V, dtype=torch.float64)
+    out = loss_fn(value_mode="argmax")(base, labels)
+    assert float(out.components["mix_coef"]) < 3.0
+    assert float(out.loss) == pytest.approx(1.3 * float(out.components["ce"]))
+
+
+@pytest.mark.parametrize("implementation", ["reference", "fused"])
+def test_magnitude_floor_bounds_the_gradient_of_a_zero_prediction(implementation: str) -> None:
+    """X = 0 for Y = 234567 (the audit's 8824 clipped norms): with u = 1 the magnitude puts
+    10^5/(0 + 1) on the leading digit's value; with u = 0.1·|Y| at most 1/0.1."""
+    gold = ["2", "3", "4", "5", "6", "7"]
+    labels = labels_of(["a", *gold, "b"])
+    base = torch.zeros(*labels.shape, V, dtype=torch.float64)
+    base[0, 1:7, TOK["0"]] = 3.0  # predicted 000000 (soft enough to have a gradient)
+    grads = {}
+    for name, extra in (("legacy", LEGACY), ("stable", {})):
+        x = base.clone().requires_grad_()
+        fn = loss_fn(
+            value_mode="argmax", mix="static", emd_weight=0.0, alpha=0.0, beta=1.0, lam=1.0,
+            implementation=implementation, **extra,
+        )  # fmt: skip
+        out = fn(x, labels)
+        out.loss.backward()
+        ce_x = base.clone().requires_grad_()
+        F.cross_entropy(ce_x.reshape(-1, V), labels.reshape(-1)).backward()
+        grads[name] = float((x.grad - ce_x.grad).abs().max())
+        if name == "stable":  # log((234567 + 23456.7) / (0 + 23456.7)) by hand
+            assert float(out.components["magnitude"]) == pytest.approx(math.log(11), rel=1e-6)
+        else:  # (components of the fused path are float32)
+            assert float(out.components["magnitude"]) == pytest.approx(math.log(234568), rel=1e-6)
+    assert grads["legacy"] > 1e3 * grads["stable"]
+    assert grads["stable"] < 10 / 8  # ≤ 1/ρ on the value, over the 8 counted labels
+
+
+def test_magnitude_floor_keeps_values_near_the_target_exact() -> None:
+    """u = max(unit, ρ·|Y|): by hand for X = 2000, Y = 200000, and the gradient in X."""
+    x = torch.tensor([2000.0, 0.0, 5.0], dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([200000.0, 200000.0, 5.0], dtype=torch.float64)
+    from emdlm.functional.number_value import floored_unit
+
+    unit = floored_unit(1.0, y, 0.01)
+    assert unit.tolist() == [2000.0, 2000.0, 1.0]
+    mag = magnitude_deviation(x, y, unit)
+    assert mag.tolist() == pytest.approx([math.log(202000 / 4000), math.log(101), 0.0])
+    mag.sum().backward()
+    assert x.grad.tolist() == pytest.approx([-1 / 4000, -1 / 2000, 0.0])
+
+
+def _big_number_logits(labels: torch.Tensor, predicted: list[str]) -> torch.Tensor:
+    z = torch.zeros(*labels.shape, V, dtype=torch.float64)
+    for t, tok in enumerate(predicted):
+        z[0, t, TOK[tok]] = 4.0  # confident but not saturated: a finite, non-zero gradient
+    return z
+
+
+@pytest.mark.parametrize("preset", ["stable", "paper", "official"])
+@pytest.mark.parametrize("implementation", ["reference", "fused"])
+def test_numbers_beyond_float64_keep_their_value_terms(preset: str, implementation: str) -> None:
+    """A 400-digit gold 1·10^399 predicted 2·10^399: relative 1/2 and magnitude log(2) (up to
+    the smoothing), not the 0 of two values clamped to the float64 maximum."""
+    gold = ["a", "1", *["0"] * 399, "b"]
+    labels = labels_of(gold)
+    x = _big_number_logits(labels, ["a", "2", *["0"] * 399, "b"]).requires_grad_()
+    fn = loss_fn(preset=preset, value_mode="argmax", implementation=implementation)
+    out = fn(x, labels)
+    out.loss.backward()
+    c = out.components
+    assert float(c["relative"]) == pytest.approx(0.5, rel=1e-6)  # fused components: float32
+    expected_mag = math.log(2.1 / 1.1) if preset == "stable" else math.log(2)  # u = 0.1·|Y|
+    assert float(c["magnitude"]) == pytest.approx(expected_mag, rel=1e-6)
+    assert math.isfinite(float(out.loss.detach())) and torch.isfinite(x.grad).all()
+    assert x.grad[0, 1].abs().sum() > 0
+
+
+def test_thirty_and_seven_hundred_digit_numbers_by_hand() -> None:
+    """30 digits are read exactly as before; 700 digits read their leading places (finite)."""
+    for n_digits in (30, 700):
+        labels = labels_of(["a", "1", *["0"] * (n_digits - 1), "b"])
+        pred = ["a", "3", *["0"] * (n_digits - 1), "b"]
+        x = _big_number_logits(labels, pred).requires_grad_()
+        out = loss_fn(value_mode="argmax", magnitude_floor=0.0)(x, labels)
+        out.loss.backward()
+        assert float(out.components["relative"]) == pytest.approx(2 / 3, rel=1e-9)
+        assert float(out.components["magnitude"]) == pytest.approx(math.log(3), rel=1e-9)
+        assert torch.isfinite(x.grad).all()
+
+
+def test_stability_options_are_validated() -> None:
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="max_ratio"):
+            loss_fn(max_ratio=bad)
+    for bad in (-0.1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="magnitude_floor"):
+            loss_fn(magnitude_floor=bad)
+    for bad in (-1.0, -2.0, float("nan")):
+        with pytest.raises(ValueError, match="sigma"):
+            loss_fn(sigma=bad)
+    assert loss_fn().settings.max_ratio == 10.0
+    assert loss_fn(preset="official").settings.max_ratio is None
+    paper = loss_fn(preset="paper").settings  # the formulas as written: no stabiliser
+    assert (paper.max_ratio, paper.per_number, paper.magnitude_floor) == (None, False, 0.0)
+    assert loss_fn(max_ratio=None).settings.max_ratio is None
+
+
+@pytest.mark.parametrize("mode", ["argmax", "gumbel"])
+def test_fused_equals_reference_with_the_stabilisers_active(mode: str) -> None:
+    """Cap binding (numbers right, words wrong), a 40-digit and a 400-digit number: the fused
+    path (which calls the same ntil_terms / mix_coefficient) gives the reference's loss and
+    gradient."""
+    rows = (
+        ["a", "4", "2", "b", *["a"] * 397],
+        ["a", *["7"] * 40, "b", *["a"] * 359],
+        ["a", "1", *["0"] * 399],
+    )
+    full = torch.randn(3, 401, V, generator=torch.Generator().manual_seed(1)) * 3
+    full[0, 1, TOK["4"]] = full[0, 2, TOK["2"]] = 25.0  # NTIL tiny but above 1e-12
+    for labels, base in ((labels_of(*rows), full), (labels_of(rows[0][:8]), full[:1, :8])):
+        results = {}
+        for impl in ("reference", "fused"):
+            x = base.clone().requires_grad_()
+            fn = loss_fn(value_mode=mode, implementation=impl)
+            out = fn(x, labels, generator=torch.Generator().manual_seed(5))
+            out.loss.backward()
+            results[impl] = (out.loss.detach(), x.grad, out.components)
+        (ref_loss, ref_grad, ref_c), (f_loss, f_grad, f_c) = results["reference"], results["fused"]
+        torch.testing.assert_close(f_loss, ref_loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(f_grad, ref_grad, rtol=1e-4, atol=1e-7)
+        for key in ("emd", "relative", "magnitude", "mix_coef"):
+            assert float(f_c[key]) == pytest.approx(float(ref_c[key]), rel=1e-5, abs=1e-12)
+        assert torch.isfinite(ref_grad).all()
+        if labels.shape[0] == 3:
+            assert float(ref_c["relative"]) > 0
+        else:  # only the right number 42: the cap binds
+            assert float(ref_c["mix_coef"]) == pytest.approx(3.0)

@@ -3,6 +3,7 @@ tokenizers, equality with a plain-Python scanner on random rows, properties and 
 
 from __future__ import annotations
 
+import warnings
 from fractions import Fraction
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from emdlm.numbers import NumberSpans, NumberVocab, find_number_spans
+from emdlm.numbers import NumberSpans, NumberVocab, _token_strings, find_number_spans
 
 PAPER = {"join_decimal": True, "signed": True}
 OFFICIAL = {"digits_only": True}
@@ -273,18 +274,27 @@ def reference_spans(rows: list[list[int]], join: bool, signed: bool, digits_only
                     cur["has_dot"] = True
                     cur["tokens"].append((b, t, digits, True))
                 else:
+                    # ".5": a bare '.' right before, and no number token before the '.'.
+                    lead = (
+                        join
+                        and not marked
+                        and t >= 1
+                        and texts[t - 1] == "."
+                        and not (t >= 2 and _is_num(texts[t - 2], digits_only))
+                    )
+                    k = 2 if lead else 1  # where a minus sign would sit: t-1, or t-2 for "-.5"
                     neg = (
                         signed
                         and not marked
-                        and t >= 1
-                        and (texts[t - 1] or "").endswith("-")
-                        and not (t >= 2 and _is_num(texts[t - 2], False))
+                        and t >= k
+                        and (texts[t - k] or "").endswith("-")
+                        and not (t >= k + 1 and _is_num(texts[t - k - 1], False))
                     )
                     cur = {
                         "row": b,
-                        "tokens": [(b, t, digits, False)],
+                        "tokens": [(b, t, digits, lead)],
                         "neg": neg,
-                        "has_dot": False,
+                        "has_dot": lead,
                     }
                     numbers.append(cur)
                 last_num_col = t
@@ -423,6 +433,88 @@ def test_decimal_and_sign_rules() -> None:
     assert run(["-", "PAD", "3"], **PAPER) == [3.0]
     assert run(["3", ".", "1"], **OFFICIAL) == [3.0, 1.0]
     assert run(["3", ".", "1"], **PAPER, digits_only=True) == [3.1]
+    # A leading '.' (issue 12, 8e): ".5" is 0.5 with join_decimal, 5 in the official preset.
+    assert run([".", "3"], **PAPER) == [0.3]
+    assert run(["x", ".", "12", "3"], **PAPER) == [0.123]
+    assert run(["-", ".", "3"], **PAPER) == [-0.3]
+    assert run(["=-", ".", "007"], **PAPER) == [-0.007]
+    assert run(["2", "-", ".", "3"], **PAPER) == [2.0, 0.3]  # subtraction, not a sign
+    assert run(["PAD", ".", "3"], **PAPER) == [0.3]
+    assert run([".", "Ġ5"], **PAPER) == [5.0]  # ". 5": a marked token never joins
+    assert run(["Ġ.", "3"], **PAPER) == [3.0]
+    assert run(["3", ".", ".", "1"], **PAPER) == [3.0, 0.1]
+    assert run([".", "3"], **OFFICIAL) == [3.0]
+    assert run([".", "3"], join_decimal=False) == [3.0]
+
+
+def test_leading_point_places_and_weights() -> None:
+    ids = {t: i for i, t in enumerate(SYN_TOKENS) if t is not None}
+    lab = torch.tensor([[ids["."], ids["12"], ids["3"]]])
+    s = find_number_spans(lab, SYN_VOCAB, **PAPER)
+    assert s.gold_value.tolist() == [pytest.approx(0.123, rel=1e-15)]
+    assert s.place.tolist() == [-2, -3]  # '12' ends at 10^-2, '3' at 10^-3
+    assert s.digits_right.tolist() == [2, 0]
+    assert s.flat_index.tolist() == [1, 2]  # the '.' is never scored
+
+
+SEP_TOKENS = [str(d) for d in range(10)] + ["12", "345", "Ġ678", ",", "Ġ,", ".", "-", "_", "x"]
+SEP_VOCAB = NumberVocab.from_token_strings(SEP_TOKENS)
+
+
+def _sep_run(seq: list[str], **options: Any) -> list[float]:
+    lab = torch.tensor([[SEP_TOKENS.index(t) for t in seq]])
+    return find_number_spans(lab, SEP_VOCAB, **options).gold_value.tolist()
+
+
+def test_thousands_separator_is_an_option() -> None:
+    one_234 = ["1", ",", "2", "3", "4"]
+    assert _sep_run(one_234) == [1.0, 234.0]  # off by default
+    assert _sep_run(one_234, **OFFICIAL, thousands_separator=",") == [1234.0]
+    assert _sep_run(one_234, **PAPER, thousands_separator=",") == [1234.0]
+    assert _sep_run(one_234, thousands_separator="_") == [1.0, 234.0]  # another separator
+    big = ["12", ",", "345", ",", "9", "9", "9", ".", "5"]
+    assert _sep_run(big, **PAPER, thousands_separator=",") == [12345999.5]
+    assert _sep_run(["-", *big], **PAPER, thousands_separator=",") == [-12345999.5]
+    assert _sep_run(["1", "_", "345"], thousands_separator="_") == [1345.0]
+
+
+def test_thousands_separator_needs_three_digit_groups() -> None:
+    on = {"thousands_separator": ",", **PAPER}
+    assert _sep_run(["1", ",", "2", "3"], **on) == [1.0, 23.0]  # "1,23"
+    assert _sep_run(["1", ",", "2", "3", "4", "5"], **on) == [1.0, 2345.0]  # "1,2345"
+    assert _sep_run(["12", "3", "4", ",", "345"], **on) == [1234.0, 345.0]  # "1234,345"
+    assert _sep_run(["1", "Ġ,", "345"], **on) == [1.0, 345.0]  # marked separator
+    assert _sep_run(["1", ",", "Ġ678"], **on) == [1.0, 678.0]  # "1, 678": a list
+    assert _sep_run(["1", ",", "345", ",", "2"], **on) == [1345.0, 2.0]
+    # Never after a decimal point: "1.5,345" and ".5,345" are two numbers each.
+    assert _sep_run(["1", ".", "5", ",", "345"], **on) == [1.5, 345.0]
+    assert _sep_run([".", "5", ",", "345"], **on) == [0.5, 345.0]
+    s = find_number_spans(
+        torch.tensor([[SEP_TOKENS.index(t) for t in ["1", ",", "345"]]]),
+        SEP_VOCAB,
+        thousands_separator=",",
+    )
+    assert s.place.tolist() == [3, 0] and s.digits_right.tolist() == [3, 2]
+    assert s.flat_index.tolist() == [0, 2] and s.num_tokens.tolist() == [2]
+    with pytest.raises(ValueError, match="thousands_separator"):
+        find_number_spans(torch.tensor([[0]]), SEP_VOCAB, thousands_separator=" ")
+
+
+def test_vocab_warns_about_non_ascii_digit_tokens() -> None:
+    with pytest.warns(UserWarning, match=r"3 token\(s\) are runs of non-ASCII decimal digits"):
+        vocab = NumberVocab.from_token_strings(["1", "٣", "▁３", "१२", "²", "x"])
+    assert vocab.is_number.tolist() == [True, False, False, False, False, False]
+    # Byte-level tokens (GPT-2 / Qwen alphabet) are decoded first: 'ï¼ĵ' is fullwidth '３'.
+    with pytest.warns(UserWarning, match="'３'"):
+        NumberVocab.from_token_strings(["1", "ï¼ĵ"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        NumberVocab.from_token_strings(["1", "é", "Ġ²"])  # no decimal digits: no warning
+
+
+def test_qwen_fullwidth_digits_are_reported(qwen_tokenizer: Any) -> None:
+    with pytest.warns(UserWarning, match=r"12 token\(s\) are runs of non-ASCII"):
+        NumberVocab.from_token_strings(_token_strings(qwen_tokenizer))
 
 
 def test_empty_and_edge_inputs() -> None:
@@ -462,3 +554,22 @@ def test_huge_numbers_stay_finite() -> None:
     assert s.n_numbers == 2 and bool(torch.isfinite(s.gold_value).all())
     assert bool((s.gold_value > 1e300).all())
     assert s.digits_right[0].item() == 399 and s.place[-1].item() == -400
+
+
+@pytest.mark.parametrize("cls_name", ["NTILLoss", "DigitEMDLoss"])
+def test_loss_span_option_thousands_separator(char_tokenizer: Any, cls_name: str) -> None:
+    from emdlm.losses import ntil
+
+    cls = getattr(ntil, cls_name)
+    ids = torch.tensor([char_tokenizer.convert_tokens_to_ids(list("=1,234;.5"))])
+    logits = torch.randn(1, ids.shape[1], len(char_tokenizer))
+
+    def numbers(**options: Any) -> int:
+        return int(cls(char_tokenizer, **options)(logits, ids).components["n_numbers"])
+
+    assert numbers() == 3  # 1 | 234 | 0.5
+    assert numbers(thousands_separator=",") == 2  # 1234 | 0.5
+    assert numbers(preset="official") == 3  # 1 | 234 | 5: the official spans are unchanged
+    assert numbers(preset="official", thousands_separator=",") == 2
+    with pytest.raises(ValueError, match="thousands_separator"):
+        cls(char_tokenizer, thousands_separator=".")

@@ -74,11 +74,14 @@ def test_resume_from_checkpoint_matches_uninterrupted(reference, tmp_path):
     shutil.copytree(reference / "checkpoint-3", out / "checkpoint-3")
     shutil.copy(reference / "run_config.yaml", out / "run_config.yaml")
     shutil.copy(reference / "train_log.jsonl", out / "train_log.jsonl")  # has steps 4-6 too
-    run_training(_cfg(out), resume=True)
+    summary = run_training(_cfg(out), resume=True)
     ref_w = load_file(str(reference / "model.safetensors"))
     new_w = load_file(str(out / "model.safetensors"))
     for key in ref_w:
         torch.testing.assert_close(new_w[key], ref_w[key], rtol=1e-6, atol=1e-7)
+    # train_loss covers steps 1-6 as the uninterrupted run's does (not only steps 4-6)
+    ref_summary = json.loads((reference / "train_summary.json").read_text())
+    assert summary["train_loss"] == pytest.approx(ref_summary["train_loss"], rel=1e-5)
     ref_log = _log(reference)
     new_log = _log(out)
     assert [r["step"] for r in new_log] == list(range(1, STEPS + 1))  # no duplicated steps

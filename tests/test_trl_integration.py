@@ -14,8 +14,14 @@ datasets = pytest.importorskip("datasets")
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast  # noqa: E402
 
-from emdlm.integrations.trl import EMDLMSFTTrainer, sft_compute_loss_func  # noqa: E402
+from emdlm.integrations.trl import (  # noqa: E402
+    EMDLMSFTTrainer,
+    fp32_on_cpu,
+    sft_compute_loss_func,
+)
 from emdlm.losses.ce import CrossEntropyLoss  # noqa: E402
+from emdlm.objectives import _CLASSES  # noqa: E402
+from emdlm.tokenizers import load_tokenizer  # noqa: E402
 
 CHARS = list("0123456789+=")
 
@@ -174,3 +180,56 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, tok, dataset) -> 
     assert moved > 1e-3  # the step did something
     for a, b in zip(accumulated, big, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(_CLASSES))
+def test_refuses_mean_reduction_for_every_objective(name) -> None:
+    """EMDLMSFTTrainer uses the same check as make_compute_loss_func, before TRL is set up."""
+    from tests.test_trainer_reduction import build_loss  # the registry-wide loss builder
+
+    char = load_tokenizer("char")
+    with pytest.raises(ValueError, match=r"EMDLMSFTTrainer needs .*reduction='mean'"):
+        EMDLMSFTTrainer(loss_fn=build_loss(name, "mean", char, len(char)))
+
+
+def test_cpu_trains_in_fp32_unless_asked(tmp_path, tok, dataset, caplog) -> None:
+    """SFTConfig's default bf16 is turned off on CPU (with a warning; the user's config object
+    is unchanged); bf16_on_cpu=True keeps it."""
+    default = trl.SFTConfig(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[],
+                            max_length=32, save_strategy="no")  # fmt: skip
+    assert default.bf16 is True  # TRL's default (if this changes, the switch is moot)
+    with caplog.at_level("WARNING", logger="emdlm"):
+        trainer = EMDLMSFTTrainer(
+            model=tiny_gpt2(len(tok)), args=default, train_dataset=dataset,
+            processing_class=tok, loss_fn=CrossEntropyLoss(reduction="sum"),
+        )  # fmt: skip
+    assert trainer.args.bf16 is False and trainer.args.mixed_precision == "no"
+    assert trainer.accelerator.mixed_precision == "no"
+    assert "fp32" in caplog.text and "bf16_on_cpu" in caplog.text
+    assert default.bf16 is True  # the caller's object is not modified
+    batch = _first_batch(trainer)
+    trainer.model.train()
+    with trainer.compute_loss_context_manager():
+        out = trainer.model(input_ids=batch["input_ids"])
+    assert out.logits.dtype == torch.float32
+
+    # bf16_on_cpu=True leaves the config alone (a second Trainer with another precision cannot
+    # be built in one process: accelerate's state is a singleton)
+    assert fp32_on_cpu(default, bf16_on_cpu=True) is default
+    assert fp32_on_cpu(sft_config(tmp_path)).bf16 is False  # already fp32: unchanged
+
+
+def test_no_args_gets_trls_default_in_fp32_on_cpu(tmp_path, tok, dataset, monkeypatch) -> None:
+    """args=None: TRL's own default SFTConfig ("<model>-SFT"), in fp32 on a CPU-only machine
+    (TRL's default, bf16 without use_cpu, is refused there by transformers)."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only behaviour")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="bf16"):
+        trl.SFTConfig("plain-default")  # what TRL alone would do here
+    trainer = EMDLMSFTTrainer(
+        model=tiny_gpt2(len(tok)), train_dataset=dataset, processing_class=tok,
+        loss_fn=CrossEntropyLoss(reduction="sum"),
+    )  # fmt: skip
+    assert trainer.args.output_dir.endswith("-SFT")
+    assert trainer.args.bf16 is False and trainer.accelerator.mixed_precision == "no"

@@ -20,6 +20,8 @@ _EXPORTS: dict[str, str] = {
     "EMOLoss": "emdlm.losses.emo",
     "TaiLrLoss": "emdlm.losses.tailr",
     "MixCELoss": "emdlm.losses.mixce",
+    "EMODistillLoss": "emdlm.losses.emo_distill",
+    "KLDistillLoss": "emdlm.losses.emo_distill",
     "cost_embedding_from": "emdlm.losses.emo",
     "find_number_spans": "emdlm.numbers",
     "load_tokenizer": "emdlm.tokenizers",
@@ -27,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "fused_linear_emo_loss": "emdlm.ops.fused_linear_emo",
     "fused_linear_cross_entropy": "emdlm.ops.fused_linear_emo",
     "lowrank_cost_embedding": "emdlm.ops.lowrank",
+    "emo_distill_loss_chunked": "emdlm.ops.emo_dense_chunked",
     "compute_task_metrics": "emdlm.metrics",
     "evaluate_examples": "emdlm.evaluation",
 }

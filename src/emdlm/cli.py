@@ -1,4 +1,4 @@
-"""``emdlm`` command line: ``train``, ``eval``, ``demo``.
+"""``emdlm`` command line: ``train``, ``eval``, ``demo``, ``experiment``.
 
     emdlm train -c arithmetic_ntil train.max_steps=200 output_dir=runs/ntil
     emdlm eval runs/ntil --task arithmetic --n 500
@@ -46,7 +46,8 @@ def train(
     config: ConfigOpt = None,
     output: Annotated[str | None, typer.Option("--output", "-o", help="Output folder")] = None,
     objective: Annotated[
-        str | None, typer.Option(help="ce | emd | ntil | emo | tailr | mixce")
+        str | None, typer.Option(
+            help="ce | emd | ntil | emo | tailr | mixce | emo_distill | kl_distill")
     ] = None,
     max_steps: Annotated[
         int | None, typer.Option(help="Optimizer steps (overrides epochs)")
@@ -59,12 +60,17 @@ def train(
         str | None, typer.Option(help="Continue from this checkpoint folder")
     ] = None,
     overwrite: Annotated[
-        bool, typer.Option("--overwrite", help="Replace an existing emdlm run folder")
+        bool,
+        typer.Option(
+            "--overwrite",
+            help="Replace an emdlm run folder: deletes only what emdlm wrote there",
+        ),
     ] = False,
 ) -> None:
     """Train a model (transformers.Trainer with an emdlm objective)."""
     from emdlm.config import load_config
     from emdlm.training import TrainingInterrupted, run_training
+    from emdlm.training.launch import close_process_group
 
     items = list(overrides or [])
     for key, value in (("output_dir", output), ("objective.name", objective),
@@ -73,12 +79,16 @@ def train(
             items.append(f"{key}={value}")
     try:
         cfg = load_config(config, items)
-        summary = run_training(cfg, resume=resume_from or resume, overwrite=overwrite)
+        summary = run_training(
+            cfg, resume=resume_from or resume, overwrite=overwrite, config_path=config
+        )
     except ConfigError as err:
         _fail(str(err))
     except TrainingInterrupted as err:
         typer.echo(f"\n{err}. Continue with: emdlm train ... --resume", err=True)
         raise typer.Exit(130) from None
+    finally:
+        close_process_group()
     if int(os.environ.get("RANK", "0")) == 0:  # one line, not one per process
         typer.echo(
             f"done: {summary['global_step']} steps, train loss {summary['train_loss']:.4f}; "
@@ -97,7 +107,12 @@ def eval_cmd(
     task: Annotated[str | None, typer.Option(help="Test set: a registered task name")] = None,
     n: Annotated[int | None, typer.Option(help="Examples to generate for --task")] = None,
     split: Annotated[str, typer.Option(help="Split for --task / dataset folders")] = "test",
-    kind: Annotated[str | None, typer.Option(help="number | clock | box | text")] = None,
+    kind: Annotated[
+        str | None, typer.Option(help="number | clock | box | boxes | text | choice")
+    ] = None,
+    oracle: Annotated[
+        str | None, typer.Option(help="kind text: model folder scoring the samples (PPL_oracle)")
+    ] = None,
     sample: Annotated[
         bool, typer.Option("--sample", help="Sample instead of greedy decoding")
     ] = False,
@@ -120,6 +135,8 @@ def eval_cmd(
         items.append(f"eval.kind={kind}")
     if sample:
         items.append("eval.do_sample=true")
+    if oracle is not None:
+        items.append(f"eval.oracle={oracle}")
     items += list(overrides or [])
     try:
         cfg = resolve_eval_config(run_dir, config, items)
@@ -134,14 +151,51 @@ def eval_cmd(
 def demo(
     overrides: Overrides = None,
     out: Annotated[str, typer.Option(help="Folder for both runs")] = "runs/demo",
+    task: Annotated[
+        str, typer.Option(help="arithmetic (tiny GPT-2) | clock (tiny VLM on clock images)")
+    ] = "arithmetic",
 ) -> None:
-    """CE vs NTIL on built-in arithmetic (train + eval, same seed and data), side by side."""
+    """CE vs NTIL on a built-in task (train + eval, same seed and data), side by side."""
     from emdlm.training.demo import run_demo
 
     try:
-        run_demo(out, list(overrides or []), echo=typer.echo)
+        run_demo(out, list(overrides or []), echo=typer.echo, task=task)
     except ConfigError as err:
         _fail(str(err))
+
+
+@app.command()
+def experiment(
+    config: Annotated[
+        str, typer.Option("--config", "-c", help="Experiment YAML or packaged experiment name")
+    ],
+    overrides: Annotated[
+        list[str] | None,
+        typer.Argument(help="Dotted experiment overrides, e.g. seeds=2 base.train.max_steps=50"),
+    ] = None,
+    report_only: Annotated[
+        bool, typer.Option("--report-only", help="Only rebuild the report from finished cells")
+    ] = False,
+    progress: Annotated[bool, typer.Option(help="Show the grid's progress display")] = True,
+) -> None:
+    """Run a grid of variants x seeds x tasks (train + eval per cell; finished cells are
+    skipped) and write report.md, results.csv and plots/ with paired statistics."""
+    from emdlm.experiments import run_experiment
+
+    command = " ".join(["emdlm", "experiment", "-c", config, *(overrides or [])])
+    try:
+        result = run_experiment(config, list(overrides or []), progress=progress,
+                                report_only=report_only, command=command)
+    except ConfigError as err:
+        _fail(str(err))
+    except KeyboardInterrupt:
+        typer.echo("\ninterrupted: run the same command again to resume the grid", err=True)
+        raise typer.Exit(130) from None
+    typer.echo(f"written: {result.report}, {result.results_csv}, {len(result.plots)} plot(s)")
+    if result.failed:
+        typer.echo(f"{len(result.failed)} cell(s) failed (see error.txt in their folders): "
+                   + ", ".join(o.key for o in result.failed), err=True)
+        raise typer.Exit(1)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -29,22 +29,47 @@ from typing import Any, get_type_hints
 
 import yaml
 
-OBJECTIVES = ("ce", "emd", "ntil", "emo", "tailr", "mixce")
+OBJECTIVES = ("ce", "emd", "ntil", "emo", "tailr", "mixce", "emo_distill", "kl_distill")
+DISTILL_OBJECTIVES = ("emo_distill", "kl_distill")  # the objectives that take a teacher
+EVAL_KINDS = ("number", "clock", "box", "boxes", "text", "choice")
+DATA_SPLITS = ("train", "dev", "test")  # "dev" only where the task or dataset has one
 
 
 class ConfigError(ValueError):
     """A configuration problem found before anything is run or written."""
 
 
+def did_you_mean(value: str, choices: Any) -> str:
+    """``" (did you mean 'cosine'?)"`` for the nearest of ``choices`` (difflib), or ``""``."""
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_choice(key: str, value: Any, choices: Any) -> None:
+    """ConfigError naming ``key``, the nearest valid value and all of them, unless ``value`` is
+    one of ``choices``."""
+    options = [str(c) for c in choices]
+    if value not in options:
+        raise ConfigError(
+            f"{key}={value!r} is not valid{did_you_mean(value, options)}; "
+            f"choose one of {', '.join(options)}"
+        )
+
+
 @dataclass
 class ModelConfig:
     """``name``: a local Hugging Face checkpoint folder, or a named tiny architecture
     ("tiny-gpt2", "tiny-llama") built from ``params`` (n_layer, n_embd, n_head, n_positions,...;
-    the vocab size comes from the tokenizer)."""
+    the vocab size comes from the tokenizer). VLMs ("tiny-qwen2-vl", "tiny-llava", or a folder
+    whose config.json is an image-text-to-text model) train on image rows: see
+    :mod:`emdlm.vlm`."""
 
     name: str = "tiny-gpt2"
     params: dict[str, Any] = field(default_factory=dict)
     dtype: str = "float32"
+    # VLMs ("tiny-qwen2-vl", "tiny-llava" or an image-text-to-text folder): no gradient into
+    # the vision tower and projector
+    freeze_vision: bool = False
 
 
 @dataclass
@@ -73,13 +98,20 @@ class DataConfig:
     add_eos: bool = True
     pad_to_multiple_of: int | None = None
     extra_keys: list[str] = field(default_factory=list)  # tensor fields passed to the model
+    image_key: str = "image"  # VLMs: the field holding each example's image (path or image)
+    # what to do when data.max_length cuts an example's end (its EOS is lost: "truncated") or
+    # leaves it no target token (it is removed: "dropped"): "warn" (counted and logged) or "error"
+    on_truncate: str = "warn"
+    on_drop: str = "warn"
 
 
 @dataclass
 class ObjectiveConfig:
-    """``name``: one of ce | emd | ntil | emo | tailr | mixce; ``params`` go to the loss class.
-    ``cost_embedding`` (EMO only): "model" (a frozen copy of the model's output embedding at
-    the start of training) or a path to a tensor file (.pt / .safetensors, [V, d])."""
+    """``name``: one of ce | emd | ntil | emo | tailr | mixce | emo_distill | kl_distill;
+    ``params`` go to the loss class.
+    ``cost_embedding`` (emo, emo_distill): "model" (a frozen copy of the model's output
+    embedding at the start of training), "teacher" (the teacher's; emo_distill's default) or a
+    path to a tensor file (.pt / .safetensors, [V, d])."""
 
     name: str = "ce"
     params: dict[str, Any] = field(default_factory=dict)
@@ -134,13 +166,21 @@ class LoraConfig:
 
 @dataclass
 class EvalConfig:
-    kind: str = "number"  # number | clock | box | text
-    max_new_tokens: int = 16
+    """``kind``: number | clock | box | boxes (answers generated and parsed) | text (open-ended:
+    ``num_samples`` sampled continuations per prompt, always by sampling with ``temperature``
+    and ``top_p`` and no top-k; MAUVE, PPL_test, ROUGE, distinct-n, repetition, and PPL_oracle
+    under the model folder ``oracle``) | choice (each candidate scored by perplexity)."""
+
+    kind: str = "number"
+    max_new_tokens: int = 16  # text: the generation length in tokens
     batch_size: int = 64
     do_sample: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int = 0
+    num_samples: int = 5  # text: continuations sampled per prompt
+    oracle: str | None = None  # text: a model folder scoring the samples (PPL_oracle)
+    mauve: bool = True  # text: compute MAUVE (MiniLM features)
 
 
 @dataclass
@@ -154,6 +194,9 @@ class RunConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     output_dir: str = "runs/emdlm"
+    # distillation: a local Hugging Face causal-LM folder (same tokenizer / vocab as the
+    # student), frozen; only for objectives emo_distill / kl_distill, which need it
+    teacher: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -170,8 +213,8 @@ class RunConfig:
                 continue
             if (src.path is None) == (src.task is None):
                 raise ConfigError(f"{name}: give exactly one of 'path' or 'task'")
-            if src.split not in ("train", "test"):
-                raise ConfigError(f"{name}.split must be 'train' or 'test', got {src.split!r}")
+            check_choice(f"{name}.split", src.split, DATA_SPLITS)
+        self._validate_teacher()
         t = self.train
         for key in ("batch_size", "grad_accum", "logging_steps", "save_steps"):
             if getattr(t, key) < 1:
@@ -180,8 +223,36 @@ class RunConfig:
             raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
         if self.data.max_length < 2:
             raise ConfigError(f"data.max_length must be >= 2, got {self.data.max_length}")
-        if self.eval.kind not in ("number", "clock", "box", "text"):
-            raise ConfigError(f"eval.kind must be number|clock|box|text, got {self.eval.kind!r}")
+        check_choice("eval.kind", self.eval.kind, EVAL_KINDS)
+        if self.eval.num_samples < 1:
+            raise ConfigError(f"eval.num_samples must be >= 1, got {self.eval.num_samples}")
+        check_choice("data.on_truncate", self.data.on_truncate, ("warn", "error"))
+        check_choice("data.on_drop", self.data.on_drop, ("warn", "error"))
+        self._validate_optim_names()
+
+    def _validate_teacher(self) -> None:
+        """A teacher exactly for the distillation objectives (before anything is loaded)."""
+        name = self.objective.name
+        if self.teacher is not None and name not in DISTILL_OBJECTIVES:
+            raise ConfigError(
+                f"teacher={self.teacher!r} is set but objective {name!r} takes no target "
+                f"distribution; use objective.name={' or '.join(DISTILL_OBJECTIVES)} to distil, "
+                "or remove `teacher`"
+            )
+        if self.teacher is None and name in DISTILL_OBJECTIVES:
+            raise ConfigError(
+                f"objective {name!r} distils from a teacher: set teacher=<local model folder> "
+                "(a Hugging Face causal LM with the student's tokenizer)"
+            )
+
+    def _validate_optim_names(self) -> None:
+        """optim.scheduler / optim.optim against transformers' own lists, so that a typo fails
+        here and not inside Trainer after the output folder was written."""
+        from transformers.trainer_utils import SchedulerType
+        from transformers.training_args import OptimizerNames
+
+        check_choice("optim.scheduler", self.optim.scheduler, [s.value for s in SchedulerType])
+        check_choice("optim.optim", self.optim.optim, [o.value for o in OptimizerNames])
 
 
 def _build(cls: type, data: Any, where: str) -> Any:

@@ -15,8 +15,12 @@ inputs needs no trainer change.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import sys
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +29,7 @@ import torch
 from emdlm.config import ConfigError, DataSourceConfig
 
 IGNORE_INDEX = -100
+CUT_POLICIES = ("warn", "error")  # data.on_truncate / data.on_drop
 _BASE_KEYS = ("input_ids", "labels", "attention_mask")
 
 
@@ -34,9 +39,11 @@ def _check_row(row: Any, where: str) -> dict[str, Any]:
     has_pc = "prompt" in row or "completion" in row
     if has_pc:
         for key in ("prompt", "completion"):
-            if not isinstance(row.get(key), str):
+            if key not in row:
+                raise ConfigError(f"{where}: field {key!r} is missing")
+            if not isinstance(row[key], str):
                 raise ConfigError(
-                    f"{where}: field {key!r} must be a string, got {type(row.get(key)).__name__}"
+                    f"{where}: field {key!r} must be a string, got {type(row[key]).__name__}"
                 )
         if not row["completion"]:
             raise ConfigError(f"{where}: empty 'completion'")
@@ -51,14 +58,29 @@ def _check_row(row: Any, where: str) -> dict[str, Any]:
     return row
 
 
+def _decode_line(raw: bytes, where: str) -> str:
+    """One JSONL line as text; ConfigError naming the line and the first bad byte if it is not
+    UTF-8 (a UTF-8 byte-order mark is dropped)."""
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        bad = raw[err.start : err.start + 1].hex()
+        raise ConfigError(
+            f"{where}: not UTF-8 (byte 0x{bad} at column {err.start + 1}); save the file as "
+            "UTF-8"
+        ) from None
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a JSONL file; ConfigError naming ``file:line`` for any malformed line."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"data file not found: {p}")
     rows: list[dict[str, Any]] = []
-    with p.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
+    # bytes, decoded line by line, so that an encoding error names its line like JSON errors
+    with p.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            line = _decode_line(raw, f"{p}:{lineno}")
             if not line.strip():
                 continue
             try:
@@ -146,17 +168,63 @@ def tokenize_example(
     return item
 
 
-class TokenizedDataset(torch.utils.data.Dataset):
-    """A list of tokenized examples (dicts of lists / tensors)."""
+@dataclass
+class CutCounts:
+    """What truncation to ``max_length`` did to one source's examples.
 
-    def __init__(self, items: list[dict[str, Any]]) -> None:
+    ``truncated``: kept, but cut (a completion lost its end and its EOS, or a text its end);
+    ``dropped``: removed, because the prompt filled ``max_length`` and no target token was left.
+    """
+
+    source: str
+    examples: int
+    truncated: int
+    dropped: int
+    max_length: int
+
+    def message(self) -> str:
+        """``"<source>: N of M examples truncated, K dropped (data.max_length=L)"``."""
+        return (
+            f"{self.source}: {self.truncated} of {self.examples} examples truncated, "
+            f"{self.dropped} dropped (data.max_length={self.max_length})"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class TokenizedDataset(torch.utils.data.Dataset):
+    """A list of tokenized examples (dicts of lists / tensors); ``cuts`` says how many examples
+    truncation cut or dropped (None when not built by :func:`build_dataset`)."""
+
+    def __init__(self, items: list[dict[str, Any]], cuts: CutCounts | None = None) -> None:
         self.items = items
+        self.cuts = cuts
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.items[index]
+
+
+def report_cuts(cuts: CutCounts, on_truncate: str, on_drop: str) -> None:
+    """Print the cut counts to stderr once (rank 0), or raise ConfigError when the policy says
+    "error"."""
+    for policy, key, count in (
+        (on_drop, "on_drop", cuts.dropped), (on_truncate, "on_truncate", cuts.truncated)
+    ):
+        if policy not in CUT_POLICIES:
+            raise ConfigError(
+                f"data.{key} must be one of {', '.join(CUT_POLICIES)}, got {policy!r}"
+            )
+        if count and policy == "error":
+            raise ConfigError(
+                f"{cuts.message()}; data.{key}=error: raise data.max_length or shorten the "
+                "examples"
+            )
+    if (cuts.truncated or cuts.dropped) and int(os.environ.get("RANK", "0")) == 0:
+        print(f"warning: {cuts.message()}", file=sys.stderr, flush=True)
 
 
 def build_dataset(
@@ -167,42 +235,57 @@ def build_dataset(
     add_eos: bool = True,
     extra_keys: Sequence[str] = (),
     source: str = "data",
+    on_truncate: str = "warn",
+    on_drop: str = "warn",
 ) -> TokenizedDataset:
     """Tokenize all examples (batched calls into the tokenizer; same result as
-    :func:`tokenize_example` per example); ConfigError if none has a trainable token left."""
+    :func:`tokenize_example` per example).
+
+    Examples longer than ``max_length`` are cut, and dropped when no target token is left;
+    both are counted (``dataset.cuts``) and printed once as :meth:`CutCounts.message`, or are a
+    ConfigError when ``on_truncate`` / ``on_drop`` is "error". ConfigError as well if no
+    example is left."""
     rows = list(examples)
     pc = [i for i, ex in enumerate(rows) if "completion" in ex]
     tx = [i for i, ex in enumerate(rows) if "completion" not in ex]
     eos = [tokenizer.eos_token_id] if add_eos else []
     ids_of: dict[int, tuple[list[int], list[int]]] = {}
+    full_length: dict[int, int] = {}  # before truncation
     if pc:
         prompts = tokenizer([rows[i]["prompt"] for i in pc])["input_ids"]
         comps = tokenizer([rows[i]["completion"] for i in pc], add_special_tokens=False)
         for i, p, c in zip(pc, prompts, comps["input_ids"], strict=True):
             c = list(c) + eos
+            full_length[i] = len(p) + len(c)
             ids_of[i] = ((list(p) + c)[:max_length], ([IGNORE_INDEX] * len(p) + c)[:max_length])
     if tx:
         texts = tokenizer([rows[i]["text"] for i in tx])["input_ids"]
         for i, t in zip(tx, texts, strict=True):
+            full_length[i] = len(t) + len(eos)
             ids = (list(t) + eos)[:max_length]
             ids_of[i] = (ids, list(ids))
     items = []
+    truncated = dropped = 0
     for i, ex in enumerate(rows):
         ids, labels = ids_of[i]
         if all(lab == IGNORE_INDEX for lab in labels[1:]):
-            continue  # truncation left no target
+            dropped += 1  # truncation left no target
+            continue
+        truncated += full_length[i] > max_length
         item: dict[str, Any] = {"input_ids": ids, "labels": labels}
         for key in extra_keys:
             if key not in ex:
                 raise ConfigError(f"{source}: example {i} has no extra key {key!r}")
             item[key] = torch.as_tensor(ex[key])
         items.append(item)
+    cuts = CutCounts(source, len(rows), truncated, dropped, max_length)
     if not items:
         raise ConfigError(
             f"{source}: no example has a target token left after truncation to "
             f"data.max_length={max_length}"
         )
-    return TokenizedDataset(items)
+    report_cuts(cuts, on_truncate, on_drop)
+    return TokenizedDataset(items, cuts)
 
 
 class DataCollator:

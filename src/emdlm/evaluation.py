@@ -22,12 +22,17 @@ from emdlm.metrics import (
     TASK_KINDS,
     TaskKind,
     box_iou,
+    choice_metrics,
     clock_time_gap,
     compute_task_metrics,
+    diversity_metrics,
     exact_match,
+    mauve_num_buckets,
+    mauve_score,
     parse_box,
     parse_number,
     perplexity,
+    rouge,
 )
 
 # ----------------------------------------------------------------------------------------------
@@ -190,21 +195,21 @@ def generate_answers(
 
 
 @torch.no_grad()
-def sequence_nll(
+def sequence_nlls(
     model: Any,
     tokenizer: Any,
     texts: Sequence[str] | Sequence[tuple[str, str]],
     *,
     batch_size: int = 16,
     add_eos: bool = False,
-) -> tuple[float, int]:
-    """Summed negative log-likelihood (nats) and the number of scored tokens.
+) -> list[tuple[float, int]]:
+    """Per sequence: (summed negative log-likelihood in nats, number of scored tokens).
 
     ``texts`` is either plain strings (every token after the first is scored) or
     ``(prompt, completion)`` pairs (only completion tokens are scored, conditioned on the
     prompt). With ``add_eos`` the tokenizer's EOS is appended to each text / completion and
     scored too, as in training (``emdlm.data.tokenize_example``). Batches are right-padded and
-    masked; the sum is in float64 on the host, with one host sync per batch.
+    masked; one host sync per batch.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -229,7 +234,7 @@ def sequence_nll(
     limit = _max_positions(model)
     was_training = model.training
     model.eval()
-    total_nll, total_tokens = 0.0, 0
+    out: list[tuple[float, int]] = []
     try:
         for start in range(0, len(seqs), batch_size):
             chunk = seqs[start : start + batch_size]
@@ -243,23 +248,39 @@ def sequence_nll(
                 input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
                 attention_mask[row, : len(ids)] = 1
                 labels[row, first : len(ids)] = input_ids[row, first : len(ids)]
+            counts = (labels[:, 1:] != -100).sum(1).tolist()  # [b], on the host copy
             if width < 2:
+                out.extend((0.0, 0) for _ in chunk)
                 continue
             logits = model(
                 input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)
             ).logits  # [b, L, V]
             shifted = labels[:, 1:].to(device)  # [b, L-1], token t+1 predicted at t
             nll = torch.nn.functional.cross_entropy(
-                logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-                shifted.reshape(-1),
+                logits[:, :-1].float().transpose(1, 2),  # [b, V, L-1]
+                shifted,
                 ignore_index=-100,
-                reduction="sum",
-            )
-            total_nll += float(nll)  # one host sync per batch
-            total_tokens += int((labels[:, 1:] != -100).sum())  # counted on the host copy
+                reduction="none",
+            )  # [b, L-1], 0 where ignored
+            sums = nll.double().sum(1).tolist()  # one host sync per batch
+            out.extend(zip(sums, counts, strict=True))
     finally:
         model.train(was_training)
-    return total_nll, total_tokens
+    return out
+
+
+def sequence_nll(
+    model: Any,
+    tokenizer: Any,
+    texts: Sequence[str] | Sequence[tuple[str, str]],
+    *,
+    batch_size: int = 16,
+    add_eos: bool = False,
+) -> tuple[float, int]:
+    """Summed negative log-likelihood (nats) and the number of scored tokens over all
+    ``texts`` (see :func:`sequence_nlls` for what is scored); the sum is in float64."""
+    per_seq = sequence_nlls(model, tokenizer, texts, batch_size=batch_size, add_eos=add_eos)
+    return math.fsum(v for v, _ in per_seq), sum(c for _, c in per_seq)
 
 
 def sequence_perplexity(
@@ -363,6 +384,223 @@ def evaluate_examples(
     rows = [
         {"prompt": p, "reference": r, "prediction": y, **_per_example_fields(y, r, kind)}
         for p, r, y in zip(prompts, references, preds, strict=True)
+    ]
+    return metrics, rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Open-ended text (EMO paper Sec. 4.1 protocol)
+# ----------------------------------------------------------------------------------------------
+
+#: MAUVE settings used by :func:`evaluate_text` (mauve-text's defaults; recorded in metrics).
+MAUVE_SETTINGS = {"seed": 25, "scaling_factor": 5.0, "kmeans_num_redo": 5, "kmeans_max_iter": 500}
+
+
+def _check_prompt_completion(examples: Sequence[Mapping[str, Any]]) -> None:
+    for i, ex in enumerate(examples):
+        if "prompt" not in ex or "completion" not in ex:
+            raise KeyError(f"example {i} needs keys 'prompt' and 'completion', has {sorted(ex)}")
+
+
+def _pairs_perplexity(
+    model: Any, tokenizer: Any, pairs: Sequence[tuple[str, str]], **kw: Any
+) -> float:
+    """Perplexity of the completions of ``pairs`` given their prompts; NaN when no pair has a
+    completion token (e.g. every sample ended at once with EOS)."""
+    total, count = sequence_nll(model, tokenizer, pairs, **kw)
+    return perplexity(total, count) if count else float("nan")
+
+
+def evaluate_text(
+    model: Any,
+    tokenizer: Any,
+    examples: Sequence[Mapping[str, Any]],
+    *,
+    num_samples: int = 5,
+    max_new_tokens: int = 80,
+    batch_size: int = 32,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    oracle: tuple[Any, Any] | None = None,
+    mauve: bool = True,
+    featurizer: Any = None,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Sample continuations of each prompt and score them as the EMO paper does (Sec. 4.1).
+
+    Sampling is ancestral ("unbiased"): ``do_sample`` with ``temperature`` (default 1),
+    ``top_p`` (default 1.0) and top-k off (``top_k=0``; transformers' own default would be 50),
+    ``num_samples`` continuations of at most ``max_new_tokens`` tokens per prompt, stopped
+    only by EOS. Metrics (samples and references are stripped):
+
+    * ``mauve``: MAUVE of all samples (P) against the human continuations (Q), MiniLM features;
+      its settings are recorded as ``mauve_num_buckets``, ``mauve_scaling_factor``,
+      ``mauve_seed``, ``mauve_kmeans_num_redo``, ``mauve_kmeans_max_iter``, ``mauve_features``.
+    * ``ppl_test``: exp(mean NLL) of the reference continuations given their prompts (no EOS:
+      a continuation is a window cut from a document, not its end).
+    * ``ppl_oracle`` (with ``oracle=(model, tokenizer)``): exp(mean NLL) that the oracle assigns
+      to the generated continuations given their prompts, all samples pooled by token. The
+      decoded text is re-encoded with the oracle's tokenizer.
+    * ``rouge1`` / ``rougeL``: mean F-measure of each sample against its prompt's reference.
+    * ``distinct_{1,2,3}``, ``rep_{1,2,3,4}``, ``repeated_4gram_share``
+      (:func:`emdlm.metrics.diversity_metrics`, on whitespace words), ``gen_words_mean``,
+      ``empty_rate``, and the settings (``num_samples``, ``temperature``, ``top_p``, ``top_k``,
+      ``max_new_tokens``, ``n_prompts``, ``n_samples``).
+
+    Returns ``(metrics, rows)`` with one row per prompt: prompt, reference (stripped) and
+    samples as generated (not stripped: the text PPL_oracle scored).
+    """
+    _check_prompt_completion(examples)
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if mauve and len(examples) < 2:
+        raise ValueError("MAUVE needs at least 2 prompts; pass more examples or mauve=False")
+    prompts = [str(ex["prompt"]) for ex in examples]
+    refs = [str(ex["completion"]) for ex in examples]
+    repeated = [p for p in prompts for _ in range(num_samples)]  # prompt-major order
+    raw = generate_answers(
+        model, tokenizer, repeated, max_new_tokens=max_new_tokens, batch_size=batch_size,
+        do_sample=True, temperature=temperature, top_p=top_p, seed=seed, stop_at=(),
+    )
+    samples = [t.strip() for t in raw]
+    sample_refs = [r.strip() for r in refs for _ in range(num_samples)]
+    metrics: dict[str, Any] = {}
+    if mauve:
+        metrics["mauve"] = mauve_score(
+            samples,
+            [r.strip() for r in refs],
+            featurizer=featurizer,
+            seed=MAUVE_SETTINGS["seed"],
+            mauve_scaling_factor=MAUVE_SETTINGS["scaling_factor"],
+            kmeans_num_redo=MAUVE_SETTINGS["kmeans_num_redo"],
+            kmeans_max_iter=MAUVE_SETTINGS["kmeans_max_iter"],
+        )
+        metrics["mauve_num_buckets"] = mauve_num_buckets(len(samples), len(refs))
+        metrics.update({f"mauve_{k}": v for k, v in MAUVE_SETTINGS.items()})
+        metrics["mauve_features"] = (
+            "all-MiniLM-L6-v2" if featurizer is None else type(featurizer).__name__
+        )
+    metrics["ppl_test"] = _pairs_perplexity(
+        model, tokenizer, list(zip(prompts, refs, strict=True)), batch_size=batch_size
+    )
+    if oracle is not None:
+        o_model, o_tokenizer = oracle
+        metrics["ppl_oracle"] = _pairs_perplexity(
+            o_model, o_tokenizer, list(zip(repeated, raw, strict=True)), batch_size=batch_size
+        )
+    metrics.update(rouge(samples, sample_refs))
+    metrics.update(diversity_metrics(samples))
+    lengths = [len(t.split()) for t in samples]
+    metrics["gen_words_mean"] = sum(lengths) / len(lengths) if lengths else float("nan")
+    metrics["empty_rate"] = sum(n == 0 for n in lengths) / len(lengths) if lengths else 0.0
+    metrics.update(
+        num_samples=num_samples, temperature=temperature, top_p=top_p, top_k=0,
+        max_new_tokens=max_new_tokens, n_prompts=len(prompts), n_samples=len(samples),
+    )
+    rows = [
+        {
+            "prompt": p,
+            "reference": r.strip(),
+            "samples": raw[i * num_samples : (i + 1) * num_samples],  # as generated
+        }
+        for i, (p, r) in enumerate(zip(prompts, refs, strict=True))
+    ]
+    return metrics, rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Choice by perplexity (EMO paper Sec. 4.2, OpenICL's PPL inferencer)
+# ----------------------------------------------------------------------------------------------
+
+CHOICE_SCORING = ("text", "completion")
+
+
+def _check_choice_examples(examples: Sequence[Mapping[str, Any]]) -> None:
+    for i, ex in enumerate(examples):
+        missing = [k for k in ("prompt", "choices", "label") if k not in ex]
+        if missing:
+            raise KeyError(f"choice example {i} lacks {missing}; it has {sorted(ex)}")
+        choices = ex["choices"]
+        if not isinstance(choices, (list, tuple)) or len(choices) < 2:
+            raise ValueError(f"choice example {i}: 'choices' must list >= 2 candidates")
+        if not all(isinstance(c, str) and c for c in choices):
+            raise ValueError(f"choice example {i}: every candidate must be a non-empty string")
+        label = ex["label"]
+        if isinstance(label, bool) or not isinstance(label, int):
+            raise ValueError(f"choice example {i}: 'label' must be an int index, got {label!r}")
+        if not 0 <= label < len(choices):
+            raise ValueError(f"choice example {i}: label {label} not among {len(choices)} choices")
+
+
+def score_choices(
+    model: Any,
+    tokenizer: Any,
+    examples: Sequence[Mapping[str, Any]],
+    *,
+    batch_size: int = 16,
+    scoring: str = "text",
+) -> list[list[float]]:
+    """Mean NLL per token of each candidate of each example (lower is better).
+
+    ``scoring="text"`` (default, OpenICL's ``PPLInferencer`` without ``normalizing_str``): the
+    whole filled text ``prompt + candidate`` (demonstrations included) is tokenized as one
+    string and every token after the first is scored; the score is its mean NLL. (OpenICL
+    divides the summed NLL by all non-pad tokens, the unscored first one included; we divide
+    by the scored ones.) ``scoring="completion"``: only the candidate's tokens, given the
+    prompt (the evaluation convention of :func:`sequence_nll` for pairs).
+    """
+    if scoring not in CHOICE_SCORING:
+        raise ValueError(f"scoring must be one of {CHOICE_SCORING}, got {scoring!r}")
+    _check_choice_examples(examples)
+    items: list[Any] = [
+        ex["prompt"] + c if scoring == "text" else (ex["prompt"], c)
+        for ex in examples
+        for c in ex["choices"]
+    ]
+    per_seq = sequence_nlls(model, tokenizer, items, batch_size=batch_size)
+    scores: list[list[float]] = []
+    k = 0
+    for i, ex in enumerate(examples):
+        row = []
+        for _ in ex["choices"]:
+            nll, count = per_seq[k]
+            k += 1
+            if count == 0:
+                raise ValueError(f"choice example {i}: a candidate text has no scored token")
+            row.append(nll / count)
+        scores.append(row)
+    return scores
+
+
+def evaluate_choice(
+    model: Any,
+    tokenizer: Any,
+    examples: Sequence[Mapping[str, Any]],
+    *,
+    batch_size: int = 16,
+    scoring: str = "text",
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Pick, per example, the candidate with the lowest mean NLL (:func:`score_choices`; ties
+    go to the first) and report :func:`emdlm.metrics.choice_metrics` (accuracy, chance_rate,
+    majority_rate, n) plus ``scoring``. Rows: prompt, choices, label, prediction (index),
+    mean_nll per candidate, correct."""
+    scores = score_choices(model, tokenizer, examples, batch_size=batch_size, scoring=scoring)
+    predicted = [min(range(len(row)), key=row.__getitem__) for row in scores]
+    gold = [int(ex["label"]) for ex in examples]
+    metrics: dict[str, Any] = dict(
+        choice_metrics(predicted, gold, [len(ex["choices"]) for ex in examples])
+    )
+    metrics["scoring"] = scoring
+    rows = [
+        {
+            "prompt": ex["prompt"],
+            "choices": list(ex["choices"]),
+            "label": y,
+            "prediction": p,
+            "mean_nll": row,
+            "correct": p == y,
+        }
+        for ex, y, p, row in zip(examples, gold, predicted, scores, strict=True)
     ]
     return metrics, rows
 

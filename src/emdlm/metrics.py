@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import re
 import statistics
+import unicodedata
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 from functools import lru_cache
@@ -43,14 +44,15 @@ from typing import Any, Literal
 import numpy as np
 
 Box = tuple[float, float, float, float]
-TaskKind = Literal["number", "clock", "box", "text"]
+TaskKind = Literal["number", "clock", "box", "boxes", "text", "choice"]
 
 _TRAILING_PUNCT = ".,;:!?"
-_INT = r"(?:\d{1,3}(?:,\d{3})+|\d+)"  # plain digits, or correctly grouped thousands
-# Exponents are capped at 3 digits: Fraction("1e999999999") would build a gigantic integer.
-_DECIMAL = rf"(?:{_INT}(?:\.\d*)?|\.\d+)(?:e[+-]?\d{{1,3}})?"
-_NUMBER_RE = re.compile(rf"[+-]?{_DECIMAL}")
-_FRACTION_RE = re.compile(rf"([+-]?{_INT})/({_INT})")
+#: Thousands separators :func:`parse_fraction` can read ("," by default: "1,234" is 1234).
+THOUSANDS_SEPARATORS = (",", "_", "'")
+# Characters NFKC leaves alone that still mean a sign or a decimal mark in a number.
+_NUMBER_CHARS = str.maketrans({"\u2212": "-", "\u066b": ".", "\u066c": ","})
+# NFKC would turn '2³' into '23' and '½' into '1⁄2': keep such characters as they are.
+_KEEP_TAGS = ("<super>", "<sub>", "<fraction>")
 _CLOCK_RE = re.compile(r"(\d{1,2})[_:](\d{2})")
 _BOX_NUM_RE = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
 # Skeletons (the string with every number replaced by "#") accepted as a box.
@@ -84,37 +86,73 @@ def normalize_answer(s: str) -> str:
     return out.rstrip(_TRAILING_PUNCT).rstrip()
 
 
-def parse_fraction(s: str) -> Fraction | None:
+@lru_cache(maxsize=8)
+def _number_patterns(separator: str | None) -> tuple[re.Pattern[str], re.Pattern[str]]:
+    """(number, fraction) regexes; integers may use ``separator`` in correct 3-digit groups."""
+    group = "" if separator is None else rf"\d{{1,3}}(?:{re.escape(separator)}\d{{3}})+|"
+    integer = rf"(?:{group}\d+)"
+    # Exponents are capped at 3 digits: Fraction("1e999999999") would build a gigantic integer.
+    decimal = rf"(?:{integer}(?:\.\d*)?|\.\d+)(?:e[+-]?\d{{1,3}})?"
+    return re.compile(rf"[+-]?{decimal}"), re.compile(rf"([+-]?{integer})/({integer})")
+
+
+def normalize_number_text(s: str) -> str:
+    """NFKC per character (fullwidth '１２３．５' -> '123.5'), plus the minus sign U+2212 and the
+    Arabic decimal / thousands marks; superscripts, subscripts and vulgar fractions are kept
+    ('2³' must not read as 23). Arabic-Indic and other Unicode decimal digits stay as they are:
+    Python's ``int`` reads them."""
+    if s.isascii():
+        return s
+    out = (
+        c
+        if unicodedata.decomposition(c).startswith(_KEEP_TAGS)
+        else unicodedata.normalize("NFKC", c)
+        for c in s
+    )
+    return "".join(out).translate(_NUMBER_CHARS)
+
+
+def parse_fraction(s: str, *, thousands_separator: str | None = ",") -> Fraction | None:
     """Parse a whole answer string as an exact rational number, or return None.
 
     Accepts integers (``-12``, ``1,234``), decimals (``3.``, ``.5``), scientific notation
     (``1e-3``) and fractions of integers (``-6/11``; zero denominators give None). The string
-    is normalized first (see :func:`normalize_answer`); nothing else may surround the number.
+    is normalized first (:func:`normalize_number_text`, then :func:`normalize_answer`); nothing
+    else may surround the number. ``thousands_separator``: "," (default) reads correctly
+    grouped thousands ("1,234"; "1,23" is not a number), None reads none, "_" or "'" another.
     """
-    t = normalize_answer(s)
+    if thousands_separator is not None and thousands_separator not in THOUSANDS_SEPARATORS:
+        raise ValueError(
+            f"thousands_separator must be None or one of {THOUSANDS_SEPARATORS}, got "
+            f"{thousands_separator!r}"
+        )
+    t = normalize_answer(normalize_number_text(s))
     if not t:
         return None
+    number_re, fraction_re = _number_patterns(thousands_separator)
+    sep = thousands_separator or ""
     try:
-        if _NUMBER_RE.fullmatch(t):
-            return Fraction(t.replace(",", ""))
-        m = _FRACTION_RE.fullmatch(t)
+        if number_re.fullmatch(t):
+            return Fraction(t.replace(sep, "") if sep else t)
+        m = fraction_re.fullmatch(t)
         if m:
-            den = int(m.group(2).replace(",", ""))
+            den = int(m.group(2).replace(sep, "") if sep else m.group(2))
             if den == 0:
                 return None
-            return Fraction(int(m.group(1).replace(",", "")), den)
+            return Fraction(int(m.group(1).replace(sep, "") if sep else m.group(1)), den)
     except ValueError:  # more digits than Python's int/str conversion limit (4300)
         return None
     return None
 
 
-def parse_number(s: str) -> float | None:
+def parse_number(s: str, *, thousands_separator: str | None = ",") -> float | None:
     """Parse a whole answer string as a number (see :func:`parse_fraction`), as a float.
 
     Returns None when the string is not a number or its magnitude overflows a float.
-    Examples: ``"-6/11" -> -0.5454...``, ``"1,234" -> 1234.0``, ``"4_35" -> None``.
+    Examples: ``"-6/11" -> -0.5454...``, ``"1,234" -> 1234.0``, ``"4_35" -> None``,
+    ``"１２３．５" -> 123.5``, ``"−5" -> -5.0``.
     """
-    value = parse_fraction(s)
+    value = parse_fraction(s, thousands_separator=thousands_separator)
     if value is None:
         return None
     try:
@@ -508,9 +546,7 @@ def mauve_score(
     feat = featurizer if featurizer is not None else default_featurizer()
     p_feat = np.asarray(feat(list(p_texts)), dtype=np.float32)
     q_feat = np.asarray(feat(list(q_texts)), dtype=np.float32)
-    n_min = min(len(p_feat), len(q_feat))
-    buckets = max(2, round(n_min / 10)) if num_buckets == "auto" else int(num_buckets)
-    buckets = max(2, min(buckets, n_min))
+    buckets = mauve_num_buckets(len(p_feat), len(q_feat), num_buckets)
     out = mauve.compute_mauve(
         p_features=p_feat,
         q_features=q_feat,
@@ -524,11 +560,117 @@ def mauve_score(
     return float(out.mauve)
 
 
+def mauve_num_buckets(n_p: int, n_q: int, num_buckets: int | Literal["auto"] = "auto") -> int:
+    """The k-means cluster count :func:`mauve_score` uses: mauve's "auto" rule
+    max(2, round(min(n_p, n_q) / 10)), or ``num_buckets``, capped to [2, min(n_p, n_q)]."""
+    n_min = min(n_p, n_q)
+    buckets = max(2, round(n_min / 10)) if num_buckets == "auto" else int(num_buckets)
+    return max(2, min(buckets, n_min))
+
+
+# ----------------------------------------------------------------------------------------------
+# Diversity and repetition of generated text
+# ----------------------------------------------------------------------------------------------
+
+
+def _ngrams(words: Sequence[str], n: int) -> list[tuple[str, ...]]:
+    return [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
+
+
+def _check_order(n: int) -> None:
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"the n-gram order must be a positive integer, got {n!r}")
+
+
+def distinct_n(texts: Sequence[str], n: int) -> float:
+    """Distinct-n (Li et al., NAACL 2016): unique n-grams / all n-grams, pooled over ``texts``.
+
+    Words are whitespace-separated tokens, case kept. ``distinct_n(["a b a b"], 2) == 2 / 3``
+    (bigrams ab, ba, ab). NaN when no text has n words.
+    """
+    _check_order(n)
+    grams = [g for t in texts for g in _ngrams(t.split(), n)]
+    return len(set(grams)) / len(grams) if grams else float("nan")
+
+
+def repetition_rate(texts: Sequence[str], n: int) -> float:
+    """rep-n (seq-rep-n, Welleck et al., ICLR 2020): per text 1 - unique n-grams / n-grams,
+    i.e. the share of its n-grams that repeat an earlier one; mean over the texts with at
+    least n words (NaN if none). ``repetition_rate(["a b a b"], 2) == 1 / 3``."""
+    _check_order(n)
+    rates = []
+    for t in texts:
+        grams = _ngrams(t.split(), n)
+        if grams:
+            rates.append(1.0 - len(set(grams)) / len(grams))
+    return statistics.fmean(rates) if rates else float("nan")
+
+
+def repeated_ngram_share(texts: Sequence[str], n: int = 4) -> float:
+    """Share of ``texts`` in which some word n-gram occurs twice or more (0.0 for no texts).
+
+    ``repeated_ngram_share(["a b c d a b c d", "a b c d e"], 4) == 0.5``.
+    """
+    _check_order(n)
+    if not texts:
+        return 0.0
+    hits = 0
+    for t in texts:
+        grams = _ngrams(t.split(), n)
+        hits += len(set(grams)) < len(grams)
+    return hits / len(texts)
+
+
+def diversity_metrics(texts: Sequence[str], orders: Sequence[int] = (1, 2, 3)) -> dict[str, float]:
+    """``distinct_{n}`` and ``rep_{n}`` for n in ``orders``, plus ``rep_4`` and
+    ``repeated_4gram_share`` (the share of texts with a repeated 4-gram)."""
+    out: dict[str, float] = {}
+    for n in orders:
+        out[f"distinct_{n}"] = distinct_n(texts, n)
+    for n in sorted({*orders, 4}):
+        out[f"rep_{n}"] = repetition_rate(texts, n)
+    out["repeated_4gram_share"] = repeated_ngram_share(texts, 4)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Choice (multiple-choice by perplexity)
+# ----------------------------------------------------------------------------------------------
+
+
+def choice_metrics(
+    predicted: Sequence[int], gold: Sequence[int], n_choices: Sequence[int]
+) -> dict[str, float]:
+    """Accuracy of chosen candidate indices, beside the rates it should be read against.
+
+    ``chance_rate``: mean of 1 / n_choices (uniform guessing); ``majority_rate``: accuracy of
+    always answering the most frequent gold index. Keys: accuracy, chance_rate, majority_rate,
+    n. Raises ValueError on a gold index outside its candidates.
+    """
+    _check_pairs(predicted, gold)
+    _check_pairs(gold, n_choices)
+    for i, (y, k) in enumerate(zip(gold, n_choices, strict=True)):
+        if not 0 <= y < k:
+            raise ValueError(f"example {i}: gold index {y} is not among its {k} candidates")
+    n = len(gold)
+    if n == 0:
+        nan = float("nan")
+        return {"accuracy": nan, "chance_rate": nan, "majority_rate": nan, "n": 0}
+    hits = sum(p == y for p, y in zip(predicted, gold, strict=True))
+    most = max(sum(y == v for y in gold) for v in set(gold))
+    return {
+        "accuracy": hits / n,
+        "chance_rate": statistics.fmean(1.0 / k for k in n_choices),
+        "majority_rate": most / n,
+        "n": n,
+    }
+
+
 # ----------------------------------------------------------------------------------------------
 # One entry point per task kind
 # ----------------------------------------------------------------------------------------------
 
-TASK_KINDS: tuple[str, ...] = ("number", "clock", "box", "text")
+TASK_KINDS: tuple[str, ...] = ("number", "clock", "box", "boxes", "text", "choice")
 
 
 def compute_task_metrics(
@@ -547,8 +689,14 @@ def compute_task_metrics(
     * ``"clock"``: exact_match, time_gap_mean / _median (parsed answers), time_gap_mean_worst
       (failures as 6 h), parse_failure_rate, n.
     * ``"box"``: acc_iou50 (Acc@IoU>=0.5), mean_iou (failures as 0), parse_failure_rate, n.
+    * ``"boxes"`` (several boxes per answer, "; "-separated): micro precision, recall, f1 of
+      one-to-one matching at IoU>=0.5, image_exact, mean_matched_iou, parse_failure_rate,
+      n_pred_boxes, n_gold_boxes, n (:func:`emdlm.vision.boxes.boxes_metrics`).
     * ``"text"``: exact_match (string), rouge1, rougeL (F-measure), and mauve (MiniLM
-      features) when ``mauve=True``; n.
+      features) when ``mauve=True``; n. (``emdlm eval`` scores open-ended text with
+      :func:`emdlm.evaluation.evaluate_text`, which adds sampling, diversity and PPL metrics.)
+    * ``"choice"``: accuracy (the chosen candidate's text equals the gold one), n; the chance
+      and majority rates need the candidates: :func:`choice_metrics`.
     """
     _check_pairs(predictions, references)
     if kind == "number":
@@ -565,6 +713,10 @@ def compute_task_metrics(
             "parse_failure_rate": failures / n if n else 0.0,
             "n": n,
         }
+    if kind == "boxes":
+        from emdlm.vision.boxes import boxes_metrics  # imports this module: import lazily
+
+        return boxes_metrics(predictions, references)
     if kind == "text":
         out = {"exact_match": exact_match_rate(predictions, references, numeric=False)}
         out.update(rouge(predictions, references))
@@ -572,4 +724,8 @@ def compute_task_metrics(
             out["mauve"] = mauve_score(predictions, references, featurizer=featurizer)
         out["n"] = len(predictions)
         return out
+    if kind == "choice":
+        n = len(predictions)
+        hits = sum(p == r for p, r in zip(predictions, references, strict=True))
+        return {"accuracy": hits / n if n else float("nan"), "n": n}
     raise ValueError(f"unknown task kind {kind!r}; expected one of {TASK_KINDS}")

@@ -7,16 +7,18 @@ length (dropout 0 by default so runs are deterministic and multi-process runs ma
 * "tiny-llama": ``LlamaConfig`` (defaults 2 layers, hidden 64, 4 heads, 2 kv heads).
 
 Any other name must be an existing folder holding a Hugging Face causal-LM checkpoint.
+Vision-language models (named tiny VLMs and image-text-to-text folders) are built by
+:mod:`emdlm.vlm.models`; :mod:`emdlm.training.train` picks that path with ``is_vlm``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
-from emdlm.config import ConfigError, ModelConfig
+from emdlm.config import ConfigError, ModelConfig, did_you_mean
 
 NAMED_MODELS = ("tiny-gpt2", "tiny-llama")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -35,7 +37,7 @@ def load_tokenizer(name_or_path: str) -> Any:
         except Exception as err:  # transformers raises many types here; name the folder
             raise ConfigError(f"could not load a tokenizer from folder {path}: {err}") from err
     else:
-        if any(sep in name_or_path for sep in ("/", "\\")) or name_or_path.startswith("."):
+        if _looks_like_path(name_or_path):
             raise ConfigError(f"tokenizer folder not found: {name_or_path}")
         try:
             from emdlm.tokenizers import load_tokenizer as load_named
@@ -101,10 +103,7 @@ def build_model(cfg: ModelConfig, tokenizer: Any, *, max_length: int | None = No
     else:
         path = Path(cfg.name)
         if not path.is_dir():
-            raise ConfigError(
-                f"model {cfg.name!r} is neither a named architecture "
-                f"({', '.join(NAMED_MODELS)}) nor an existing checkpoint folder"
-            )
+            _missing_model(cfg.name)
         if not (path / "config.json").exists():
             raise ConfigError(f"model folder {path} has no config.json")
         if cfg.params:
@@ -115,6 +114,26 @@ def build_model(cfg: ModelConfig, tokenizer: Any, *, max_length: int | None = No
             raise ConfigError(f"could not load a causal LM from {path}: {err}") from err
     check_vocab(model, tokenizer)
     return model
+
+
+def _looks_like_path(name: str) -> bool:
+    return any(sep in name for sep in ("/", "\\")) or name.startswith((".", "~"))
+
+
+def _missing_model(name: str) -> NoReturn:
+    """ConfigError for a model name that is neither a named architecture nor a folder: a
+    path-like name is a missing folder, any other a possibly misspelt architecture."""
+    if _looks_like_path(name):
+        if Path(name).expanduser().is_file():
+            raise ConfigError(f"model.name {name} is a file, not a checkpoint folder")
+        raise ConfigError(f"model folder not found: {name} (model.name)")
+    from emdlm.vlm.models import VLM_NAMES
+
+    names = (*NAMED_MODELS, *VLM_NAMES)
+    raise ConfigError(
+        f"model {name!r} is neither a named architecture{did_you_mean(name, names)} "
+        f"({', '.join(names)}) nor an existing checkpoint folder"
+    )
 
 
 def model_vocab_size(model: Any) -> int:
@@ -144,8 +163,10 @@ def apply_lora(model: Any, *, r: int, alpha: int, dropout: float, target_modules
     kwargs: dict[str, Any] = dict(
         r=r, lora_alpha=alpha, lora_dropout=dropout, task_type="CAUSAL_LM"
     )
-    if target_modules is not None:
-        kwargs["target_modules"] = list(target_modules)
+    if target_modules is not None:  # a str is a regex over full module names (peft)
+        kwargs["target_modules"] = (
+            target_modules if isinstance(target_modules, str) else list(target_modules)
+        )
     try:
         return get_peft_model(model, PeftLoraConfig(**kwargs))
     except ValueError as err:

@@ -20,6 +20,14 @@ Span rules (:func:`find_number_spans`), used by NTIL (Sec. 3.2 of the paper; xfe
   one decimal number when the fraction run's first token has no space marker. A number holds at
   most one '.', scanning left to right: "1.2.3" is 1.2 and 3 ("192.168.1.1" is 192.168 and 1.1).
   'Ġ.' never joins, and neither does a space-marked fraction token ("3. 5" is 3 and 5).
+* ``join_decimal`` also reads a leading '.': a bare '.' directly before a run whose first token
+  has no space marker, with no number token right before the '.', makes the run a fraction
+  (".5" is 0.5, "x=.25" is 0.25, "-.5" with ``signed`` is -0.5). The "official" preset does not
+  join decimals, so its spans are unchanged (".5" is 5 there, as in xfey/NTIL).
+* ``thousands_separator`` (off by default; one of :data:`GROUP_SEPARATORS`): a bare separator
+  token directly between two runs joins them when the run after it has exactly 3 digits and
+  the run before it at most 3 ("1,234,567" is one number; "1,23", "1234,567" and "1, 234"
+  are two). A separator never joins after a decimal point ("1.5,000" is 1.5 and 0).
 * ``signed``: a minus token (text ends in '-': '-', 'Ġ-', '=-', ...) directly before the number's
   first token makes the number negative, unless the number's first token has a space marker
   ("5 - 3": 'Ġ-','Ġ3' is subtraction) or the minus token directly follows a number token of the
@@ -32,6 +40,7 @@ M number tokens in the batch, S numbers in the batch.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -41,6 +50,8 @@ import numpy as np
 import torch
 
 SPACE_MARKERS = ("Ġ", "▁")
+#: Thousands separators that :func:`find_number_spans` can join on (bare tokens only).
+GROUP_SEPARATORS = (",", "_", "'")
 _DIGITS = frozenset("0123456789")
 _FLOAT64_MAX = float(torch.finfo(torch.float64).max)
 
@@ -74,6 +85,8 @@ class NumberVocab:
         digit_ids: [10] long, ids of the tokens '0'..'9' without marker (-1 where absent).
         is_decimal_point: [V] bool, token is '.', optionally with a space marker.
         is_minus: [V] bool, token text ends in '-' (e.g. '-', 'Ġ-', '=-').
+        group_separator: [V] long, 1 + index in :data:`GROUP_SEPARATORS` for a token that is
+            exactly a thousands separator (no marker), 0 elsewhere.
 
     Classes are ordered by (digit count, has_space): (1, False), (1, True), (2, False), ...;
     within a class, members are ordered by value (ties, e.g. duplicate strings, by id).
@@ -95,6 +108,7 @@ class NumberVocab:
     digit_ids: torch.Tensor
     is_decimal_point: torch.Tensor
     is_minus: torch.Tensor
+    group_separator: torch.Tensor
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -128,6 +142,7 @@ class NumberVocab:
         space_ids: list[int] = []
         dot_ids: list[int] = []
         minus_ids: list[int] = []
+        separator_codes: dict[int, int] = {}
         digit_ids = [-1] * 10
         for i, tok in enumerate(tokens):
             if not tok:
@@ -135,6 +150,8 @@ class NumberVocab:
             rest, marked = _strip_marker(tok)
             if marked:
                 space_ids.append(i)
+            if tok in GROUP_SEPARATORS:
+                separator_codes[i] = GROUP_SEPARATORS.index(tok) + 1
             if rest and rest.isascii() and rest.isdigit():  # ASCII digits only ('²' is not)
                 num_ids.append(i)
                 num_text.append(rest)
@@ -144,6 +161,7 @@ class NumberVocab:
                 dot_ids.append(i)
             if tok.endswith("-"):
                 minus_ids.append(i)
+        _warn_unscored_digits(tokens)
         if not num_ids:
             raise ValueError(
                 f"the tokenizer has no digit tokens: none of its {n_tok} tokens is a run of "
@@ -188,6 +206,10 @@ class NumberVocab:
         is_dot, is_minus = full(False, bool), full(False, bool)
         is_dot[np.asarray(dot_ids, dtype=np.int64)] = True
         is_minus[np.asarray(minus_ids, dtype=np.int64)] = True
+        group_separator = full(0, np.int64)
+        group_separator[np.asarray(list(separator_codes), dtype=np.int64)] = list(
+            separator_codes.values()
+        )
 
         t = torch.from_numpy
         return cls(
@@ -206,6 +228,7 @@ class NumberVocab:
             digit_ids=torch.tensor(digit_ids, dtype=torch.long),
             is_decimal_point=t(is_dot),
             is_minus=t(is_minus),
+            group_separator=t(group_separator),
         )
 
     @classmethod
@@ -261,6 +284,57 @@ class NumberVocab:
             }
             cache[device] = type(self)(**moved)
         return cache[device]
+
+
+def _byte_level_table() -> dict[int, int]:
+    """Inverse of the byte-level BPE alphabet (GPT-2, Qwen, LLaMA-3), for ``str.translate``:
+    code point of the character -> the byte it stands for.
+
+    Printable Latin-1 bytes stand for themselves; the other 68 bytes are shifted to 256 + k in
+    byte order (Radford et al. 2019, the GPT-2 encoder).
+    """
+    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    shifted = [b for b in range(256) if b not in set(kept)]
+    table = {b: b for b in kept}
+    table.update({256 + k: b for k, b in enumerate(shifted)})
+    return table
+
+
+_BYTE_LEVEL = _byte_level_table()
+
+
+def _token_text(token: str) -> str:
+    """The text a token stands for: byte-level tokens decoded (UTF-8), others as they are."""
+    if token.isascii():
+        return token
+    try:  # every character of a byte-level token maps to one byte
+        return token.translate(_BYTE_LEVEL).encode("latin-1").decode("utf-8")
+    except (UnicodeEncodeError, UnicodeDecodeError):  # not byte-level (or a partial character)
+        return token
+
+
+def _warn_unscored_digits(tokens: Sequence[str | None]) -> None:
+    """Warn (once per vocabulary) about tokens made of non-ASCII decimal digits.
+
+    Arabic-Indic '٣', Devanagari '३', fullwidth '３' (Qwen has 12 such tokens) are digits to a
+    reader but are not number tokens here: the number objectives never score them. The text
+    side (:func:`emdlm.metrics.parse_number`) reads them after NFKC normalization.
+    """
+    found: list[str] = []
+    for tok in tokens:
+        if not tok or tok.isascii():
+            continue
+        text, _ = _strip_marker(_token_text(tok).replace(" ", "▁", 1))
+        if text and text.isdecimal() and not text.isascii():
+            found.append(text)
+    if found:
+        shown = ", ".join(repr(t) for t in found[:6]) + (", ..." if len(found) > 6 else "")
+        warnings.warn(
+            f"{len(found)} token(s) are runs of non-ASCII decimal digits ({shown}); the number "
+            "objectives score ASCII digits 0-9 only, so these tokens are not scored as numbers",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 _VOCAB_CACHE: weakref.WeakKeyDictionary[Any, dict[tuple[int, int | None], NumberVocab]] = (
@@ -353,6 +427,36 @@ def _shift_right(x: torch.Tensor, fill: bool | int) -> torch.Tensor:
     return torch.cat([pad, x[:, :-1]], dim=1)
 
 
+def _thousands_joins(
+    vocab: NumberVocab,
+    idx: torch.Tensor,
+    valid: torch.Tensor,
+    num: torch.Tensor,
+    space: torch.Tensor,
+    run_start: torch.Tensor,
+    num_before_prev: torch.Tensor,
+    separator: str,
+) -> torch.Tensor:
+    """[B, T] bool: run starts that a thousands separator at t-1 joins to the run before it.
+
+    Joined when the separator is a bare token, the run at t has exactly 3 digits and has no
+    space marker, and the run ending at t-2 has at most 3 digits (a first group of 1-3 digits,
+    or an earlier 3-digit group). Vectorized with run ids over the flattened batch.
+    """
+    code = GROUP_SEPARATORS.index(separator) + 1
+    sep = (_take(vocab.group_separator, idx) == code) & valid & ~space  # [B, T]
+    flat_num = num.reshape(-1)
+    run_id = torch.cumsum(run_start.reshape(-1), 0) - 1  # [B*T] run of each number token
+    digits = torch.where(flat_num, _take(vocab.num_digits, idx).reshape(-1), 0)
+    run_digits = torch.zeros(flat_num.numel() + 1, dtype=torch.long, device=idx.device)
+    run_digits.index_add_(0, torch.where(flat_num, run_id, flat_num.numel()), digits)
+    own = _take(run_digits, run_id.clamp_min(0)).view(num.shape)  # digits of the run at t
+    before = _shift_right(_shift_right(own, 0), 0)  # digits of the run that holds t-2
+    return (
+        run_start & ~space & _shift_right(sep, False) & num_before_prev & (own == 3) & (before <= 3)
+    )
+
+
 def find_number_spans(
     labels: torch.Tensor,
     vocab: NumberVocab,
@@ -361,6 +465,7 @@ def find_number_spans(
     signed: bool = False,
     digits_only: bool = False,
     ignore_index: int = -100,
+    thousands_separator: str | None = None,
 ) -> NumberSpans:
     """Find every gold number in a batch of labels (rules in the module docstring).
 
@@ -381,10 +486,18 @@ def find_number_spans(
         signed: a minus token before a number makes it negative (paper preset).
         digits_only: only '0'..'9' are number tokens (official xfey/NTIL preset).
         ignore_index: label value that is never scored.
+        thousands_separator: None (default: a separator ends a number) or one of
+            :data:`GROUP_SEPARATORS`, e.g. "," to read "1,234" as 1234.
 
     Raises:
-        ValueError: labels of the wrong rank, or a label outside [0, V) other than ignore_index.
+        ValueError: labels of the wrong rank, a label outside [0, V) other than ignore_index,
+            or an unknown thousands_separator.
     """
+    if thousands_separator is not None and thousands_separator not in GROUP_SEPARATORS:
+        raise ValueError(
+            f"thousands_separator must be None or one of {GROUP_SEPARATORS}, got "
+            f"{thousands_separator!r}"
+        )
     if labels.dim() == 1:
         labels = labels.unsqueeze(0)
     if labels.dim() != 2:
@@ -411,15 +524,25 @@ def find_number_spans(
     # Runs: a number token continues the previous one unless it carries a space marker.
     prev_num = _shift_right(num, False)
     run_start = num & ~(prev_num & ~space)  # [B, T]
+    num_before_prev = _shift_right(prev_num, False)  # a number token at t-2
 
+    grouped = torch.zeros_like(num)  # run starts joined to the previous run by a separator
+    if thousands_separator is not None:
+        grouped = _thousands_joins(
+            vocab, idx, valid, num, space, run_start, num_before_prev, thousands_separator
+        )
+    group_start = run_start & ~grouped  # runs that a separator did not join
+
+    lead_fraction = torch.zeros_like(num)  # ".5": a number that starts after its '.'
     if join_decimal:
         plain_dot = _take(vocab.is_decimal_point, idx) & ~space & valid
+        after_dot = group_start & ~space & _shift_right(plain_dot, False)  # '.' at t-1
         # A join candidate at a run start t: '.' at t-1 and a number token at t-2.
-        cand = run_start & ~space & _shift_right(plain_dot, False)
-        cand = cand & _shift_right(_shift_right(num, False), False)
+        cand = after_dot & num_before_prev
+        lead_fraction = after_dot & ~num_before_prev
         # Chains of consecutive candidate joins (in run order); accept the 1st, 3rd, ... of a
         # chain, so that each number holds at most one '.' (greedy left to right).
-        flat_start = run_start.reshape(-1)
+        flat_start = group_start.reshape(-1)
         flat_cand = cand.reshape(-1)
         cs = torch.cumsum(flat_cand.long(), 0)
         reset_at = torch.where(flat_start & ~flat_cand, cs, torch.zeros_like(cs))
@@ -427,13 +550,24 @@ def find_number_spans(
         accepted = (flat_cand & ((cs - reset) % 2 == 1)).view(n_rows, n_cols)
     else:
         accepted = torch.zeros_like(num)
-    num_start = run_start & ~accepted  # [B, T]
+    fraction_start = accepted | lead_fraction  # first token after a number's '.'
+    num_start = group_start & ~accepted  # [B, T]
+    if thousands_separator is not None:
+        # A separator never joins after a decimal point: such a group starts a new number.
+        flat_frac = fraction_start.reshape(-1).long()
+        frac_seen = torch.cumsum(flat_frac, 0)  # [B*T] fraction starts so far (inclusive)
+        # Fraction starts before the current number's first token (non-decreasing: cummax).
+        before_number = torch.where(num_start.reshape(-1), frac_seen - flat_frac, 0)
+        in_fraction = frac_seen > torch.cummax(before_number, 0).values
+        num_start = num_start | (grouped & in_fraction.view(n_rows, n_cols))
 
     if signed:
         minus = _take(vocab.is_minus, idx) & valid
         after_number = _shift_right(any_number, False)  # token before the minus is a number
-        sign_ok = _shift_right(minus & ~after_number, False)
+        sign_ok = _shift_right(minus & ~after_number, False)  # a minus at t-1
         negative = num_start & ~space & sign_ok
+        # "-.5": the minus sits before the '.' (t-2).
+        negative = negative | (lead_fraction & _shift_right(sign_ok, False))
     else:
         negative = torch.zeros_like(num)
 
@@ -450,7 +584,7 @@ def find_number_spans(
     flat_index = _compact(num.reshape(-1), n_tok)  # [M]
     tok_id = _take(idx, flat_index)  # [M]
     start_m = _take(num_start, flat_index)  # [M]
-    frac_start_m = _take(accepted, flat_index).long()  # [M] first token after the '.'
+    frac_start_m = _take(fraction_start, flat_index).long()  # [M] first token after a '.'
     neg_m = _take(negative, flat_index)  # [M]
     number_id = torch.cumsum(start_m, 0) - 1  # [M]
     first = _compact(start_m, n_num)  # [S] position in [M] of each number's first token

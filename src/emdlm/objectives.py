@@ -12,18 +12,24 @@ imported only when asked for, so the CLI works with whichever objectives are ins
 | emo   | emdlm.losses.emo.EMOLoss               | a cost embedding [V, d]                |
 | tailr | emdlm.losses.tailr.TaiLrLoss           | -                                      |
 | mixce | emdlm.losses.mixce.MixCELoss           | -                                      |
+| emo_distill | emdlm.losses.emo_distill.EMODistillLoss | a teacher (``teacher:``), a cost emb. |
+| kl_distill  | emdlm.losses.emo_distill.KLDistillLoss  | a teacher (``teacher:``)              |
+
+The distillation objectives (``DISTILL``) take the teacher's logits as a dense target; every other
+objective refuses a teacher (checked in ``RunConfig.validate`` and here).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from emdlm.config import ConfigError, ObjectiveConfig
+from emdlm.config import ConfigError, ObjectiveConfig, did_you_mean
 
 _CLASSES = {
     "ce": ("emdlm.losses.ce", "CrossEntropyLoss"),
@@ -32,8 +38,12 @@ _CLASSES = {
     "emo": ("emdlm.losses.emo", "EMOLoss"),
     "tailr": ("emdlm.losses.tailr", "TaiLrLoss"),
     "mixce": ("emdlm.losses.mixce", "MixCELoss"),
+    "emo_distill": ("emdlm.losses.emo_distill", "EMODistillLoss"),
+    "kl_distill": ("emdlm.losses.emo_distill", "KLDistillLoss"),
 }
 NUMERIC = ("emd", "ntil")
+DISTILL = ("emo_distill", "kl_distill")
+COST_EMBEDDING = ("emo", "emo_distill")  # objectives built from a cost embedding
 
 
 def objective_class(name: str) -> type[nn.Module]:
@@ -47,9 +57,16 @@ def objective_class(name: str) -> type[nn.Module]:
         raise ConfigError(f"objective {name!r} is not available ({module}.{cls}): {err}") from err
 
 
-def load_cost_embedding(source: str | None, model: Any, vocab_size: int) -> torch.Tensor:
-    """EMO's cost embedding: "model" (frozen copy of the model's output embedding now) or a
-    tensor file (.pt / .safetensors, first tensor) with ``vocab_size`` rows."""
+def load_cost_embedding(
+    source: str | None, model: Any, vocab_size: int, teacher: Any = None
+) -> torch.Tensor:
+    """EMO's cost embedding: "model" (frozen copy of the model's output embedding now),
+    "teacher" (the same from the distillation teacher) or a tensor file (.pt / .safetensors,
+    first tensor) with ``vocab_size`` rows."""
+    if source == "teacher":
+        if teacher is None:
+            raise ConfigError("objective.cost_embedding=teacher needs a teacher (`teacher:`)")
+        model, source = teacher, "model"
     if source is None:
         raise ConfigError(
             "objective 'emo' needs a cost embedding: set objective.cost_embedding=model (a frozen "
@@ -82,29 +99,86 @@ def load_cost_embedding(source: str | None, model: Any, vocab_size: int) -> torc
 
 
 def build_objective(
-    cfg: ObjectiveConfig, *, tokenizer: Any, model: Any, vocab_size: int
+    cfg: ObjectiveConfig, *, tokenizer: Any, model: Any, vocab_size: int, teacher: Any = None
 ) -> nn.Module:
     """The loss module for ``cfg`` with ``reduction="sum"``; ConfigError for any bad input
-    (unknown parameter, tokenizer without digit tokens, missing cost embedding)."""
+    (unknown parameter, tokenizer without digit tokens, missing cost embedding, a teacher for an
+    objective that takes none or none for a distillation objective). ``emo_distill``'s cost
+    embedding defaults to the teacher's output embedding."""
     params = dict(cfg.params)
     if "reduction" in params:
         raise ConfigError("objective.params.reduction is fixed to 'sum' by the trainer")
-    if cfg.cost_embedding is not None and cfg.name != "emo":
-        raise ConfigError("objective.cost_embedding only applies to objective 'emo'")
+    if cfg.cost_embedding is not None and cfg.name not in COST_EMBEDDING:
+        raise ConfigError(
+            f"objective.cost_embedding only applies to objectives {', '.join(COST_EMBEDDING)}"
+        )
+    check_teacher_objective(cfg.name, teacher is not None)
     if cfg.name in NUMERIC:  # before importing the loss: the clearest message comes first
         number_vocab = _number_vocab(tokenizer, vocab_size, cfg.name)
     cls = objective_class(cfg.name)
+    _check_params(cfg.name, cls, params)
     try:
         if cfg.name in NUMERIC:
             return cls(number_vocab, reduction="sum", **params)
         if cfg.name == "emo":
             emb = load_cost_embedding(cfg.cost_embedding, model, vocab_size)
             return cls(emb, reduction="sum", **params)
+        if cfg.name == "emo_distill":
+            source = cfg.cost_embedding or "teacher"
+            emb = load_cost_embedding(source, model, vocab_size, teacher)
+            return cls(emb, reduction="sum", **params)
         return cls(reduction="sum", **params)
     except ConfigError:
         raise
     except (TypeError, ValueError) as err:
         raise ConfigError(f"objective {cfg.name!r} with params {params}: {err}") from err
+
+
+def check_teacher_objective(name: str, has_teacher: bool) -> None:
+    """ConfigError unless a teacher is given exactly for the distillation objectives."""
+    if has_teacher and name not in DISTILL:
+        raise ConfigError(
+            f"a teacher is set but objective {name!r} takes no target distribution; use one of "
+            f"{', '.join(DISTILL)} to distil, or remove `teacher:`"
+        )
+    if not has_teacher and name in DISTILL:
+        raise ConfigError(
+            f"objective {name!r} distils from a teacher: set `teacher: <local model folder>` "
+            "(a Hugging Face causal LM with the student's tokenizer)"
+        )
+
+
+def _init_parameters(cls: type) -> list[inspect.Parameter]:
+    """Keyword parameters of ``cls.__init__``, following ``**kwargs`` up the MRO (a subclass
+    that forwards ``**kwargs`` to its base accepts the base's names too)."""
+    found: dict[str, inspect.Parameter] = {}
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass) or klass in (nn.Module, object):
+            continue
+        params = list(inspect.signature(klass.__init__).parameters.values())[1:]  # no self
+        for p in params:
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+                found.setdefault(p.name, p)
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return list(found.values())
+
+
+def _check_params(name: str, cls: type, params: dict[str, Any]) -> None:
+    """ConfigError for a key of ``objective.params`` that the loss class does not take, with the
+    nearest accepted name (read from the signature, so it cannot drift from the class)."""
+    accepted = _init_parameters(cls)
+    # the factory passes these itself: the number vocab / cost embedding, and reduction
+    passed = {"reduction"}
+    if (name in NUMERIC or name in COST_EMBEDDING) and accepted:
+        passed.add(accepted[0].name)
+    settable = [p.name for p in accepted if p.name not in passed]
+    for key in params:
+        if key not in settable:
+            raise ConfigError(
+                f"objective {name!r} has no parameter objective.params.{key}"
+                f"{did_you_mean(key, settable)}; it takes {', '.join(settable) or 'none'}"
+            )
 
 
 def _number_vocab(tokenizer: Any, vocab_size: int, objective: str) -> Any:

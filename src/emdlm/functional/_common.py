@@ -6,7 +6,7 @@ Shape notation: B batch, T time, V vocabulary rows of the logits, N = B*T flatte
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -87,6 +87,42 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+class _LogSoftmaxZeroIgnored(torch.autograd.Function):
+    """log_softmax over the last dim of [N, V]; backward gives ignored rows an exact 0 gradient.
+
+    The log-softmax backward of a row is g − softmax(z)·Σg. For an ignored row g = 0, but a NaN,
+    an all −inf row or a +inf logit makes softmax(z) NaN there and 0·NaN = NaN, which would
+    reach every weight that produced the row (grad_W = gᵀh): padding would leak into the update.
+    The rows are filled with 0 in the gradient this Function allocates itself (no extra [N, V]
+    tensor, no multiply).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, flat: torch.Tensor, ignored: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        out = torch.log_softmax(flat, dim=-1)  # [N, V]
+        ctx.save_for_backward(out, ignored)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        out, ignored = ctx.saved_tensors
+        # torch's own log-softmax backward (g − exp(out)·Σg), into a fresh tensor we own.
+        grad_in = torch.ops.aten._log_softmax_backward_data(grad, out, out.dim() - 1, out.dtype)
+        return grad_in.masked_fill_(ignored.unsqueeze(-1), 0.0), None  # flat, ignored
+
+
+def log_softmax_zero_ignored(flat: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(flat, -1)`` for [N, V] logits whose gradient is exactly 0 where ``valid``
+    [N] is False, even when those rows hold NaN or ±inf (padding never leaks).
+
+    Same cost and memory as ``torch.log_softmax``; first-order gradients only.
+    """
+    if not (flat.requires_grad and torch.is_grad_enabled()):
+        return torch.log_softmax(flat, dim=-1)
+    return _LogSoftmaxZeroIgnored.apply(flat, ~valid)
+
+
 def token_log_probs(
     logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX
 ) -> TokenLogProbs:
@@ -97,7 +133,7 @@ def token_log_probs(
     flat_labels = labels.reshape(-1).long()  # [N]
     valid = flat_labels != ignore_index  # [N]
     safe_labels = torch.where(valid, flat_labels, 0)  # [N]
-    log_q = torch.log_softmax(flat_logits, dim=-1)  # [N, V]
+    log_q = log_softmax_zero_ignored(flat_logits, valid)  # [N, V]; padding never leaks
     gold = -log_q.gather(1, safe_labels.unsqueeze(1)).squeeze(1)  # [N]
     ce = torch.where(valid, gold, torch.zeros((), dtype=dtype, device=gold.device))
     return TokenLogProbs(

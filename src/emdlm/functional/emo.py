@@ -50,6 +50,7 @@ Shape notation: B batch, T time, V vocabulary, N = B*T positions, d' cost-embedd
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 import torch
@@ -70,7 +71,12 @@ _RATIO_EPS = 1e-10  # the official codes' guard in CE / (DEMD + 1e-10) and DEMD 
 
 
 def normalize_cost_embedding(cost_embedding: torch.Tensor) -> torch.Tensor:
-    """Row-normalize a cost embedding: Ê_i = E_i / ||E_i||_2 (detached).
+    """Row-normalize a cost embedding: Ê_i = E_i / ||E_i||_2 (detached); zero rows stay zero.
+
+    A zero row has no direction, so its cosine with every token (itself included) is taken to
+    be 0: cost 1 - cos = 1 to everything, the cost of an unrelated token. Such rows occur in
+    practice: a tied Qwen2 built from its config has the pad token's row zeroed by
+    ``nn.Embedding(padding_idx=...)``. One warning gives their count.
 
     Args:
         cost_embedding: E [V, d'], any floating dtype (d' need not match the model).
@@ -79,8 +85,8 @@ def normalize_cost_embedding(cost_embedding: torch.Tensor) -> torch.Tensor:
         Ê [V, d'] in float32 (float64 input stays float64), with no autograd history.
 
     Raises:
-        ValueError: if E is not 2-D, or some row has zero (or non-finite) norm; the message
-            lists the offending row indices (the cosine cost is undefined there).
+        ValueError: if E is not 2-D, or some row is not finite (NaN / inf entries); the message
+            lists the offending row indices.
     """
     if not torch.is_floating_point(cost_embedding):
         raise TypeError(
@@ -93,18 +99,30 @@ def normalize_cost_embedding(cost_embedding: torch.Tensor) -> torch.Tensor:
     dtype = torch.float64 if cost_embedding.dtype == torch.float64 else torch.float32
     emb = cost_embedding.detach().to(dtype)  # [V, d']
     norms = torch.linalg.vector_norm(emb, ord=2, dim=1)  # [V]
-    bad = ~(torch.isfinite(norms) & (norms > 0))
+    bad = ~torch.isfinite(norms)
+    zero = norms == 0
     # One host sync, at construction time only.
-    if bool(bad.any()):
+    n_bad, n_zero = torch.stack([bad.sum(), zero.sum()]).tolist()
+    if n_bad:
         rows = bad.nonzero().flatten()
         shown = rows[:10].tolist()
-        more = f" (and {rows.numel() - 10} more)" if rows.numel() > 10 else ""
+        more = f" (and {n_bad - 10} more)" if n_bad > 10 else ""
         raise ValueError(
-            f"cost_embedding of shape {tuple(cost_embedding.shape)} has {rows.numel()} row(s) "
-            f"with zero or non-finite L2 norm at indices {shown}{more}; the cosine cost "
-            "1 - cos(e_i, e_j) is undefined for them"
+            f"cost_embedding of shape {tuple(cost_embedding.shape)} has {n_bad} row(s) with "
+            f"non-finite entries at indices {shown}{more}; the cosine cost 1 - cos(e_i, e_j) is "
+            "undefined for them"
         )
-    return emb / norms.unsqueeze(1)
+    if n_zero:
+        shown = zero.nonzero().flatten()[:10].tolist()
+        more = ", ..." if n_zero > 10 else ""
+        warnings.warn(
+            f"cost_embedding of shape {tuple(cost_embedding.shape)} has {n_zero} zero row(s) "
+            f"(indices {shown}{more}, e.g. a pad token's embedding): they get cosine 0, i.e. "
+            "cost 1, to every token",
+            UserWarning,
+            stacklevel=2,
+        )
+    return emb / torch.where(zero, 1.0, norms).unsqueeze(1)  # zero rows: 0 / 1 = 0
 
 
 def _check_cost(logits: torch.Tensor, cost_normalized: torch.Tensor) -> None:

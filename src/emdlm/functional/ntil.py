@@ -29,6 +29,20 @@ model's own loss in the official training code. Averaging of the NTIL terms (``a
   they cannot be exact under accumulation. The scale of the terms differs: "token" ≈ "batch" ×
   (number tokens or numbers) / n, so λ (or α, β) may need retuning relative to the paper's.
 
+Stabilisers (issue 12; all off by default here, on in NTILLoss's "stable" preset (its
+default), off in its "paper" and "official" presets; measured in
+docs/results/ntil_grad_norms.md):
+
+* ``max_ratio``: the dynamic ratio is capped, λ·min(sg(CE/NTIL), max_ratio)
+  (:func:`mix_coefficient`).
+* ``per_number``: the EMD term is Σ_i W_i·EMD_i / Σ_i W_i within each number, then averaged over
+  numbers with ``averaging`` (:func:`number_emd`), instead of W·EMD averaged over number tokens.
+* ``magnitude_floor`` ρ: the magnitude's smoothing is u = max(unit, ρ·|Y|)
+  (:func:`emdlm.functional.number_value.floored_unit`).
+
+Always on: numbers over 300 digits are read with their places shifted down, so the value terms
+never clamp to the float64 maximum (:func:`emdlm.functional.number_value.value_place_shift`).
+
 NOTE: the dynamic mix λ·sg(CE/NTIL) is a ratio of two batch means (with "token": of two batch
 sums, Σ CE_t / Σ NTIL terms). A ratio of sums over a micro-batch is not the ratio over the whole
 batch, so the dynamic mix is NOT exact under gradient accumulation or multi-process training
@@ -53,23 +67,31 @@ per token, S numbers.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from emdlm.functional._common import IGNORE_INDEX, Reduction, check_logits_labels
+from emdlm.functional._common import (
+    IGNORE_INDEX,
+    Reduction,
+    check_logits_labels,
+    log_softmax_zero_ignored,
+)
 from emdlm.functional.digit_emd import weighted_digit_emd
 from emdlm.functional.number_value import (
     Smoothing,
     ValueMode,
+    floored_unit,
     gumbel_noise,
     magnitude_deviation,
     number_units,
     number_values,
     relative_deviation,
     token_values,
+    value_place_shift,
 )
 from emdlm.numbers import NumberSpans, NumberVocab
 
@@ -101,6 +123,15 @@ class NTILSettings:
         reduction: "mean" or "sum" (module docstring).
         ignore_index: label value that is not scored.
         mix_eps: added to NTIL in the dynamic ratio (0: guarded CE/NTIL; official: 1e-10).
+        max_ratio: cap of the dynamic ratio sg(CE/NTIL), so the coefficient is at most
+            λ·max_ratio (None: no cap, the paper and the official code; stable preset of
+            NTILLoss: 10).
+        per_number: average W·EMD within each number with the weights normalised,
+            Σ_i W_i·EMD_i / Σ_i W_i, then over numbers (True), instead of over all number tokens
+            (False, the official code). See :func:`number_emd`.
+        magnitude_floor: ρ in the magnitude's smoothing u = max(unit, ρ·|Y|) (0: unit only, the
+            paper / official form; stable preset of NTILLoss: 0.1). See
+            :func:`emdlm.functional.number_value.magnitude_deviation`.
     """
 
     lam: float = 0.3
@@ -118,6 +149,9 @@ class NTILSettings:
     reduction: Reduction = "mean"
     ignore_index: int = IGNORE_INDEX
     mix_eps: float = 0.0
+    max_ratio: float | None = None
+    per_number: bool = False
+    magnitude_floor: float = 0.0
 
     def __post_init__(self) -> None:
         choices = {
@@ -132,6 +166,12 @@ class NTILSettings:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.tau <= 0:
             raise ValueError(f"tau must be > 0, got {self.tau}")
+        if not self.sigma > -1:  # (1+σ)^r needs a positive base; also refuses NaN
+            raise ValueError(f"sigma must be > -1, got {self.sigma}")
+        if self.max_ratio is not None and not self.max_ratio > 0:  # also refuses NaN
+            raise ValueError(f"max_ratio must be > 0 or None (no cap), got {self.max_ratio}")
+        if not 0 <= self.magnitude_floor < float("inf"):
+            raise ValueError(f"magnitude_floor must be finite and >= 0, got {self.magnitude_floor}")
 
 
 @dataclass(frozen=True)
@@ -207,6 +247,37 @@ def _average(
     return per_item.sum() / max(per_item.numel(), 1)
 
 
+def number_emd(
+    emd: torch.Tensor,
+    digits_right: torch.Tensor,
+    number_id: torch.Tensor,
+    n_numbers: int,
+    sigma: float,
+) -> torch.Tensor:
+    """Per-number weighted mean of the token EMDs (``per_number=True``); [S] float64.
+
+        EMD_s = Σ_{i in s} W_i·EMD_i / Σ_{i in s} W_i,     W_i = (1+σ)^{r_i}
+
+    with r_i the digits right of token i (NTIL Eq. 4's exponential weights, normalised within
+    the number). Why: averaged over all number tokens, a 40-digit number's weights (1.2^39 ≈
+    1470) dominate the batch's EMD; through the dynamic ratio sg(CE/NTIL) that cut another row's
+    5-digit gradient over 400x (tests/test_ntil.py). Normalised, every number's EMD lies in the
+    range of its tokens' EMDs, the weights still rank the digits within a number, and one long
+    number weighs as one number. The weights are computed as (1+σ)^{r_i − max_s r} (the same
+    ratios; no overflow for any length).
+    """
+    log_base = torch.log1p(torch.tensor(sigma, dtype=torch.float64, device=emd.device))
+    r = digits_right.to(torch.float64)  # [M]
+    top = torch.zeros(n_numbers, dtype=torch.float64, device=emd.device).scatter_reduce(
+        0, number_id, r, reduce="amax", include_self=False
+    )  # [S]
+    weight = torch.exp((r - top[number_id]) * log_base)  # [M] in (0, 1], 1 at the leading token
+    zeros = torch.zeros(n_numbers, dtype=emd.dtype, device=emd.device)
+    total = zeros.index_add(0, number_id, weight.to(emd.dtype) * emd)  # [S]
+    norm = zeros.index_add(0, number_id, weight.to(emd.dtype))  # [S], ≥ 1 for every number
+    return total / norm
+
+
 def ntil_terms(
     class_logits: torch.Tensor,
     candidates: ClassCandidates,
@@ -239,9 +310,15 @@ def ntil_terms(
         spans.gold_column,
         spans.num_digits,
         spans.digits_right,
-        settings.sigma,
-    )  # [M]
-    emd = _average(wemd, token_row, n_rows, settings.averaging, n_tokens)
+        0.0 if settings.per_number else settings.sigma,
+    )  # [M] W·EMD, or the plain EMD when the weights are normalised per number below
+    if settings.per_number:
+        per_number = number_emd(
+            wemd, spans.digits_right, spans.number_id, spans.n_numbers, settings.sigma
+        )  # [S]
+        emd = _average(per_number, spans.number_row, n_rows, settings.averaging, n_tokens)
+    else:
+        emd = _average(wemd, token_row, n_rows, settings.averaging, n_tokens)
     zero = z.sum() * 0.0  # a 0 that keeps the graph (and the dtype/device)
     relative, magnitude = zero, zero
     if settings.sequence_terms and spans.n_numbers > 0:
@@ -258,13 +335,23 @@ def ntil_terms(
         # depend only on |X|, |Y| and |X - Y| = ||X| - |Y||, are taken on the magnitudes: a
         # predicted 0 then keeps the gradient of the official max/min (d|X|/dX = 1 at 0).
         unsigned = torch.ones_like(spans.sign)
-        x = number_values(t, spans.place, spans.number_id, unsigned)  # [S] |X|, built once
-        y = spans.gold_value.double().abs()  # [S] |Y|
+        # Numbers over 300 digits are read 10^-k_s lower (X, Y and u alike: the deviations are
+        # scale-free), so they never clamp to the float64 maximum (number_value docstring).
+        shift = value_place_shift(
+            spans.place, spans.num_digits, spans.number_id, spans.n_numbers
+        )  # [S]
+        place = spans.place - shift[spans.number_id]  # [M]
+        x = number_values(t, place, spans.number_id, unsigned)  # [S] |X|, built once
+        gold_t = candidates.values.gather(1, spans.gold_column.unsqueeze(1)).squeeze(1)  # [M]
+        y_shifted = number_values(gold_t, place, spans.number_id, unsigned)  # [S]
+        # |Y| as parsed (exact for decimals) unless shifted; no host sync to pick the case
+        y = torch.where(shift > 0, y_shifted, spans.gold_value.double().abs())  # [S] |Y|
         rel = relative_deviation(x, y, settings.smoothing)  # [S]
         if settings.smoothing == "paper":
-            unit = number_units(spans.place, spans.number_id, spans.n_numbers)  # [S]
+            unit = number_units(place, spans.number_id, spans.n_numbers)  # [S]
         else:
-            unit = 1.0
+            unit = torch.pow(10.0, -shift.double())  # [S] 1, scaled like X and Y
+        unit = floored_unit(unit, y, settings.magnitude_floor)
         mag = magnitude_deviation(x, y, unit)  # [S]
         relative = _average(rel, spans.number_row, n_rows, settings.averaging, n_tokens)
         magnitude = _average(mag, spans.number_row, n_rows, settings.averaging, n_tokens)
@@ -280,6 +367,13 @@ def mix_coefficient(
     static: λ. dynamic: λ·sg(CE/NTIL), 0 where NTIL ≤ 1e-12 (MIX_EPS;
     no 1e12-sized factor); with ``settings.mix_eps > 0`` (official preset: 1e-10)
     λ·sg(CE/(NTIL + mix_eps)) as xfey/NTIL, still 0 where NTIL is exactly 0.
+    With ``settings.max_ratio`` the ratio is capped: λ·min(sg(CE/NTIL), max_ratio).
+
+    NOTE: the cap is emdlm's (EMOLoss's ``max_ratio`` is the same idea). Without it, the
+    ratio grows without bound as NTIL → 0 while CE stays (49.8 and 7187 were seen in the issue-12
+    audit), multiplying NTIL's gradient, whose direction is then dominated by nearly-solved
+    numbers, by that factor. Capped, NTIL's share of the loss value is at most λ·CE and is
+    λ·max_ratio·NTIL below it.
     """
     ce_d, ntil_d = ce_mean.detach().double(), ntil.detach().double()
     if settings.mix == "static":
@@ -288,6 +382,8 @@ def mix_coefficient(
         ratio = torch.where(ntil_d > 0, ce_d / (ntil_d + settings.mix_eps), 0.0)
     else:
         ratio = torch.where(ntil_d > MIX_EPS, ce_d / ntil_d.clamp_min(MIX_EPS), 0.0)
+    if settings.max_ratio is not None:
+        ratio = ratio.clamp_max(settings.max_ratio)
     return settings.lam * ratio
 
 
@@ -299,11 +395,14 @@ def resolve_spans(
     signed: bool,
     digits_only: bool,
     ignore_index: int = IGNORE_INDEX,
+    thousands_separator: str | None = None,
 ) -> NumberSpans:
     """Find the number spans of labels viewed as [B, T] (1-D labels are one row)."""
     from emdlm.numbers import find_number_spans  # provided by emdlm.numbers
 
-    rows = labels.reshape(-1, labels.shape[-1]) if labels.dim() > 1 else labels.reshape(1, -1)
+    # Explicit row count: reshape(-1, 0) fails for a time dimension of 0.
+    n_rows = math.prod(labels.shape[:-1]) if labels.dim() > 1 else 1
+    rows = labels.reshape(n_rows, labels.shape[-1])
     return find_number_spans(
         rows.long(),
         vocab,
@@ -311,6 +410,7 @@ def resolve_spans(
         signed=signed,
         digits_only=digits_only,
         ignore_index=ignore_index,
+        thousands_separator=thousands_separator,
     )
 
 
@@ -356,12 +456,13 @@ def ntil_loss(
     vocab_rows = logits.shape[-1]
     flat = logits.reshape(-1, vocab_rows)  # [N, V]
     flat_labels = labels.reshape(-1).long()  # [N]
-    n_rows = flat_labels.numel() // max(labels.shape[-1], 1) if labels.dim() > 1 else 1
+    n_rows = math.prod(labels.shape[:-1]) if labels.dim() > 1 else 1
     compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    ce_sum = F.cross_entropy(
-        flat.to(compute), flat_labels, ignore_index=settings.ignore_index, reduction="sum"
-    )
-    count = (flat_labels != settings.ignore_index).sum()
+    valid = flat_labels != settings.ignore_index  # [N]
+    # Zero gradient on ignored rows even where their logits are NaN / ±inf (padding).
+    log_q = log_softmax_zero_ignored(flat.to(compute), valid)  # [N, V]
+    ce_sum = F.nll_loss(log_q, flat_labels, ignore_index=settings.ignore_index, reduction="sum")
+    count = valid.sum()
     ce_mean = ce_sum / count.clamp_min(1)
     candidates = class_candidates(vocab, spans)
     if noise is None:

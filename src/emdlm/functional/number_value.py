@@ -24,6 +24,27 @@ Deviations (float64, finite for every input; X and Y may be 0 or negative):
   smoothing that keeps it finite at 0 with a gradient bounded independently of the scale — and
   u = 1 for ``"official"``.
 
+Stable magnitude (issue 12, ``magnitude_floor`` ρ > 0, the stable preset of NTILLoss): the
+smoothing becomes u = max(unit, ρ·|Y|). d/dX log(|X| + u) = 1/(|X| + u), so with u = unit a
+prediction X ≈ 0 of a gold Y ≈ 2e5 puts a gradient of 10^5 on the leading digit's value (the
+clipped gradient norms of 8824 in the audit); with ρ·|Y| it is at most 10^place/(ρ·|Y|) ≤ 1/ρ,
+i.e. 1/ρ times the relative term's bound 10^place/|Y|. The term keeps its meaning, the log of
+the ratio of magnitudes, down to about ρ·|Y|: for ρ = 0.1 (stable preset) X = Y/10 costs 1.7
+(log 10 = 2.3 unsmoothed) and it saturates at log(1 + 1/ρ) = 2.4 for X → 0 (a prediction above
+Y has at most Y's digits, X < 10·Y, and costs at most ≈ log 10). ρ = 0.1 rather than 0.01: on
+random 6-digit cases the largest magnitude gradient was 6801 with u = unit, 72 with ρ = 0.01,
+16 with ρ = 0.1, against 3 for the relative term (benchmarks/ntil_grad_norms.py --term-tails;
+docs/results/ntil_grad_norms.md).
+NOTE: a departure from Eq. 3 (whose ε is meant to be tiny); ρ = 0 restores it.
+
+Numbers beyond float64 (issue 12 point 6): values above 1e308 would clamp X and Y to the same
+maximum and make both deviations 0 for any prediction. Relative and magnitude are invariant under
+scaling X, Y and u by the same 10^−k, so the value terms read each number with its places
+shifted down by k = max(0, leading place − 300) (:func:`value_place_shift`): exact math, no effect
+on numbers of up to 301 integer digits, and the leading 300+ places of longer numbers are read
+(places beyond 10^−308 after the shift underflow to 0, i.e. numbers of over ~600 digits are read
+to their leading ~600 places).
+
 Both are taken on the unsigned magnitudes |X|, |Y| (X carries the gold sign), with
 d|X|/dX = 1 at X = 0, so a predicted 0 keeps the gradient that the official max/min of the
 non-negative X gives it (checked against xfey/NTIL's own outputs in tests/test_ntil.py).
@@ -122,12 +143,46 @@ def number_values(
     return sign.double() * total.clamp(-big, big)
 
 
+#: Highest power of ten the value terms read; longer numbers are shifted down (module docstring).
+MAX_VALUE_PLACE = 300
+
+
+def value_place_shift(
+    place: torch.Tensor, num_digits: torch.Tensor, number_id: torch.Tensor, n_numbers: int
+) -> torch.Tensor:
+    """k_s = max(0, leading place of number s − MAX_VALUE_PLACE); [S] long.
+
+    The leading place of a token is ``place + num_digits − 1`` (its first digit's power of ten).
+    Reading every place of number s as place − k_s keeps X, Y and u below 10^301, so no value
+    clamps to the float64 maximum; relative and magnitude are unchanged by the common scale.
+    """
+    lead = torch.zeros(n_numbers, dtype=torch.long, device=place.device).scatter_reduce(
+        0, number_id, place + num_digits - 1, reduce="amax", include_self=False
+    )  # [S]
+    return (lead - MAX_VALUE_PLACE).clamp_min(0)
+
+
 def number_units(place: torch.Tensor, number_id: torch.Tensor, n_numbers: int) -> torch.Tensor:
     """One unit in each number's last place, 10^(min place of its tokens); [S] float64."""
     min_place = torch.zeros(n_numbers, dtype=torch.long, device=place.device).scatter_reduce(
         0, number_id, place, reduce="amin", include_self=False
     )  # [S]
     return torch.pow(10.0, min_place.double())
+
+
+def floored_unit(
+    unit: torch.Tensor | float, y: torch.Tensor, floor: float = 0.0
+) -> torch.Tensor | float:
+    """The magnitude's smoothing u = max(unit, ρ·|Y|) with ρ = ``floor`` (``unit`` when ρ = 0).
+
+    Bounds d log(|X| + u)/dX by 1/(ρ·|Y|) (module docstring, "Stable magnitude"). [S] float64.
+    """
+    if floor == 0:
+        return unit
+    scaled = floor * y.double().abs()  # [S]
+    if isinstance(unit, torch.Tensor):
+        return torch.maximum(unit.double(), scaled)
+    return scaled.clamp_min(unit)
 
 
 def _magnitude(x: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,20 @@ objective whose summed loss is a sum of per-token (or per-number) terms. NTIL/EM
 weights sg(CE/aux) are computed per call, i.e. per micro-batch: with accumulation they are
 exact only if the ratio is per token (see the tests).
 
-:class:`ComputeLoss` also records the loss components (token-weighted over micro-batches) for
-the logging callback; nothing is recorded when gradients are off (evaluation).
+Reduction is decided here, in one place (:func:`require_sum_reduction`): the adapter needs the
+loss's per-token *sum*. A loss built with ``reduction="mean"`` would be divided by N a second
+time (a gradient n times too small, n = the micro-batch's scored tokens, without a word), and a
+loss that does not say its reduction cannot be trusted to be a sum, so both are refused with an
+error naming ``reduction``. Every emdlm loss exposes ``.reduction``.
+
+:class:`ComputeLoss` also records the loss components (token-weighted over micro-batches) when
+gradients are on (training, not evaluation); :class:`LossComponentsCallback` writes them into
+the Trainer's logs::
+
+    compute_loss = make_compute_loss_func(NTILLoss(tok, reduction="sum"))
+    trainer = Trainer(model=model, args=args, train_dataset=ds, data_collator=collate,
+                      compute_loss_func=compute_loss,
+                      callbacks=[LossComponentsCallback(compute_loss)])
 """
 
 from __future__ import annotations
@@ -25,8 +37,32 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import TrainerCallback
 
 IGNORE_INDEX = -100
+
+
+def require_sum_reduction(loss_fn: Any, who: str = "make_compute_loss_func") -> None:
+    """Refuse a loss whose ``reduction`` is not ``"sum"`` (ValueError naming ``reduction``).
+
+    The Trainer divides the micro-batch loss by ``num_items_in_batch`` itself, so the loss must
+    return Σ_t l_t: a per-token mean would be divided twice. A missing or unknown reduction is
+    not taken for "sum".
+    """
+    name = type(loss_fn).__name__
+    if not hasattr(loss_fn, "reduction"):
+        raise ValueError(
+            f"{who} needs a loss that returns the per-token sum, but {name} has no `reduction` "
+            f"attribute, so it cannot tell; build the loss with reduction='sum' (every emdlm "
+            f"loss has it), or set `.reduction = 'sum'` on a callable that returns a sum"
+        )
+    reduction = loss_fn.reduction
+    if reduction != "sum":
+        raise ValueError(
+            f"{who} needs a loss built with reduction='sum' (it divides by the batch's token "
+            f"count itself; 'mean' would be divided twice and shrink the gradient), got "
+            f"{name} with reduction={reduction!r}"
+        )
 
 
 class ComputeLoss:
@@ -34,22 +70,25 @@ class ComputeLoss:
 
     Args:
         loss_fn: module called as ``loss_fn(logits [B, T-1, V], labels [B, T-1])`` returning a
-            LossOutput whose ``loss`` is a sum over scored tokens.
+            LossOutput whose ``loss`` is a sum over scored tokens; its ``reduction`` must be
+            ``"sum"`` (checked here and at every call: :func:`require_sum_reduction`).
         ignore_index: label value that is not scored.
     """
 
-    def __init__(self, loss_fn: nn.Module, ignore_index: int = IGNORE_INDEX) -> None:
-        reduction = getattr(loss_fn, "reduction", "sum")
-        if reduction != "sum":
-            raise ValueError(
-                f"make_compute_loss_func needs a loss built with reduction='sum' (it divides by "
-                f"the batch's token count itself), got reduction={reduction!r}"
-            )
+    def __init__(
+        self, loss_fn: nn.Module, ignore_index: int = IGNORE_INDEX,
+        who: str = "make_compute_loss_func",
+    ) -> None:
+        require_sum_reduction(loss_fn, who)
+        self.who = who
         self.loss_fn = loss_fn
         self.ignore_index = ignore_index
         self._loss_sum: torch.Tensor | None = None
         self._weighted: dict[str, torch.Tensor] = {}
         self._weight: torch.Tensor | None = None
+        # A distillation loss (``needs_teacher``) reads the teacher's logits of the current
+        # forward from here; :func:`with_teacher` sets them before every call.
+        self.teacher_logits: torch.Tensor | None = None
 
     def __call__(
         self,
@@ -59,10 +98,14 @@ class ComputeLoss:
     ) -> torch.Tensor:
         if labels is None:
             raise ValueError("compute_loss_func got labels=None: the batch has no 'labels'")
+        require_sum_reduction(self.loss_fn, self.who)  # an attribute read: may have changed
         logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
         shift_logits = logits[:, :-1, :]  # [B, T-1, V]: position t predicts token t+1
         shift_labels = labels[:, 1:].to(logits.device)  # [B, T-1]
-        out = self.loss_fn(shift_logits, shift_labels)
+        if getattr(self.loss_fn, "needs_teacher", False):
+            out = self.loss_fn(shift_logits, shift_labels, self._take_teacher_logits(logits))
+        else:
+            out = self.loss_fn(shift_logits, shift_labels)
         count = (shift_labels != self.ignore_index).sum()
         if num_items_in_batch is None:
             denom: torch.Tensor | int = count.clamp_min(1)
@@ -74,15 +117,33 @@ class ComputeLoss:
                 denom = max(int(denom), 1)
         loss = out.loss / denom
         if torch.is_grad_enabled():
-            self._record(loss.detach(), out.components, count)
+            self._record(out.loss.detach(), out.components, count)
         return loss
 
+    def _take_teacher_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The teacher's shifted logits [B, T-1, V] for this call (used once, then cleared)."""
+        teacher, self.teacher_logits = self.teacher_logits, None
+        if teacher is None:
+            raise RuntimeError(
+                f"{type(self.loss_fn).__name__} distils from a teacher, but no teacher logits "
+                "were set for this forward: build the Trainer class with "
+                "with_teacher(Trainer, teacher, compute_loss) (emdlm train does, given `teacher:`)"
+            )
+        if tuple(teacher.shape) != tuple(logits.shape):
+            raise ValueError(
+                f"teacher logits {tuple(teacher.shape)} do not match the student's "
+                f"{tuple(logits.shape)}: the teacher must see the same inputs and share the "
+                "vocabulary"
+            )
+        return teacher[:, :-1, :].to(logits.device)
+
     def _record(
-        self, loss: torch.Tensor, components: Mapping[str, Any], count: torch.Tensor
+        self, summed_loss: torch.Tensor, components: Mapping[str, Any], count: torch.Tensor
     ) -> None:
         # No host sync here: tensors are accumulated and read once per optimizer step.
         w = count.detach().to(torch.float64)
-        self._loss_sum = loss.double() if self._loss_sum is None else self._loss_sum + loss
+        s = summed_loss.double()
+        self._loss_sum = s if self._loss_sum is None else self._loss_sum + s
         self._weight = w if self._weight is None else self._weight + w
         for key, value in components.items():
             v = torch.as_tensor(value, dtype=torch.float64, device=w.device).detach()
@@ -90,9 +151,22 @@ class ComputeLoss:
             self._weighted[key] = self._weighted.get(key, 0) + contrib
 
     def pop_components(self, all_reduce: bool = False) -> dict[str, float]:
-        """Components since the last call: "loss" (the optimizer step's loss, a mean over the
-        step's scored tokens), each loss component averaged with token weights ("n_*" counts
-        summed), and "n_scored". With ``all_reduce``, summed over torch.distributed ranks."""
+        """Averages of what was recorded since the last call (training micro-batches only).
+
+        Returns ``{}`` when nothing was recorded, else:
+
+        - "loss": Σ (summed objective) / Σ n_scored over the recorded micro-batches, i.e. the
+          objective's mean over the scored tokens. Popped once per optimizer step this is the
+          Trainer's step loss (Σ_mb loss_mb / num_items_in_batch), the value its logged "loss"
+          averages over steps; popped less often it is the token-weighted mean over all steps
+          (never a sum over calls).
+        - every loss component, averaged with token weights (weight = the micro-batch's scored
+          token count), except counts ("n_*"), which are summed;
+        - "n_scored": the scored tokens.
+
+        With ``all_reduce`` the sums are taken over all torch.distributed ranks first (a
+        collective: call it on every rank). One host sync per call.
+        """
         if self._loss_sum is None or self._weight is None:
             return {}
         keys = sorted(self._weighted)
@@ -106,7 +180,7 @@ class ComputeLoss:
             torch.distributed.all_reduce(stacked)
         values = stacked.cpu().tolist()  # the one host sync per optimizer step
         loss_sum, weight = values[0], values[1]
-        out = {"loss": loss_sum, "n_scored": weight}
+        out = {"loss": loss_sum / max(weight, 1.0), "n_scored": weight}
         for key, value in zip(keys, values[2:], strict=True):
             out[key] = value if key.startswith("n_") else value / max(weight, 1.0)
         return out
@@ -119,10 +193,124 @@ def _dist_device() -> torch.device:
     return torch.device("cpu")
 
 
+class LossComponentsCallback(TrainerCallback):
+    """Writes every loss component of a :class:`ComputeLoss` into the Trainer's logs.
+
+    ``Trainer(..., compute_loss_func=cl, callbacks=[LossComponentsCallback(cl)])`` adds
+    ``emdlm/<name>`` for each component ("ce", "emd", "ntil", "mix_coef", ..., and "loss") to
+    every training log record (``trainer.state.log_history`` and the console; for
+    ``report_to`` integrations see below).
+
+    Averaged as the Trainer averages its "loss": at each optimizer step
+    ``cl.pop_components(all_reduce=True)`` gives the step's token-weighted means over its
+    micro-batches (and over processes); a log record holds the plain mean of those per-step
+    values over the steps since the previous record, so ``emdlm/loss`` equals the Trainer's
+    "loss" (up to float rounding). Counts ("n_scored", "n_*") are averaged per step the same
+    way. Evaluation records are left alone (the adapter records nothing without gradients).
+
+    Where the values go: ``logs`` (so the console / progress bar and every callback after this
+    one see them) and ``trainer.state.log_history``. Reporting integrations chosen with
+    ``report_to`` ("tensorboard", "wandb", ...) are placed by the Trainer *before* user
+    callbacks; to have the components there too, put this callback first:
+    ``trainer.callback_handler.callbacks.insert(0, LossComponentsCallback(cl))``.
+
+    Only one consumer may pop a ComputeLoss (``emdlm train`` has its own: do not add this
+    callback there). ``pop_components`` is collective under torch.distributed: the callback
+    runs on every rank, as Trainer callbacks do.
+    """
+
+    def __init__(self, compute_loss: ComputeLoss, prefix: str = "emdlm/") -> None:
+        if not isinstance(compute_loss, ComputeLoss):
+            raise TypeError(
+                f"LossComponentsCallback needs the ComputeLoss given to the Trainer "
+                f"(make_compute_loss_func(...)), got {type(compute_loss).__name__}"
+            )
+        self.compute_loss = compute_loss
+        self.prefix = prefix
+        self._sums: dict[str, float] = {}
+        self._steps: dict[str, int] = {}
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        for key, value in self.compute_loss.pop_components(all_reduce=True).items():
+            self._sums[key] = self._sums.get(key, 0.0) + value
+            self._steps[key] = self._steps.get(key, 0) + 1
+
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # Training records carry "loss"; evaluation ("eval_loss") and the final summary
+        # ("train_loss") do not.
+        if logs is None or "loss" not in logs or not self._sums:
+            return
+        values = {f"{self.prefix}{k}": self._sums[k] / self._steps[k] for k in sorted(self._sums)}
+        self._sums, self._steps = {}, {}
+        logs.update(values)  # seen by the callbacks after this one (console, progress bar)
+        # Trainer.log appended a copy of ``logs`` to the history before calling on_log.
+        history = state.log_history
+        if history and history[-1].get("step") == state.global_step and "loss" in history[-1]:
+            history[-1].update(values)
+
+
+def teacher_logits_for(teacher: nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor:
+    """The frozen teacher's logits [B, T, V] on the student's inputs (everything but the labels
+    and the Trainer's ``num_items_in_batch``), without gradient; the teacher is moved to the
+    inputs' device on first use."""
+    model_inputs = {
+        k: v for k, v in inputs.items() if k not in ("labels", "num_items_in_batch")
+    }
+    device = next(
+        (v.device for v in model_inputs.values() if isinstance(v, torch.Tensor)), None
+    )
+    param = next(teacher.parameters(), None)
+    if device is not None and param is not None and param.device != device:
+        teacher.to(device)
+    with torch.no_grad():
+        outputs = teacher(**model_inputs)
+    logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+    return logits.detach()
+
+
+def with_teacher(base: type, teacher: nn.Module, compute_loss: ComputeLoss) -> type:
+    """A subclass of Trainer class ``base`` that runs ``teacher`` on every batch's inputs.
+
+    Its ``compute_loss`` computes the teacher's logits on exactly the inputs the student gets
+    (same micro-batch, same padding, inside the same autocast context) and hands them to
+    ``compute_loss`` (the :class:`ComputeLoss` given to the Trainer) before the student's
+    forward; a loss with ``needs_teacher`` then receives them. The teacher is not part of the
+    Trainer's model: it is never optimized or saved. Freeze it yourself (``eval()``,
+    ``requires_grad_(False)``), as :func:`emdlm.training.train.load_teacher` does.
+    """
+    if not isinstance(compute_loss, ComputeLoss):
+        raise TypeError(
+            f"with_teacher needs the ComputeLoss given to the Trainer, got "
+            f"{type(compute_loss).__name__}"
+        )
+
+    class TeacherTrainer(base):  # type: ignore[misc, valid-type]
+        def compute_loss(
+            self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
+            num_items_in_batch: Any = None,
+        ) -> Any:
+            compute_loss.teacher_logits = teacher_logits_for(teacher, inputs)
+            try:
+                return super().compute_loss(
+                    model, inputs, return_outputs=return_outputs,
+                    num_items_in_batch=num_items_in_batch,
+                )
+            finally:
+                compute_loss.teacher_logits = None  # never reused by another batch
+
+    return TeacherTrainer
+
+
 def make_compute_loss_func(loss_fn: nn.Module, ignore_index: int = IGNORE_INDEX) -> ComputeLoss:
     """``Trainer(compute_loss_func=make_compute_loss_func(loss_fn))``: shifts the labels and
     divides the summed loss by ``num_items_in_batch`` (exact gradient accumulation)."""
     return ComputeLoss(loss_fn, ignore_index=ignore_index)
 
 
-__all__ = ["ComputeLoss", "make_compute_loss_func"]
+__all__ = [
+    "ComputeLoss", "LossComponentsCallback", "make_compute_loss_func", "require_sum_reduction",
+    "teacher_logits_for", "with_teacher",
+]

@@ -16,8 +16,12 @@ with the loss in ``reduction="sum"``, divided by ``num_items_in_batch`` (the num
 tokens of the whole accumulated batch, which Trainer passes in), so gradient accumulation gives
 the same gradient as one big batch. TRL's labels are unshifted ``input_ids`` with -100 on
 padding (and on the prompt for prompt/completion datasets, where ``completion_only_loss``
-defaults to True). Note that ``SFTConfig`` turns on bf16 autocast by default; emdlm losses
-take the softmax in float32 whatever the logits' dtype.
+defaults to True). emdlm losses take the softmax in float32 whatever the logits' dtype.
+
+Precision: ``SFTConfig`` turns on bf16 autocast by default, which ran about 5x slower than fp32
+on CPUs without bf16 matrix units. On a CPU-only run :class:`EMDLMSFTTrainer` therefore trains
+in fp32 and says so in a warning; pass ``bf16_on_cpu=True`` to keep bf16 there. (SFTConfig
+cannot tell its default from an explicit ``bf16=True``, hence the separate switch.)
 
 Example::
 
@@ -34,17 +38,74 @@ Example::
 
 from __future__ import annotations
 
+import copy
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from trl import SFTTrainer
+from trl import SFTConfig, SFTTrainer
 
 from emdlm._output import LossOutput
 from emdlm.functional._common import IGNORE_INDEX
 from emdlm.integrations.transformers import ComputeLoss, make_compute_loss_func
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], LossOutput]
+_LOG = logging.getLogger("emdlm")
+_FP32_WARNING = (
+    "emdlm: training on CPU in fp32 (SFTConfig asked for bf16, its default, which ran ~5x "
+    "slower than fp32 on CPU); pass bf16_on_cpu=True to EMDLMSFTTrainer to keep bf16"
+)
+
+
+def _cpu_only(args: Any) -> bool:
+    """True when the Trainer will run on CPU: ``use_cpu`` or no CUDA / XPU / MPS device."""
+    if getattr(args, "use_cpu", False):
+        return True
+    xpu = getattr(torch, "xpu", None)
+    mps = getattr(torch.backends, "mps", None)
+    return not (
+        torch.cuda.is_available()
+        or (xpu is not None and xpu.is_available())
+        or (mps is not None and mps.is_available())
+    )
+
+
+def _model_name(model: Any) -> str:
+    """The name TRL gives its default output folder (``<name>-SFT``)."""
+    if isinstance(model, str):
+        return model.split("/")[-1]
+    config = getattr(model, "config", None)
+    return str(getattr(config, "_name_or_path", "") or type(model).__name__).split("/")[-1]
+
+
+def fp32_on_cpu(args: Any, bf16_on_cpu: bool = False) -> Any:
+    """``args`` with bf16 turned off when training on CPU (a copy; the caller's is unchanged).
+
+    TRL's ``SFTConfig`` defaults to bf16 autocast; on CPUs without bf16 matrix units it ran ~5x
+    slower than fp32. Unless ``bf16_on_cpu``, a CPU run gets ``bf16=False`` and
+    ``mixed_precision="no"`` and a warning says so. Anything else is returned as is.
+    """
+    if args is None or not getattr(args, "bf16", False) or bf16_on_cpu or not _cpu_only(args):
+        return args
+    args = copy.copy(args)
+    args.bf16 = False
+    if getattr(args, "mixed_precision", None) == "bf16":
+        args.mixed_precision = "no"
+    _LOG.warning(_FP32_WARNING)
+    return args
+
+
+def _default_config(model: Any, bf16_on_cpu: bool) -> Any:
+    """TRL's default ``SFTConfig("<model>-SFT")``, in fp32 on a CPU-only machine (where TRL's
+    own default, bf16 without ``use_cpu``, is refused by transformers)."""
+    name = f"{_model_name(model)}-SFT"
+    if not _cpu_only(None):
+        return SFTConfig(name)
+    if bf16_on_cpu:
+        return SFTConfig(name, use_cpu=True)
+    _LOG.warning(_FP32_WARNING)
+    return SFTConfig(name, bf16=False)
 
 
 def sft_compute_loss_func(loss_fn: LossFn) -> ComputeLoss:
@@ -63,18 +124,31 @@ class EMDLMSFTTrainer(SFTTrainer):
     Args:
         loss_fn: an emdlm loss module with ``reduction="sum"``, called as
             ``loss_fn(logits [B, T-1, V], labels [B, T-1])`` on the shifted batch.
-        *args, **kwargs: passed to ``trl.SFTTrainer`` unchanged (``compute_loss_func`` and
-            ``loss_type="dft"`` are refused: they would replace the emdlm loss).
+        bf16_on_cpu: keep SFTConfig's bf16 on a CPU-only run (default: fp32 there, with a
+            warning; see the module docstring).
+        *args, **kwargs: passed to ``trl.SFTTrainer`` (``compute_loss_func`` and
+            ``loss_type="dft"`` are refused: they would replace the emdlm loss); ``args`` is
+            copied with bf16 off on CPU unless ``bf16_on_cpu``.
 
     Logged next to TRL's metrics: ``mean_token_accuracy`` (argmax of the logits on scored
     positions, train and eval) and, in training, each loss component as ``emdlm/<name>``.
     Unsupported: DeepSpeed Ulysses sequence parallelism (TRL reduces its own fused loss there).
     """
 
-    def __init__(self, *args: Any, loss_fn: LossFn, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, loss_fn: LossFn, bf16_on_cpu: bool = False, **kwargs: Any
+    ) -> None:
         if kwargs.get("compute_loss_func") is not None:
             raise ValueError("EMDLMSFTTrainer computes the loss itself; drop compute_loss_func")
-        emdlm_loss = make_compute_loss_func(loss_fn)  # checks reduction == "sum"
+        emdlm_loss = ComputeLoss(loss_fn, who="EMDLMSFTTrainer")  # refuses reduction != "sum"
+        config = args[1] if len(args) > 1 else kwargs.get("args")  # SFTTrainer(model, args)
+        if config is None:  # TRL's own default, built here so that its precision can be set
+            config = _default_config(args[0] if args else kwargs.get("model"), bf16_on_cpu)
+        config = fp32_on_cpu(config, bf16_on_cpu)
+        if len(args) > 1:
+            args = (args[0], config, *args[2:])
+        else:
+            kwargs["args"] = config
         super().__init__(*args, **kwargs)
         if self.args.loss_type != "nll":
             raise ValueError(

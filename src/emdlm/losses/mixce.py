@@ -5,15 +5,18 @@ Formula and official-code behaviour: :mod:`emdlm.functional.mixce`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from emdlm._output import LossOutput
 from emdlm.functional._common import IGNORE_INDEX, Reduction, check_reduction
 from emdlm.functional.mixce import check_mixce_options, mixce_loss
+from emdlm.losses._from_hidden import TokenWeightedFromHidden
 
 
-class MixCELoss(nn.Module):
+class MixCELoss(TokenWeightedFromHidden, nn.Module):
     """MixCE: (η + (1-η)·sg(q_y))·CE per token, averaged over counted tokens.
 
     Args:
@@ -40,6 +43,11 @@ class MixCELoss(nn.Module):
         return mixce_loss(
             logits, labels, eta=self.eta, ignore_index=self.ignore_index, reduction=self.reduction
         )
+
+    def hidden_objective(self) -> Any:
+        from emdlm.ops.from_hidden import WeightedCEObjective, mixce_weights
+
+        return WeightedCEObjective(mixce_weights(self.eta))
 
     def extra_repr(self) -> str:
         return f"eta={self.eta}, reduction={self.reduction!r}"

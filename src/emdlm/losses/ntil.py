@@ -6,11 +6,22 @@ xfey/NTIL (ntil.py for NTIL, emd.py for the EMD baseline). Formulas live in
 
 Presets (explicit keyword arguments override them):
 
-* ``"paper"``: λ = 0.3, α = β = σ = 0.2, emd_weight = 1, dynamic mix; decimals joined into one
-  number ('3', '.', '14' is 3.14) and a leading minus makes a number negative; multi-digit tokens
-  scored with the class EMD; W·EMD averaged over all number tokens of the batch, relative and
-  magnitude over all numbers of the batch; the paper's Eq. 2–3 with the least smoothing that
-  keeps them finite (relative: none, 0/0 := 0; magnitude: one unit in the number's last place).
+* ``"stable"`` (the default): the ``"paper"`` preset below with three stabilisers (issue 12,
+  measured in docs/results/ntil_grad_norms.md; each can be switched off by its keyword):
+  NOTE: the dynamic ratio sg(CE/NTIL) is capped at ``max_ratio`` = 10 (its unbounded growth as
+  NTIL → 0 multiplied NTIL's gradient by up to thousands).
+  NOTE: W·EMD is averaged within each number with normalised weights Σ W·EMD / Σ W, then over
+  numbers (``per_number``): one long number no longer dominates the batch's EMD and, through
+  the ratio, silences the other rows' numbers (433x in a unit case).
+  NOTE: the magnitude's smoothing is u = max(unit, 0.1·|Y|) (``magnitude_floor``), bounding
+  its gradient for a prediction near 0 (the per-term maximum fell from 630 to 18 over 200
+  random 6-digit cases).
+* ``"paper"``: the paper's formulas as written, no stabiliser: λ = 0.3, α = β = σ = 0.2,
+  emd_weight = 1, dynamic mix; decimals joined into one number ('3', '.', '14' is 3.14, '.5' is
+  0.5) and a leading minus makes a number negative; multi-digit tokens scored with the class
+  EMD; W·EMD averaged over all number tokens of the batch, relative and magnitude over all
+  numbers of the batch; the paper's Eq. 2–3 with the least smoothing that keeps them finite
+  (relative: none, 0/0 := 0; magnitude: one unit in the number's last place).
 * ``"official"``: reproduces xfey/NTIL: only the ten tokens '0'..'9' are scored, spans are
   maximal digit runs (any other token ends them); each term is averaged within a batch row and
   the rows are averaged (rows without digits count as 0); relative |X−Y|/(max(X,Y)+1) with 0
@@ -43,6 +54,7 @@ NOTE (official preset, resolved ambiguities):
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Literal
 
 import torch
@@ -57,20 +69,53 @@ from emdlm.functional.ntil import (
     resolve_spans,
     sample_noise,
 )
-from emdlm.numbers import NumberVocab
+from emdlm.numbers import GROUP_SEPARATORS, NumberVocab
 from emdlm.ops.ntil_fused import DEFAULT_CHUNK_ELEMENTS, ntil_fused
 
-Preset = Literal["paper", "official"]
+Preset = Literal["stable", "paper", "official"]
 Implementation = Literal["fused", "reference"]
 
+#: Stable preset's cap on the dynamic ratio sg(CE/NTIL) (issue 12; docs/results/ntil_grad_norms.md).
+STABLE_MAX_RATIO = 10.0
+#: Stable preset's ρ in the magnitude smoothing u = max(unit, ρ·|Y|) (issue 12).
+STABLE_MAGNITUDE_FLOOR = 0.1
+#: Default of ``max_ratio``: take the preset's value (None means "no cap", as in EMOLoss).
+_FROM_PRESET = "preset"
+
 # preset -> (settings overrides, span options)
+_PAPER_SPANS = {"join_decimal": True, "signed": True, "digits_only": False}
 _PRESETS: dict[str, tuple[dict[str, Any], dict[str, bool]]] = {
+    "stable": (
+        {
+            "averaging": "batch",
+            "smoothing": "paper",
+            "mix_eps": 0.0,
+            "max_ratio": STABLE_MAX_RATIO,
+            "per_number": True,
+            "magnitude_floor": STABLE_MAGNITUDE_FLOOR,
+        },
+        _PAPER_SPANS,
+    ),
     "paper": (
-        {"averaging": "batch", "smoothing": "paper", "mix_eps": 0.0},
-        {"join_decimal": True, "signed": True, "digits_only": False},
+        {
+            "averaging": "batch",
+            "smoothing": "paper",
+            "mix_eps": 0.0,
+            "max_ratio": None,
+            "per_number": False,
+            "magnitude_floor": 0.0,
+        },
+        _PAPER_SPANS,
     ),
     "official": (
-        {"averaging": "row", "smoothing": "official", "mix_eps": 1e-10},
+        {
+            "averaging": "row",
+            "smoothing": "official",
+            "mix_eps": 1e-10,
+            "max_ratio": None,
+            "per_number": False,
+            "magnitude_floor": 0.0,
+        },
         {"join_decimal": False, "signed": False, "digits_only": True},
     ),
 }
@@ -90,7 +135,7 @@ class NTILLoss(nn.Module):
 
     Args:
         tokenizer_or_number_vocab: a transformers tokenizer or a :class:`NumberVocab`.
-        preset: "paper" or "official" (module docstring).
+        preset: "stable" (default), "paper" or "official" (module docstring).
         lam, alpha, beta, sigma, emd_weight: λ, α, β, σ and the EMD weight (0.3, 0.2, 0.2, 0.2,
             1.0).
         mix: "dynamic" or "static".
@@ -106,7 +151,9 @@ class NTILLoss(nn.Module):
             logits at the first call; must be ≥ the tokenizer's ids).
         join_decimal, signed, digits_only: span options overriding the preset
             (:func:`emdlm.numbers.find_number_spans`).
-        averaging: "batch" (paper preset: means over the batch's number tokens / numbers), "row"
+        thousands_separator: None (default, every preset) or e.g. "," to read "1,234" as one
+            number (:func:`emdlm.numbers.find_number_spans`).
+        averaging: "batch" (stable / paper: means over the batch's number tokens / numbers), "row"
             (official preset: means of row means) or "token" (sums over the batch divided by
             the counted labels n; with mix="static" the summed loss is a sum over items, exact
             under gradient accumulation), overriding the preset.
@@ -116,6 +163,12 @@ class NTILLoss(nn.Module):
         generator: torch.Generator for the Gumbel noise (reproducible runs); a call may pass
             its own.
         chunk_elements: float32 elements per CE chunk of the fused path.
+        max_ratio: cap of the dynamic ratio sg(CE/NTIL) ("preset": 10 for "stable", no cap for
+            "paper" and "official"; None: no cap).
+        per_number: W·EMD averaged within each number with normalised weights, then over
+            numbers (stable: True; paper / official: False, mean over number tokens).
+        magnitude_floor: ρ in the magnitude smoothing u = max(unit, ρ·|Y|) (stable: 0.1;
+            paper: 0, one unit in the last place; official: 0, u = 1).
 
     Call: ``out = loss_fn(logits [B, T, V], labels [B, T])``, labels aligned with the logits
     (no shift inside), any float dtype (computed in float32, NTIL in float64), non-contiguous
@@ -126,7 +179,7 @@ class NTILLoss(nn.Module):
     every NTIL component is an explicit 0 and the loss equals CE.
 
     Example:
-        >>> loss_fn = NTILLoss(tokenizer, preset="paper")          # doctest: +SKIP
+        >>> loss_fn = NTILLoss(tokenizer)                          # doctest: +SKIP
         >>> out = loss_fn(logits[:, :-1], input_ids[:, 1:])       # doctest: +SKIP
         >>> out.loss.backward()                                   # doctest: +SKIP
 
@@ -136,7 +189,7 @@ class NTILLoss(nn.Module):
     def __init__(
         self,
         tokenizer_or_number_vocab: Any,
-        preset: Preset = "paper",
+        preset: Preset = "stable",
         lam: float = 0.3,
         alpha: float = 0.2,
         beta: float = 0.2,
@@ -153,11 +206,15 @@ class NTILLoss(nn.Module):
         join_decimal: bool | None = None,
         signed: bool | None = None,
         digits_only: bool | None = None,
+        thousands_separator: str | None = None,
         averaging: Literal["batch", "row", "token"] | None = None,
         smoothing: Literal["paper", "official"] | None = None,
         implementation: Implementation = "fused",
         generator: torch.Generator | None = None,
         chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+        max_ratio: float | Literal["preset"] | None = _FROM_PRESET,
+        per_number: bool | None = None,
+        magnitude_floor: float | None = None,
     ) -> None:
         super().__init__()
         if preset not in _PRESETS:
@@ -167,10 +224,19 @@ class NTILLoss(nn.Module):
                 f"implementation must be 'fused' or 'reference', got {implementation!r}"
             )
         preset_settings, preset_spans = _PRESETS[preset]
-        overrides = {"averaging": averaging, "smoothing": smoothing, "mix_eps": None}
-        resolved = {
-            k: (overrides[k] if overrides[k] is not None else v) for k, v in preset_settings.items()
+        overrides = {
+            "averaging": averaging,
+            "smoothing": smoothing,
+            "mix_eps": None,
+            "per_number": per_number,
+            "magnitude_floor": magnitude_floor,
         }
+        resolved = {
+            k: (overrides.get(k) if overrides.get(k) is not None else v)
+            for k, v in preset_settings.items()
+        }
+        if max_ratio != _FROM_PRESET:
+            resolved["max_ratio"] = max_ratio
         self.settings = NTILSettings(
             lam=lam,
             alpha=alpha,
@@ -186,9 +252,15 @@ class NTILLoss(nn.Module):
             **resolved,
         )
         given = {"join_decimal": join_decimal, "signed": signed, "digits_only": digits_only}
-        self.span_options = {
+        self.span_options: dict[str, Any] = {
             k: (given[k] if given[k] is not None else v) for k, v in preset_spans.items()
         }
+        if thousands_separator is not None and thousands_separator not in GROUP_SEPARATORS:
+            raise ValueError(
+                f"thousands_separator must be None or one of {GROUP_SEPARATORS}, got "
+                f"{thousands_separator!r}"
+            )
+        self.span_options["thousands_separator"] = thousands_separator
         self.preset = preset
         self.implementation = implementation
         self.generator = generator
@@ -210,6 +282,11 @@ class NTILLoss(nn.Module):
                 else None
             )
             self._fixed_size = vocab_size is not None
+
+    @property
+    def reduction(self) -> Reduction:
+        """The reduction, "mean" or "sum" (read-only; integrations check it as every loss's)."""
+        return self.settings.reduction
 
     @property
     def number_vocab(self) -> NumberVocab | None:
@@ -249,7 +326,7 @@ class NTILLoss(nn.Module):
             self.implementation == "fused" and logits.requires_grad and torch.is_grad_enabled()
         )
         if use_fused:
-            n_rows = labels.numel() // labels.shape[-1] if labels.dim() > 1 else 1
+            n_rows = math.prod(labels.shape[:-1]) if labels.dim() > 1 else 1  # T may be 0
             loss, components = ntil_fused(
                 logits, labels, spans, candidates, n_rows, settings, noise, self.chunk_elements
             )
@@ -263,6 +340,69 @@ class NTILLoss(nn.Module):
             f"{k}={v!r}" for k, v in {**fields, **self.span_options}.items()
         )
 
+    def from_hidden(
+        self,
+        hidden: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        labels: torch.Tensor,
+        lm_head_bias: torch.Tensor | None = None,
+        *,
+        generator: torch.Generator | None = None,
+        logit_scale: float | None = None,
+        softcap: float | None = None,
+        chunk_size: int | None = None,
+    ) -> LossOutput:
+        """The same loss from hidden states, never materializing the [N, V] logits.
+
+        CE is chunked over rows (:func:`emdlm.ops.chunked.chunked_linear_loss`); only the
+        [M, K] class-candidate logits of the number positions are kept, and the NTIL terms and
+        their gradient are computed on them after the pass with the global CE mean
+        (:class:`emdlm.ops.from_hidden.NTILObjective`). Value, components and gradients
+        (hidden, weight, bias) equal ``self(hidden @ W.T + b, labels)`` given the same noise.
+
+        Args:
+            hidden: [..., H] final hidden states, aligned with ``labels`` (no shift inside).
+            lm_head_weight: [V, H] output embedding, same dtype as ``hidden``.
+            labels: [...] integer labels.
+            lm_head_bias: optional [V] head bias.
+            generator: torch.Generator for the Gumbel noise (as in ``forward``).
+            logit_scale: s, logits s·(hWᵀ + b) (model families with a logit scale).
+            softcap: cap, logits cap·tanh(z/cap) (Gemma-2's final logit soft-capping).
+            chunk_size: rows per chunk (default: 2^26 / V rows, :mod:`emdlm.ops.chunked`).
+        """
+        from emdlm.ops.from_hidden import NTILObjective, loss_from_hidden
+
+        settings = self.settings
+        if lm_head_weight.dim() != 2 or hidden.dim() < 1:
+            raise ValueError(
+                f"lm_head_weight must be [V, H] and hidden [..., H]; got "
+                f"{tuple(lm_head_weight.shape)} and {tuple(hidden.shape)}"
+            )
+        # Zero-stride stand-in for the [..., V] logits: vocabulary size and label checks only.
+        stand_in = hidden.new_zeros(()).expand(*hidden.shape[:-1], lm_head_weight.shape[0])
+        check_logits_labels(stand_in, labels, settings.ignore_index)
+        vocab = self._vocab_for(stand_in)
+        labels = labels.to(hidden.device)
+        spans = resolve_spans(
+            labels, vocab, ignore_index=settings.ignore_index, **self.span_options
+        )
+        candidates = class_candidates(vocab, spans)
+        noise = sample_noise(candidates, settings, generator or self.generator)
+        n_rows = math.prod(labels.shape[:-1]) if labels.dim() > 1 else 1
+        objective = NTILObjective(spans, candidates, n_rows, settings, noise)
+        return loss_from_hidden(
+            objective,
+            hidden,
+            lm_head_weight,
+            labels,
+            lm_head_bias,
+            ignore_index=settings.ignore_index,
+            reduction=settings.reduction,
+            chunk_size=chunk_size,
+            logit_scale=logit_scale,
+            softcap=softcap,
+        )
+
 
 class DigitEMDLoss(NTILLoss):
     """The paper's EMD baseline: CE mixed with the position-weighted digit EMD alone.
@@ -272,6 +412,11 @@ class DigitEMDLoss(NTILLoss):
 
     where n is the number of counted labels: with ``reduction="sum"`` the latter is
     Σ_t CE_t + λ·emd_weight·Σ W·EMD, exact under gradient accumulation (:class:`NTILLoss`).
+
+    With the stable preset (default) the mean is over numbers of each number's (weighted) mean
+    EMD (``per_number``, :class:`NTILLoss`) and the ratio is capped at ``max_ratio`` = 10; the
+    paper preset averages over the batch's digit tokens, the official one over digit tokens per
+    row, both uncapped as emd.py.
 
     σ = 0 by default (W = 1; official emd.py uses digit_exp = 1.0). α = β = 0: "relative" and
     "magnitude" are still reported as diagnostics of the predicted numbers (computed with
@@ -283,7 +428,7 @@ class DigitEMDLoss(NTILLoss):
     def __init__(
         self,
         tokenizer_or_number_vocab: Any,
-        preset: Preset = "paper",
+        preset: Preset = "stable",
         lam: float = 0.3,
         sigma: float = 0.0,
         emd_weight: float = 1.0,

@@ -5,15 +5,18 @@ Formulas and official-code behaviour: :mod:`emdlm.functional.tailr`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from emdlm._output import LossOutput
 from emdlm.functional._common import IGNORE_INDEX, Reduction, check_reduction
 from emdlm.functional.tailr import TaiLrPreset, check_tailr_options, tailr_loss
+from emdlm.losses._from_hidden import TokenWeightedFromHidden
 
 
-class TaiLrLoss(nn.Module):
+class TaiLrLoss(TokenWeightedFromHidden, nn.Module):
     """TaiLr: L_t = (1-ε)·clamp(sg(q_y/(γ + (1-γ)·q_y)), w_min, 1)·CE_t + ε/V·Σ_v -log q_t(v).
 
     ``preset="emo_repo"`` gives DRSY/EMO's "tvd" baseline instead:
@@ -65,6 +68,14 @@ class TaiLrLoss(nn.Module):
             ignore_index=self.ignore_index,
             reduction=self.reduction,
         )
+
+    def hidden_objective(self) -> Any:
+        from emdlm.ops.from_hidden import WeightedCEObjective, tailr_weights
+
+        weights = tailr_weights(
+            self.preset, self.gamma, self.min_weight, self.label_smoothing, self.mixing_ratio
+        )
+        return WeightedCEObjective(weights, self.label_smoothing)
 
     def extra_repr(self) -> str:
         if self.preset == "emo_repo":

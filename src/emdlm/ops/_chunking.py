@@ -224,7 +224,10 @@ def emo_chunk(
     else:
         b = b * grad_scale  # type: ignore[operator]
         g = q.mul_((a + b * qs)[:, None]).addcmul_(p, -b[:, None])
-    return g.scatter_add_(1, y, -a[:, None])
+    g = g.scatter_add_(1, y, -a[:, None])
+    # a = b = 0 on ignored rows, but q may be NaN there (a NaN / ±inf logit at a padding
+    # position) and 0·NaN = NaN: fill, do not multiply. The [n, 1] mask broadcasts in place.
+    return g.masked_fill_(~valid[:, None], 0.0)
 
 
 def scratch(rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -148,10 +148,13 @@ def _fused_forward(
         if grad_h is not None:
             torch.mm(g_d, weight, out=grad_h[lo:hi])
         if grad_w is not None:
+            # g is 0 on ignored rows, but a NaN / inf hidden state there (padding) would still
+            # give 0·NaN = NaN in gᵀh: zero those rows of h with a where ([n, H], small).
+            h_w = torch.where((flat_labels[lo:hi] != ignore_index)[:, None], h_c, 0.0)
             if grad_w.dtype == g_d.dtype:
-                grad_w.addmm_(g_d.T, h_c)
+                grad_w.addmm_(g_d.T, h_w)
             else:
-                grad_w.add_(g_d.T @ h_c)
+                grad_w.add_(g_d.T @ h_w)
         if grad_b is not None:
             grad_b.add_(g.sum(0))
     loss = sums.loss * scale

@@ -90,6 +90,9 @@ def ce_grad_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """CE sum (float64, 0-d) and the [N, V] buffer softmax − onehot (zero on ignored rows).
 
+    Ignored rows are masked with ``where`` / ``index_fill_`` (never multiplied by 0), so a NaN
+    or ±inf logit at a padding position changes neither the sum nor any other row's gradient.
+
     The buffer has the logits' dtype; the math is float32 (float64 for float64 logits).
     """
     vocab_rows = logits.shape[-1]
@@ -108,7 +111,9 @@ def ce_grad_forward(
         else:
             work = torch.log_softmax(chunk.to(compute), dim=-1)  # [c, V] float32 temporary
         gold_logp = work.gather(1, safe[start:stop]).squeeze(1)  # [c]
-        ce_sum = ce_sum - (gold_logp * valid[start:stop]).sum(dtype=torch.float64)
+        # where, not a multiply: an ignored row may hold NaN / ±inf (0·NaN = NaN).
+        gold_logp = torch.where(valid[start:stop], gold_logp, 0.0)
+        ce_sum = ce_sum - gold_logp.sum(dtype=torch.float64)
         work.exp_().scatter_add_(1, safe[start:stop], minus_valid[start:stop])
         if not direct:
             buffer[start:stop].copy_(work)

@@ -44,12 +44,15 @@ def load_trained(run_dir: str | Path, tokenizer_name: str | None = None) -> tupl
     from transformers import AutoModelForCausalLM
 
     from emdlm.models import check_vocab, load_tokenizer
+    from emdlm.training.run_folder import checkpoint_folders, checkpoint_problem, weights_problem
 
     folder = Path(run_dir)
     if not folder.is_dir():
         raise ConfigError(f"model folder not found: {folder}")
     if not (folder / "config.json").exists():
-        raise ConfigError(f"{folder} holds no model (config.json missing)")
+        complete = [c for c in checkpoint_folders(folder) if checkpoint_problem(c) is None]
+        hint = f"; evaluate a checkpoint instead: emdlm eval {complete[0]}" if complete else ""
+        raise ConfigError(f"{folder} holds no model (config.json missing){hint}")
     has_tok = (folder / "tokenizer_config.json").exists() or (folder / "tokenizer.json").exists()
     if has_tok:
         tokenizer = load_tokenizer(str(folder))
@@ -57,7 +60,13 @@ def load_trained(run_dir: str | Path, tokenizer_name: str | None = None) -> tupl
         tokenizer = load_tokenizer(tokenizer_name)
     else:
         raise ConfigError(f"{folder} has no tokenizer files; pass tokenizer=<name or folder>")
-    model = AutoModelForCausalLM.from_pretrained(str(folder))
+    problem = weights_problem(folder)
+    if problem:  # before transformers, whose error would name no file
+        raise ConfigError(f"cannot load the model in {folder}: {problem}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(folder))
+    except (OSError, ValueError, RuntimeError) as err:
+        raise ConfigError(f"cannot load the model in {folder}: {err}") from err
     check_vocab(model, tokenizer)
     model.eval()
     return model, tokenizer
@@ -72,25 +81,89 @@ def evaluate_run(
 ) -> dict[str, Any]:
     """Evaluate the model in ``run_dir`` on ``cfg.data.eval`` with ``cfg.eval`` settings.
 
+    ``eval.kind`` "text" samples ``eval.num_samples`` continuations per prompt and scores them
+    (:func:`emdlm.evaluation.evaluate_text`; PPL_oracle with ``eval.oracle``); "choice" picks
+    the lowest-perplexity candidate (:func:`emdlm.evaluation.evaluate_choice`); the other kinds
+    generate and parse answers (:func:`emdlm.evaluation.evaluate_examples`).
     Writes ``metrics.json`` and ``predictions.jsonl`` to ``out_dir`` (default
     ``<run_dir>/eval``) and returns the metrics. Everything is loaded and checked first.
     """
-    from emdlm.evaluation import evaluate_examples, write_eval_outputs
+    from emdlm.evaluation import evaluate_examples
 
     if not Path(run_dir).is_dir():
         raise ConfigError(f"model folder not found: {run_dir}")
     if cfg.data.eval is None:
         raise ConfigError("no test set: set data.eval.path or data.eval.task (e.g. --task)")
+    from emdlm.vlm.models import folder_model_type
+
+    vlm_type = folder_model_type(Path(run_dir))
+    if vlm_type is not None:  # an image-text-to-text folder: images + generation (emdlm.vlm)
+        from emdlm.vlm.training import evaluate_vlm
+
+        target = Path(out_dir) if out_dir is not None else Path(run_dir) / "eval"
+        metrics, predictions = evaluate_vlm(
+            Path(run_dir), vlm_type, cfg, sheet=target / "contact_sheet.png"
+        )
+        return _write_outputs(run_dir, out_dir, name, metrics, predictions)
     examples = load_examples(cfg.data.eval, seed=cfg.train.seed)
     if any("completion" not in ex for ex in examples):
         raise ConfigError(f"{cfg.data.eval.describe()}: eval needs prompt/completion examples")
-    model, tokenizer = load_trained(run_dir, cfg.tokenizer)
     e = cfg.eval
-    metrics, predictions = evaluate_examples(
-        model, tokenizer, examples, kind=e.kind, max_new_tokens=e.max_new_tokens,
-        batch_size=e.batch_size, do_sample=e.do_sample, temperature=e.temperature,
-        top_p=e.top_p, seed=e.seed,
-    )
+    if e.kind == "choice" and any("choices" not in ex or "label" not in ex for ex in examples):
+        raise ConfigError(f"{cfg.data.eval.describe()}: eval.kind=choice needs 'choices' and "
+                          "'label' in every example (e.g. --task polarity_choice)")
+    oracle = load_trained(e.oracle, cfg.tokenizer) if e.kind == "text" and e.oracle else None
+    model, tokenizer = load_trained(run_dir, cfg.tokenizer)
+    if e.kind == "text":
+        metrics, predictions = _evaluate_text(model, tokenizer, examples, e, oracle)
+    elif e.kind == "choice":
+        from emdlm.evaluation import evaluate_choice
+
+        try:
+            metrics, predictions = evaluate_choice(
+                model, tokenizer, examples, batch_size=e.batch_size
+            )
+        except ValueError as err:  # e.g. k-shot prompts longer than the model's context
+            raise ConfigError(f"choice evaluation: {err}") from err
+    else:
+        metrics, predictions = evaluate_examples(
+            model, tokenizer, examples, kind=e.kind, max_new_tokens=e.max_new_tokens,
+            batch_size=e.batch_size, do_sample=e.do_sample, temperature=e.temperature,
+            top_p=e.top_p, seed=e.seed,
+        )
+    return _write_outputs(run_dir, out_dir, name, metrics, predictions)
+
+
+def _write_outputs(
+    run_dir: str | Path, out_dir: str | Path | None, name: str | None, metrics: dict[str, Any],
+    predictions: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """metrics.json + predictions.jsonl in ``out_dir`` (default ``<run_dir>/eval``)."""
+    from emdlm.evaluation import write_eval_outputs
+    from emdlm.training.run_folder import is_run_folder, record_outputs
+
     target = Path(out_dir) if out_dir is not None else Path(run_dir) / "eval"
     write_eval_outputs(target, metrics, predictions)
+    if out_dir is None and is_run_folder(Path(run_dir)):  # --overwrite may remove it later
+        record_outputs(Path(run_dir), ["eval"])
     return {"name": name or Path(run_dir).name, "metrics": metrics, "out_dir": str(target)}
+
+
+def _evaluate_text(
+    model: Any, tokenizer: Any, examples: list[dict[str, Any]], e: Any, oracle: Any
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """eval.kind=text: sampled continuations, scored (ValueError becomes ConfigError)."""
+    from emdlm.evaluation import evaluate_text
+
+    try:
+        metrics, rows = evaluate_text(
+            model, tokenizer, examples, num_samples=e.num_samples,
+            max_new_tokens=e.max_new_tokens, batch_size=e.batch_size,
+            temperature=e.temperature, top_p=e.top_p, seed=e.seed, oracle=oracle,
+            mauve=e.mauve,
+        )
+    except ValueError as err:
+        raise ConfigError(f"text evaluation: {err}") from err
+    if oracle is not None:
+        metrics["oracle"] = str(e.oracle)
+    return metrics, rows

@@ -10,6 +10,12 @@ Order of work (nothing is written until every input has been checked):
    ``train_log.jsonl`` and TensorBoard under ``tb/``; checkpoints ``checkpoint-<step>``), saves
    the final model and tokenizer in the output folder and ``train_summary.json``.
 
+Output folder safety (:mod:`emdlm.training.run_folder`): ``overwrite=True`` deletes only what
+emdlm wrote there (its manifest plus known names) and refuses the current folder, its parents
+and any folder holding the run's inputs. Checkpoints are written under ``tmp-checkpoint-<step>``
+and renamed into place when complete; ``resume`` checks the checkpoint (every file present and
+readable) before anything in the folder changes, and falls back past a damaged newest one.
+
 The first Ctrl-C finishes the optimizer step in progress, saves a checkpoint and raises
 :class:`TrainingInterrupted` (a second Ctrl-C aborts at once, still saving a checkpoint).
 ``resume=True`` continues from the newest checkpoint to the same result as an uninterrupted run
@@ -21,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -33,11 +38,23 @@ from typing import Any
 import torch
 import yaml
 
-from emdlm.config import ConfigError, RunConfig
+from emdlm.config import ConfigError, ModelConfig, RunConfig
 from emdlm.data import DataCollator, TokenizedDataset, build_dataset, load_examples
-from emdlm.integrations.transformers import ComputeLoss, make_compute_loss_func
+from emdlm.integrations.transformers import ComputeLoss, make_compute_loss_func, with_teacher
 from emdlm.models import apply_lora, build_model, load_tokenizer, model_vocab_size
 from emdlm.objectives import build_objective
+from emdlm.training.launch import start_run_console
+from emdlm.training.run_folder import (
+    atomic_checkpoint_trainer,
+    check_overwrite_target,
+    checkpoint_folders,
+    clear_run_folder,
+    record_outputs,
+    remove_stale_saves,
+    resume_checkpoint,
+)
+from emdlm.vlm.models import is_vlm
+from emdlm.vlm.training import lora_targets
 
 RUN_CONFIG = "run_config.yaml"  # also read by emdlm.training.evaluate
 TRAIN_LOG = "train_log.jsonl"
@@ -56,13 +73,10 @@ def _is_main_process() -> bool:
 
 
 def latest_checkpoint(folder: Path) -> Path | None:
-    """The checkpoint-<step> folder with the highest step, or None."""
-    found = [
-        (int(p.name.split("-")[-1]), p)
-        for p in folder.glob("checkpoint-*")
-        if p.is_dir() and p.name.split("-")[-1].isdigit()
-    ]
-    return max(found)[1] if found else None
+    """The checkpoint-<step> folder with the highest step, or None (``tmp-checkpoint-*``
+    folders, saves in progress or killed, are ignored)."""
+    found = checkpoint_folders(folder)
+    return found[0] if found else None
 
 
 def _checkpoint_step(checkpoint: Path) -> int:
@@ -71,6 +85,36 @@ def _checkpoint_step(checkpoint: Path) -> int:
         return int(json.loads(state.read_text()).get("global_step", 0))
     tail = checkpoint.name.split("-")[-1]
     return int(tail) if tail.isdigit() else 0
+
+
+def _logged_losses(log: Path, last_step: int) -> list[float] | None:
+    """The per-step "loss" of steps 1..last_step from train_log.jsonl, or None when the log does
+    not hold exactly those steps."""
+    if not log.is_file():
+        return None
+    losses: dict[int, float] = {}
+    for line in log.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            if "loss" in record and 1 <= int(record.get("step", 0)) <= last_step:
+                losses[int(record["step"])] = float(record["loss"])
+    if sorted(losses) != list(range(1, last_step + 1)):
+        return None
+    return [losses[s] for s in range(1, last_step + 1)]
+
+
+def _whole_run_loss(log: Path, resumed_at: int, result: Any) -> float | None:
+    """Mean step loss over the whole run after a resume.
+
+    transformers' ``training_loss`` averages only the steps this call ran (``resumed_at``+1 ..
+    N); the steps before come from train_log.jsonl (kept up to ``resumed_at`` on resume), so
+    the value equals an uninterrupted run's: (sum_{s<=S} loss_s + mean_this_call * (N - S)) / N.
+    None when the log misses steps."""
+    total_steps = int(result.global_step)
+    before = _logged_losses(log, resumed_at)
+    if before is None or total_steps <= 0:
+        return None
+    return (sum(before) + result.training_loss * (total_steps - resumed_at)) / total_steps
 
 
 def _truncate_log(log: Path, step: int) -> None:
@@ -94,19 +138,35 @@ class PreparedRun:
     eval_dataset: TokenizedDataset | None
     output_dir: Path
     resume_from: Path | None
+    overwrite: bool = False
+    training_args: Any = None  # transformers.TrainingArguments, built (and checked) early
+    teacher: Any = None  # frozen distillation teacher (``teacher:``), or None
+    vlm: Any = None  # emdlm.vlm.training.VLMParts for a VLM run (collator, image processor)
 
 
-def _check_output_dir(out: Path, resume: bool | str, overwrite: bool) -> Path | None:
+def _run_inputs(cfg: RunConfig, config_path: str | Path | None) -> list[str | None]:
+    """Files and folders the run reads: --overwrite must never delete a folder holding them."""
+    sources = [s for s in (cfg.data.train, cfg.data.eval) if s is not None]
+    return [
+        *(s.path for s in sources), None if config_path is None else str(config_path),
+        cfg.model.name, cfg.tokenizer, cfg.objective.cost_embedding, cfg.teacher,
+    ]
+
+
+def _check_output_dir(
+    out: Path, resume: bool | str, overwrite: bool, inputs: list[str | None]
+) -> Path | None:
+    """The checkpoint to resume from (checked complete), or None for a new run; ConfigError for
+    an output folder this run may not use. Reads only."""
+    if resume and overwrite:
+        raise ConfigError("give --resume or --overwrite, not both")
     if resume:
         if isinstance(resume, str) and resume not in ("true", "latest"):
             ckpt = Path(resume)
             if not ckpt.is_dir():
                 raise ConfigError(f"checkpoint to resume from not found: {ckpt}")
-            return ckpt
-        ckpt = latest_checkpoint(out) if out.is_dir() else None
-        if ckpt is None:
-            raise ConfigError(f"--resume: no checkpoint-* folder in {out}")
-        return ckpt
+            return resume_checkpoint(out, ckpt)
+        return resume_checkpoint(out, None)
     if not _is_main_process():
         # only rank 0 writes; another rank could otherwise see rank 0's fresh folder and stop
         return None
@@ -118,15 +178,22 @@ def _check_output_dir(out: Path, resume: bool | str, overwrite: bool) -> Path | 
                 f"output folder {out} is not empty: use --resume to continue it, --overwrite to "
                 f"replace it, or another output_dir"
             )
-        if not (out / RUN_CONFIG).exists():
-            raise ConfigError(f"--overwrite: {out} is not an emdlm run folder; refusing to delete")
+        check_overwrite_target(out, inputs)
+    elif overwrite:
+        check_overwrite_target(out, [], require_run_folder=False)  # never cwd or its parents
     return None
 
 
 def prepare_run(
-    cfg: RunConfig, *, resume: bool | str = False, overwrite: bool = False
+    cfg: RunConfig,
+    *,
+    resume: bool | str = False,
+    overwrite: bool = False,
+    config_path: str | Path | None = None,
 ) -> PreparedRun:
-    """Build and check tokenizer, model, objective, data and output folder. Writes nothing."""
+    """Build and check tokenizer, model, objective, data, training arguments and output folder
+    (``config_path``: the config file the run was loaded from, one of its inputs). Writes
+    nothing."""
     from transformers import set_seed
 
     cfg.validate()
@@ -139,28 +206,109 @@ def prepare_run(
     if cfg.train.torch_threads:
         torch.set_num_threads(cfg.train.torch_threads)
     out = Path(cfg.output_dir)
-    resume_from = _check_output_dir(out, resume, overwrite)
-    train_rows = load_examples(cfg.data.train, seed=cfg.train.seed)
-    eval_rows = (
-        load_examples(cfg.data.eval, seed=cfg.train.seed) if cfg.data.eval is not None else None
-    )
-    tokenizer = load_tokenizer(cfg.tokenizer)
-    set_seed(cfg.train.seed)
-    model = build_model(cfg.model, tokenizer, max_length=cfg.data.max_length)
+    resume_from = _check_output_dir(out, resume, overwrite, _run_inputs(cfg, config_path))
+    vlm = None
+    if is_vlm(cfg.model.name):  # image+text rows, image processor and VLM (emdlm.vlm)
+        from emdlm.vlm.training import prepare_vlm_run
+
+        set_seed(cfg.train.seed)
+        vlm = prepare_vlm_run(cfg)
+        tokenizer, model = vlm.tokenizer, vlm.model
+    else:
+        train_rows = load_examples(cfg.data.train, seed=cfg.train.seed)
+        eval_rows = (
+            load_examples(cfg.data.eval, seed=cfg.train.seed) if cfg.data.eval is not None
+            else None
+        )
+        tokenizer = load_tokenizer(cfg.tokenizer)
+        set_seed(cfg.train.seed)
+        model = build_model(cfg.model, tokenizer, max_length=cfg.data.max_length)
     vocab = model_vocab_size(model)
-    loss_fn = build_objective(cfg.objective, tokenizer=tokenizer, model=model, vocab_size=vocab)
+    teacher = None
+    if cfg.teacher is not None:
+        teacher = load_teacher(cfg.teacher, tokenizer, vocab, cfg.model.dtype)
+    loss_fn = build_objective(
+        cfg.objective, tokenizer=tokenizer, model=model, vocab_size=vocab, teacher=teacher
+    )
     if cfg.lora.enabled:
         model = apply_lora(
             model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-            target_modules=cfg.lora.target_modules,
+            target_modules=(
+                cfg.lora.target_modules if vlm is None  # VLM: the language model only
+                else lora_targets(cfg.lora.target_modules)
+            ),
         )
-    kw = dict(max_length=cfg.data.max_length, add_eos=cfg.data.add_eos,
-              extra_keys=cfg.data.extra_keys)
-    train_ds = build_dataset(train_rows, tokenizer, source=cfg.data.train.describe(), **kw)
-    eval_ds = None
-    if eval_rows is not None and cfg.data.eval is not None:
-        eval_ds = build_dataset(eval_rows, tokenizer, source=cfg.data.eval.describe(), **kw)
-    return PreparedRun(cfg, tokenizer, model, loss_fn, train_ds, eval_ds, out, resume_from)
+    if vlm is not None:
+        train_ds, eval_ds = vlm.train_dataset, vlm.eval_dataset
+    else:
+        kw = dict(max_length=cfg.data.max_length, add_eos=cfg.data.add_eos,
+                  extra_keys=cfg.data.extra_keys, on_truncate=cfg.data.on_truncate,
+                  on_drop=cfg.data.on_drop)
+        train_ds = build_dataset(train_rows, tokenizer, source=cfg.data.train.describe(), **kw)
+        eval_ds = None
+        if eval_rows is not None and cfg.data.eval is not None:
+            eval_ds = build_dataset(eval_rows, tokenizer, source=cfg.data.eval.describe(), **kw)
+    try:  # whatever transformers rejects fails here, before the folder is written
+        args = training_arguments(cfg, out, eval_ds is not None)
+        _dry_build_optimizer_and_scheduler(args, model)
+    except (ValueError, TypeError, ImportError) as err:
+        raise ConfigError(f"transformers rejected the training settings: {err}") from err
+    return PreparedRun(
+        cfg, tokenizer, model, loss_fn, train_ds, eval_ds, out, resume_from, overwrite, args,
+        teacher, vlm,
+    )
+
+
+def load_teacher(path: str, tokenizer: Any, vocab_size: int, dtype: str) -> Any:
+    """The distillation teacher: a local causal-LM folder, frozen (eval mode, no gradients), in
+    the student's dtype (it follows the student's device at the first batch).
+
+    ConfigError when the folder is missing, its output layer has not ``vocab_size`` rows (the
+    student's), or it ships a tokenizer whose vocabulary differs from the student's (the
+    teacher's distribution must be over the same tokens, in the same order)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError(f"teacher folder not found: {path} (teacher)")
+    try:
+        teacher = build_model(ModelConfig(name=str(folder), dtype=dtype), tokenizer)
+    except ConfigError as err:
+        raise ConfigError(f"teacher {path}: {err}") from err
+    rows = model_vocab_size(teacher)
+    if rows != vocab_size:
+        raise ConfigError(
+            f"teacher {path} has {rows} output rows but the student has {vocab_size}: teacher "
+            "and student must share the vocabulary"
+        )
+    if any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        teacher_vocab = load_tokenizer(str(folder)).get_vocab()
+        if teacher_vocab != tokenizer.get_vocab():
+            differ = sorted(set(teacher_vocab.items()) ^ set(tokenizer.get_vocab().items()))
+            raise ConfigError(
+                f"teacher {path} has a different tokenizer than the student "
+                f"({len(teacher_vocab)} vs {len(tokenizer.get_vocab())} tokens; e.g. "
+                f"{differ[:3]} differ): distillation needs the same token ids"
+            )
+    else:
+        print(f"warning: teacher {path} has no tokenizer files; only its vocabulary size was "
+              "checked against the student's", file=sys.stderr)
+    teacher.eval()
+    teacher.requires_grad_(False)
+    return teacher
+
+
+def _dry_build_optimizer_and_scheduler(args: Any, model: Any) -> None:
+    """Resolve the optimizer class and build the LR schedule on a one-element dummy optimizer,
+    as Trainer will at its first step, so that a combination transformers rejects (an optimizer
+    whose package is missing, a schedule needing settings) fails before anything is written."""
+    from transformers import Trainer, get_scheduler
+
+    Trainer.get_optimizer_cls_and_kwargs(args, model)
+    dummy = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.learning_rate)
+    get_scheduler(
+        args.lr_scheduler_type, optimizer=dummy, num_warmup_steps=0,
+        num_training_steps=max(args.max_steps, 1),
+        scheduler_specific_kwargs=args.lr_scheduler_kwargs or None,
+    )
 
 
 def _step_logger(compute_loss: ComputeLoss, out: Path, tensorboard: bool) -> Any:
@@ -323,26 +471,35 @@ def train(run: PreparedRun, callbacks: list[Any] | None = None) -> dict[str, Any
 
     cfg, out = run.cfg, run.output_dir
     main = _is_main_process()
+    existing: set[str] = set()
     if main:
-        if run.resume_from is None and out.is_dir():  # --overwrite, checked in prepare_run
-            shutil.rmtree(out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / RUN_CONFIG).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        if run.resume_from is not None:
-            _truncate_log(out / TRAIN_LOG, _checkpoint_step(run.resume_from))
+        existing = _prepare_folder(run)
+        if run.vlm is not None:  # before training, so eval of a checkpoint-N finds it here
+            run.vlm.image_processor.save_pretrained(str(out))
+            record_outputs(out, ["preprocessor_config.json"])
     compute_loss = make_compute_loss_func(run.loss_fn)
     logger = _step_logger(compute_loss, out, cfg.train.tensorboard)
     stopper = _GracefulStop()
-    trainer = Trainer(
+    args = run.training_args
+    if args is None:  # a PreparedRun built by hand
+        args = training_arguments(cfg, out, run.eval_dataset is not None)
+    trainer_cls = atomic_checkpoint_trainer(Trainer)
+    if run.teacher is not None:  # the teacher's logits on every batch, for the distill loss
+        trainer_cls = with_teacher(trainer_cls, run.teacher, compute_loss)
+    trainer = trainer_cls(
         model=run.model,
-        args=training_arguments(cfg, out, run.eval_dataset is not None),
+        args=args,
         train_dataset=run.train_dataset,
         eval_dataset=run.eval_dataset,
-        data_collator=DataCollator(run.tokenizer.pad_token_id, cfg.data.pad_to_multiple_of),
+        data_collator=(
+            run.vlm.collator if run.vlm is not None
+            else DataCollator(run.tokenizer.pad_token_id, cfg.data.pad_to_multiple_of)
+        ),
         processing_class=run.tokenizer,  # checkpoints carry the tokenizer (eval works on them)
         compute_loss_func=compute_loss,
         callbacks=[logger, stopper.callback, *(callbacks or [])],
     )
+    start_run_console(trainer)  # world size + launcher check (rank 0), tidy console lines
     resume = str(run.resume_from) if run.resume_from is not None else None
     try:
         with stopper.handle_sigint():
@@ -371,14 +528,65 @@ def train(run: PreparedRun, callbacks: list[Any] | None = None) -> dict[str, Any
         **{k: v for k, v in result.metrics.items() if isinstance(v, (int, float))},
         "objective": cfg.objective.name,
         "output_dir": str(out),
+        "data": {
+            name: ds.cuts.to_dict()
+            for name, ds in (("train", run.train_dataset), ("eval", run.eval_dataset))
+            if ds is not None and getattr(ds, "cuts", None) is not None
+        },
     }
+    if main and run.resume_from is not None:
+        _whole_run_summary(summary, out, _checkpoint_step(run.resume_from), result)
     if main:
         (out / "train_summary.json").write_text(json.dumps(summary, indent=2))
+        created = {p.name for p in out.iterdir()} - existing
+        record_outputs(out, created | {"train_summary.json"})
     return summary
 
 
+def _whole_run_summary(summary: dict[str, Any], out: Path, resumed_at: int, result: Any) -> None:
+    """After a resume: ``train_loss`` over the whole run (see :func:`_whole_run_loss`)."""
+    summary["resumed_from_step"] = resumed_at
+    whole = _whole_run_loss(out / TRAIN_LOG, resumed_at, result)
+    if whole is None:
+        summary["train_loss_steps"] = f"{resumed_at + 1}-{result.global_step}"
+        print(
+            f"warning: {out / TRAIN_LOG} misses steps before {resumed_at + 1}: train_loss in "
+            "train_summary.json covers only the steps run since the resume", file=sys.stderr,
+        )
+    else:
+        summary["train_loss"] = whole
+
+
+def _prepare_folder(run: PreparedRun) -> set[str]:
+    """Rank 0, after every check passed: clear what an old run wrote (``--overwrite``; the
+    user's other files stay), or tidy a resumed folder; write run_config.yaml and the manifest;
+    trim train_log.jsonl to the checkpoint. Returns the entries present before training."""
+    cfg, out = run.cfg, run.output_dir
+    if run.overwrite and run.resume_from is None and out.is_dir():
+        removed, kept = clear_run_folder(out)
+        if removed:
+            print(
+                f"--overwrite: removed from {out}: {', '.join(removed)}"
+                + (f" (kept: {', '.join(kept)})" if kept else ""), file=sys.stderr, flush=True,
+            )
+    out.mkdir(parents=True, exist_ok=True)
+    if run.resume_from is not None:
+        stale = remove_stale_saves(out)
+        if stale:
+            print(f"removed unfinished checkpoint saves: {', '.join(stale)}", file=sys.stderr)
+    record_outputs(out, [RUN_CONFIG, TRAIN_LOG] + (["tb"] if cfg.train.tensorboard else []))
+    (out / RUN_CONFIG).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    if run.resume_from is not None:
+        _truncate_log(out / TRAIN_LOG, _checkpoint_step(run.resume_from))
+    return {p.name for p in out.iterdir()}
+
+
 def run_training(
-    cfg: RunConfig, *, resume: bool | str = False, overwrite: bool = False
+    cfg: RunConfig,
+    *,
+    resume: bool | str = False,
+    overwrite: bool = False,
+    config_path: str | Path | None = None,
 ) -> dict[str, Any]:
     """prepare_run + train."""
-    return train(prepare_run(cfg, resume=resume, overwrite=overwrite))
+    return train(prepare_run(cfg, resume=resume, overwrite=overwrite, config_path=config_path))

@@ -1,0 +1,78 @@
+"""``emdlm experiment``: paired multi-seed grids of run configs, with statistics and plots.
+
+:func:`run_experiment` loads an experiment config (:mod:`emdlm.experiments.grid`), runs its
+cells (:mod:`emdlm.experiments.runner`: ``run_training`` + ``evaluate_run`` per checkpoint,
+worker processes, resumable) and writes ``results.csv``, ``report.md`` and ``plots/*.png``
+(:mod:`emdlm.experiments.report`, :mod:`emdlm.experiments.plots`) into its output folder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from emdlm.experiments.grid import Cell, Experiment, expand_grid, load_experiment
+from emdlm.experiments.runner import CellOutcome, default_workers, run_cells
+
+
+@dataclass
+class ExperimentResult:
+    """Where the report went and what happened to each cell."""
+
+    output_dir: Path
+    report: Path
+    results_csv: Path
+    plots: list[Path]
+    outcomes: list[CellOutcome] = field(default_factory=list)
+
+    @property
+    def failed(self) -> list[CellOutcome]:
+        return [o for o in self.outcomes if o.status == "failed"]
+
+
+def write_outputs(exp: Experiment, cells: list[Cell], *, command: str = "") -> ExperimentResult:
+    """Aggregate whatever cells are finished into results.csv, report.md and plots/."""
+    from emdlm.experiments.plots import make_plots
+    from emdlm.experiments.report import collect_rows, write_csv, write_report
+
+    out = exp.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    rows = collect_rows(cells)
+    write_csv(rows, out / "results.csv")
+    plots = make_plots(cells, rows, list(exp.tasks), list(exp.variants), out / "plots")
+    write_report(exp, cells, rows, out / "report.md", command=command, plots=plots)
+    files = [out / "plots" / name for names in plots.values() for name in names]
+    return ExperimentResult(out, out / "report.md", out / "results.csv", files)
+
+
+def run_experiment(
+    config: str | Path, overrides: list[str] | None = None, *, progress: bool = True,
+    report_only: bool = False, command: str = "",
+) -> ExperimentResult:
+    """Load, expand (every cell's config is checked first), run the unfinished cells, report.
+
+    ``report_only``: skip running and only aggregate what is finished.
+    """
+    exp = load_experiment(config, overrides)
+    cells = expand_grid(exp)
+    outcomes: list[CellOutcome] = []
+    if not report_only:
+        workers = exp.workers or default_workers()
+        outcomes = run_cells(cells, workers=workers, threads=exp.threads_per_worker,
+                             progress=progress)
+    result = write_outputs(exp, cells, command=command)
+    result.outcomes = outcomes
+    return result
+
+
+__all__ = [
+    "Cell",
+    "CellOutcome",
+    "Experiment",
+    "ExperimentResult",
+    "expand_grid",
+    "load_experiment",
+    "run_cells",
+    "run_experiment",
+    "write_outputs",
+]

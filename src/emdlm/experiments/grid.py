@@ -1,0 +1,313 @@
+"""Experiment configs and their expansion into cells (task x variant x seed).
+
+An experiment file (YAML) holds one base run config and what varies around it::
+
+    name: arithmetic_objectives
+    base: arithmetic_ce            # a run-config mapping, a YAML path or a packaged name
+    base_overrides: [train.max_steps=8000]   # optional, applied to the base first
+    variants:                      # name -> dotted overrides of the base; first = baseline
+      ce: [objective.name=ce]
+      ntil: [objective.name=ntil, objective.params.preset=paper]
+    baseline: ce                   # optional (default: the first variant)
+    seeds: [0, 1, 2, 3, 4]
+    tasks:                         # optional; name -> dotted overrides (default: one task)
+      add3: [data.train.params.max_digits=3, data.eval.params.max_digits=3]
+    eval:
+      checkpoints: all             # all | final | a list of steps (the final model always)
+      overrides: [data.eval.n=2000]  # applied to the run config for evaluation only
+    workers: 2                     # worker processes (default: CPU cores)
+    threads_per_worker: 1
+    keep_checkpoints: false        # delete checkpoint-* folders once a cell is evaluated
+    output_dir: runs/experiments/arithmetic_objectives
+
+Every cell is one ``emdlm train`` + ``emdlm eval`` per evaluated checkpoint, in
+``<output_dir>/<task>/<variant>/seed<k>/``. The variants of one seed share ``train.seed``, which
+fixes the generated data, its order and the initial weights (the model is built right after
+``set_seed(train.seed)``), so differences between variants of a seed are paired.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from emdlm.config import (
+    ConfigError,
+    RunConfig,
+    apply_overrides,
+    build_config,
+    load_config_dict,
+    parse_override,
+)
+
+EXPERIMENT_KEYS = (
+    "name", "base", "base_overrides", "variants", "baseline", "seeds", "tasks", "eval", "workers",
+    "threads_per_worker", "keep_checkpoints", "output_dir",
+)
+EVAL_KEYS = ("checkpoints", "overrides")
+DEFAULT_TASK = "default"
+# keys a variant or task may not change: they would break the pairing of seeds, or the layout
+RESERVED_OVERRIDES = ("train.seed", "output_dir")
+
+
+@dataclass
+class EvalPlan:
+    """Which checkpoints of a cell are evaluated, and the eval-only config overrides.
+
+    ``checkpoints``: "all" (every ``checkpoint-<step>`` the run saved, i.e. every
+    ``train.save_steps``), "final" (the final model only), or a list of steps (each must be a
+    saved step; checked when the cell runs). The final model is always evaluated.
+    """
+
+    checkpoints: str | list[int] = "all"
+    overrides: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Experiment:
+    """A validated experiment: the base run config (raw mapping) and the grid around it."""
+
+    name: str
+    base: dict[str, Any]
+    variants: dict[str, list[str]]
+    baseline: str
+    seeds: list[int]
+    tasks: dict[str, list[str]]
+    eval: EvalPlan
+    workers: int | None
+    threads_per_worker: int
+    keep_checkpoints: bool
+    output_dir: Path
+
+
+@dataclass
+class Cell:
+    """One (task, variant, seed) run: its folder and the raw run config it trains."""
+
+    task: str
+    variant: str
+    seed: int
+    folder: Path
+    config: dict[str, Any]
+    eval_overrides: list[str]
+    checkpoints: str | list[int]
+    keep_checkpoints: bool
+    threads: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.task}/{self.variant}/seed{self.seed}"
+
+    @property
+    def train_dir(self) -> Path:
+        return self.folder / "train"
+
+
+def _packaged_experiment(name: str) -> Path | None:
+    path = Path(__file__).resolve().parent.parent / "configs" / "experiments" / f"{name}.yaml"
+    return path if path.is_file() else None
+
+
+def packaged_experiments() -> list[Path]:
+    """The experiment configs shipped with emdlm (``emdlm/configs/experiments/*.yaml``)."""
+    folder = Path(__file__).resolve().parent.parent / "configs" / "experiments"
+    return sorted(folder.glob("*.yaml"))
+
+
+def load_experiment_dict(path: str | Path) -> tuple[dict[str, Any], Path]:
+    """Raw mapping of an experiment file (or packaged experiment name) and its folder."""
+    p = Path(path)
+    if not p.is_file():
+        packaged = _packaged_experiment(str(path))
+        if packaged is None:
+            raise ConfigError(f"experiment config not found: {path}")
+        p = packaged
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{p}: not valid YAML: {err}") from err
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: top level must be a mapping, got {type(data).__name__}")
+    return data, p.parent
+
+
+def _resolve_base(base: Any, folder: Path) -> dict[str, Any]:
+    """The base run config as a mapping: inline, a YAML path (relative to the experiment
+    file first) or a packaged run-config name."""
+    if base is None:
+        raise ConfigError("experiment: 'base' (the run config every cell starts from) is missing")
+    if isinstance(base, dict):
+        return copy.deepcopy(base)
+    if isinstance(base, str):
+        local = folder / base
+        return load_config_dict(local if local.is_file() else base)
+    raise ConfigError(f"experiment.base must be a mapping or a config path, got {base!r}")
+
+
+def _override_list(value: Any, where: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, dict):  # {objective.name: ntil} is accepted as well as a list
+        value = [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip()}"
+                 if not isinstance(v, str) else f"{k}={v}" for k, v in value.items()]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{where} must be a list of key=value strings, got {value!r}")
+    for item in value:
+        key = ".".join(parse_override(item)[0])
+        if key in RESERVED_OVERRIDES:
+            raise ConfigError(
+                f"{where}: {key!r} may not be overridden per variant or task (seeds are paired "
+                f"through train.seed and folders are laid out by the runner)"
+            )
+    return list(value)
+
+
+def _named_overrides(value: Any, where: str, *, required: bool) -> dict[str, list[str]]:
+    if value is None and not required:
+        return {}
+    if not isinstance(value, dict) or not value:
+        raise ConfigError(f"{where} must be a non-empty mapping of name -> overrides")
+    out: dict[str, list[str]] = {}
+    for name, items in value.items():
+        name = str(name)
+        if not name or "/" in name or name.startswith("."):
+            raise ConfigError(f"{where}: {name!r} is not a usable folder name")
+        out[name] = _override_list(items, f"{where}.{name}")
+    return out
+
+
+def _positive_int(value: Any, where: str, *, optional: bool = False) -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _eval_plan(value: Any) -> EvalPlan:
+    if value is None:
+        return EvalPlan()
+    if not isinstance(value, dict):
+        raise ConfigError(f"experiment.eval must be a mapping, got {value!r}")
+    unknown = sorted(set(value) - set(EVAL_KEYS))
+    if unknown:
+        raise ConfigError(f"unknown key(s) experiment.eval.{unknown}; valid: {EVAL_KEYS}")
+    checkpoints = value.get("checkpoints", "all")
+    if isinstance(checkpoints, list):
+        if not checkpoints or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in checkpoints
+        ):
+            raise ConfigError(f"experiment.eval.checkpoints: steps must be ints >= 1, got "
+                              f"{checkpoints!r}")
+        checkpoints = sorted(set(checkpoints))
+    elif checkpoints not in ("all", "final"):
+        raise ConfigError(
+            f"experiment.eval.checkpoints must be 'all', 'final' or a list of steps, got "
+            f"{checkpoints!r}"
+        )
+    overrides = _override_list(value.get("overrides"), "experiment.eval.overrides")
+    return EvalPlan(checkpoints, overrides)
+
+
+def parse_experiment(data: dict[str, Any], folder: Path = Path(".")) -> Experiment:
+    """Validate a raw experiment mapping (ConfigError naming the first problem)."""
+    unknown = sorted(set(data) - set(EXPERIMENT_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"unknown experiment key(s) {unknown}; valid keys: {', '.join(EXPERIMENT_KEYS)}"
+        )
+    variants = _named_overrides(data.get("variants"), "experiment.variants", required=True)
+    baseline = str(data.get("baseline", next(iter(variants))))
+    if baseline not in variants:
+        raise ConfigError(f"experiment.baseline {baseline!r} is not a variant: {list(variants)}")
+    seeds = data.get("seeds", [0])
+    if isinstance(seeds, int) and not isinstance(seeds, bool):
+        seeds = list(range(seeds))  # "seeds: 5" means seeds 0..4
+    if (not isinstance(seeds, list) or not seeds
+            or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)):
+        raise ConfigError(f"experiment.seeds must be a list of ints or a count, got {seeds!r}")
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"experiment.seeds has duplicates: {seeds}")
+    tasks = _named_overrides(data.get("tasks"), "experiment.tasks", required=False)
+    output_dir = data.get("output_dir")
+    if not isinstance(output_dir, str) or not output_dir:
+        raise ConfigError("experiment.output_dir (where the grid and report go) is missing")
+    keep = data.get("keep_checkpoints", True)
+    if not isinstance(keep, bool):
+        raise ConfigError(f"experiment.keep_checkpoints must be true/false, got {keep!r}")
+    return Experiment(
+        name=str(data.get("name") or Path(output_dir).name),
+        base=apply_overrides(
+            _resolve_base(data.get("base"), folder),
+            _override_list(data.get("base_overrides"), "experiment.base_overrides"),
+        ),
+        variants=variants,
+        baseline=baseline,
+        seeds=list(seeds),
+        tasks=tasks or {DEFAULT_TASK: []},
+        eval=_eval_plan(data.get("eval")),
+        workers=_positive_int(data.get("workers"), "experiment.workers", optional=True),
+        threads_per_worker=_positive_int(
+            data.get("threads_per_worker", 1), "experiment.threads_per_worker"
+        ) or 1,
+        keep_checkpoints=keep,
+        output_dir=Path(output_dir),
+    )
+
+
+def load_experiment(path: str | Path, overrides: list[str] | None = None) -> Experiment:
+    """Load an experiment file (or packaged name), apply dotted overrides, validate.
+
+    Overrides address the experiment mapping: ``seeds=[0,1] workers=1
+    base.train.max_steps=20 output_dir=runs/x``; a base given as a path is read first so
+    ``base.*`` overrides reach into it.
+    """
+    data, folder = load_experiment_dict(path)
+    data = dict(data)
+    data["base"] = _resolve_base(data.get("base"), folder)
+    data = apply_overrides(data, overrides or [])
+    return parse_experiment(data, folder)
+
+
+def expand_grid(exp: Experiment) -> list[Cell]:
+    """All cells (task-major, then seed, then variant), each with its run config checked by
+    :func:`emdlm.config.build_config` so a bad override fails before anything runs."""
+    cells: list[Cell] = []
+    for task, task_overrides in exp.tasks.items():
+        for seed in exp.seeds:
+            for variant, variant_overrides in exp.variants.items():
+                folder = exp.output_dir / task / variant / f"seed{seed}"
+                runner_overrides = [
+                    f"train.seed={seed}",
+                    f"output_dir={folder / 'train'}",
+                    # learning curves need every checkpoint until the cell is evaluated
+                    "train.save_total_limit=null",
+                    "train.progress_bar=false",
+                    f"train.torch_threads={exp.threads_per_worker}",
+                ]
+                raw = apply_overrides(
+                    exp.base, [*task_overrides, *variant_overrides, *runner_overrides]
+                )
+                where = f"cell {task}/{variant}/seed{seed}"
+                check_run_config(raw, where)
+                eval_cfg = check_run_config(apply_overrides(raw, exp.eval.overrides),
+                                            f"{where} (eval)")
+                if eval_cfg.data.eval is None:
+                    raise ConfigError(f"{where}: no test set (set data.eval in the base config "
+                                      f"or in experiment.eval.overrides)")
+                cells.append(Cell(task, variant, seed, folder, raw, list(exp.eval.overrides),
+                                  exp.eval.checkpoints, exp.keep_checkpoints,
+                                  exp.threads_per_worker))
+    return cells
+
+
+def check_run_config(raw: dict[str, Any], where: str) -> RunConfig:
+    """build_config with the cell named in the error."""
+    try:
+        return build_config(raw)
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}") from err

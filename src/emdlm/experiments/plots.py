@@ -1,0 +1,136 @@
+"""PNG plots of an experiment (matplotlib, Agg backend: no display needed).
+
+* ``<task>_curves.png``: learning curves of the key metrics, one line per variant (mean over
+  seeds) with a band from the seeds' minimum to maximum.
+* ``<task>_errors.png``: distribution of the numeric errors of the final models, pooled over
+  seeds: CDF of |error| (symlog axis) and of log10(1 + |error|). Unparsed answers count in the
+  denominator, so a curve's plateau below 1 is the share of answers that did not parse.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from emdlm.experiments.grid import Cell
+from emdlm.experiments.report import KEY_METRICS, Row, curves, ordered_metrics, read_predictions
+from emdlm.experiments.runner import CELL_DONE, EVAL_DIR
+
+
+def _pyplot():  # type: ignore[no-untyped-def]
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_learning_curves(rows: Sequence[Row], task: str, variants: Sequence[str],
+                         path: Path) -> bool:
+    """Mean over seeds and min-max band per variant for each key metric; False if no data."""
+    table = curves(rows, task)
+    metrics = [m for m in KEY_METRICS if m in table] or ordered_metrics(table)[:4]
+    if not metrics:
+        return False
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.4), squeeze=False)
+    for ax, metric in zip(axes[0], metrics, strict=True):
+        for variant in variants:
+            by_seed = table[metric].get(variant)
+            if not by_seed:
+                continue
+            steps = sorted({s for seed_steps in by_seed.values() for s in seed_steps})
+            # [seeds, steps] with NaN where a seed lacks a step
+            grid = np.array([[seed_steps.get(s, np.nan) for s in steps]
+                             for seed_steps in by_seed.values()], dtype=np.float64)
+            with warnings.catch_warnings():  # a step no seed of this variant reached: NaN
+                warnings.simplefilter("ignore", RuntimeWarning)
+                mean = np.nanmean(grid, axis=0)
+                lo, hi = np.nanmin(grid, axis=0), np.nanmax(grid, axis=0)
+            line = ax.plot(steps, mean, marker="o", ms=3, label=f"{variant} (n={len(by_seed)})")
+            ax.fill_between(steps, lo, hi, color=line[0].get_color(), alpha=0.2, linewidth=0)
+        ax.set_title(metric)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"{task}: mean over seeds, band = min–max")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def final_errors(cell: Cell) -> tuple[np.ndarray, int] | None:
+    """(|error| of the parsed answers, number of answers) of a cell's final model."""
+    if not (cell.folder / CELL_DONE).is_file():
+        return None
+    steps = sorted(
+        (int(p.name.split("-")[-1]), p) for p in (cell.folder / EVAL_DIR).glob("step-*")
+    )
+    if not steps:
+        return None
+    preds = read_predictions(steps[-1][1] / "predictions.jsonl")
+    if not preds or "abs_error" not in preds[0]:
+        return None
+    err = np.array([r["abs_error"] for r in preds if r["abs_error"] is not None],
+                   dtype=np.float64)
+    return err, len(preds)
+
+
+def plot_error_distribution(cells: Sequence[Cell], task: str, variants: Sequence[str],
+                            path: Path) -> bool:
+    """CDFs of |error| and log10(1+|error|) per variant (final models, seeds pooled)."""
+    pooled: dict[str, tuple[list[np.ndarray], int]] = {}
+    for cell in cells:
+        if cell.task != task:
+            continue
+        got = final_errors(cell)
+        if got is None:
+            continue
+        errs, n = pooled.get(cell.variant, ([], 0))
+        pooled[cell.variant] = ([*errs, got[0]], n + got[1])
+    if not pooled:
+        return False
+    plt = _pyplot()
+    fig, (ax_abs, ax_log) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for variant in variants:
+        if variant not in pooled:
+            continue
+        parts, total = pooled[variant]
+        err = np.sort(np.concatenate(parts))
+        share = np.arange(1, err.size + 1) / max(total, 1)  # unparsed answers: never reached
+        label = f"{variant} ({total - err.size} unparsed / {total})"
+        ax_abs.step(err, share, where="post", label=label)
+        ax_log.step(np.log10(1.0 + err), share, where="post", label=label)
+    ax_abs.set_xscale("symlog", linthresh=1.0)
+    ax_abs.set_xlabel("|error|")
+    ax_log.set_xlabel("log10(1 + |error|)")
+    for ax in (ax_abs, ax_log):
+        ax.set_ylabel("share of answers ≤ x")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    ax_abs.legend(fontsize=8)
+    fig.suptitle(f"{task}: numeric errors of the final models, seeds pooled")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def make_plots(cells: Sequence[Cell], rows: Sequence[Row], tasks: Sequence[str],
+               variants: Sequence[str], folder: Path) -> dict[str, list[str]]:
+    """Write every plot into ``folder``; returns task -> file names written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    written: dict[str, list[str]] = {}
+    for task in tasks:
+        names = []
+        if plot_learning_curves(rows, task, variants, folder / f"{task}_curves.png"):
+            names.append(f"{task}_curves.png")
+        if plot_error_distribution(cells, task, variants, folder / f"{task}_errors.png"):
+            names.append(f"{task}_errors.png")
+        written[task] = names
+    return written

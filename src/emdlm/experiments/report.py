@@ -1,0 +1,286 @@
+"""Aggregate a finished (or partly finished) grid into ``results.csv`` and ``report.md``.
+
+``results.csv``: one row per cell x evaluated step x metric (task, variant, seed, step,
+metric, value). Besides what ``emdlm eval`` writes to metrics.json, numeric tasks get metrics
+computed here from predictions.jsonl (:func:`numeric_extras`): the mean log error and the
+shares of answers within +-1% and +-5%.
+
+``report.md``: per task, the final checkpoint's mean +- std over seeds of every metric
+(numeric-error metrics first, exact match after them: it swings between seeds far more than
+objectives differ), the paired difference of each variant against the baseline (95% bootstrap
+CI, Wilcoxon signed-rank and paired-t p-values, number of seeds, a note when there are too
+few seeds to reach significance), the same for the area under the learning curve, the steps
+to reach 50% / 90% exact match, and the plots.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from emdlm.experiments.grid import Cell, Experiment
+from emdlm.experiments.runner import CELL_DONE, ERROR_FILE, EVAL_DIR
+from emdlm.experiments.stats import compare_paired, mean_std, normalized_auc, steps_to_reach
+
+# (metric, better) in report order: numeric errors lead, exact match follows
+METRIC_ORDER: tuple[tuple[str, str], ...] = (
+    ("abs_error_mean", "lower"),
+    ("abs_error_median", "lower"),
+    ("log10_error_mean", "lower"),
+    ("within_1pct", "higher"),
+    ("within_5pct", "higher"),
+    ("rel_error_mean", "lower"),
+    ("rel_error_median", "lower"),
+    ("parse_failure_rate", "lower"),
+    ("exact_match", "higher"),
+    ("perplexity", "lower"),
+)
+# the metrics compared pairwise in the report (the rest are in the mean +- std table and csv)
+KEY_METRICS = ("abs_error_mean", "log10_error_mean", "within_5pct", "exact_match")
+SKIP_METRICS = ("n",)
+CSV_FIELDS = ("task", "variant", "seed", "step", "metric", "value")
+THRESHOLDS = (0.5, 0.9)
+
+
+@dataclass
+class Row:
+    task: str
+    variant: str
+    seed: int
+    step: int
+    metric: str
+    value: float
+
+
+def numeric_extras(predictions: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Metrics computed from predictions.jsonl rows of a numeric task.
+
+    * ``log10_error_mean``: mean of log10(1 + |p - r|) over parsed answers (a tail-robust
+      error: an answer off by 1000 counts 3, not 1000).
+    * ``within_1pct`` / ``within_5pct``: share of ALL answers with |p - r| / max(|r|, 1) <=
+      0.01 / 0.05 (unparsed answers count as misses; the floor of 1 matches the relative error
+      of :func:`emdlm.metrics.numeric_errors`).
+    Empty dict when the rows carry no ``abs_error`` (not a numeric task).
+    """
+    from emdlm.metrics import parse_number
+
+    if not predictions or "abs_error" not in predictions[0]:
+        return {}
+    n = len(predictions)
+    err = np.array([np.nan if r["abs_error"] is None else r["abs_error"] for r in predictions],
+                   dtype=np.float64)
+    ref = np.array([parse_number(str(r["reference"])) for r in predictions], dtype=np.float64)
+    parsed = np.isfinite(err)
+    rel = np.where(parsed, err / np.maximum(np.abs(ref), 1.0), np.inf)
+    return {
+        "log10_error_mean": float(np.log10(1.0 + err[parsed]).mean()) if parsed.any() else math.nan,
+        "within_1pct": float(np.count_nonzero(rel <= 0.01)) / n,
+        "within_5pct": float(np.count_nonzero(rel <= 0.05)) / n,
+    }
+
+
+def read_predictions(path: Path) -> list[dict[str, Any]]:
+    with path.open(encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def _as_float(value: Any) -> float:
+    if value is None:
+        return math.nan  # written as null by write_eval_outputs (NaN / inf)
+    return float(value)
+
+
+def cell_rows(cell: Cell) -> list[Row]:
+    """Every (step, metric) of a finished cell; nothing for an unfinished one."""
+    if not (cell.folder / CELL_DONE).is_file():
+        return []
+    rows: list[Row] = []
+    for step_dir in sorted((cell.folder / EVAL_DIR).glob("step-*")):
+        step = int(step_dir.name.split("-")[-1])
+        metrics = json.loads((step_dir / "metrics.json").read_text())
+        preds_file = step_dir / "predictions.jsonl"
+        if preds_file.is_file():
+            metrics.update(numeric_extras(read_predictions(preds_file)))
+        for name, value in metrics.items():
+            if name in SKIP_METRICS or isinstance(value, (str, list, dict)):
+                continue
+            rows.append(Row(cell.task, cell.variant, cell.seed, step, name, _as_float(value)))
+    return rows
+
+
+def collect_rows(cells: Iterable[Cell]) -> list[Row]:
+    return [row for cell in cells for row in cell_rows(cell)]
+
+
+def write_csv(rows: Sequence[Row], path: Path) -> None:
+    with path.open("w", newline="", encoding="utf-8") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(CSV_FIELDS)
+        for r in sorted(rows, key=lambda r: (r.task, r.variant, r.seed, r.step, r.metric)):
+            writer.writerow([r.task, r.variant, r.seed, r.step, r.metric, repr(r.value)])
+
+
+def ordered_metrics(names: Iterable[str]) -> list[str]:
+    """Known metrics in report order, then any others alphabetically."""
+    present = set(names)
+    known = [m for m, _ in METRIC_ORDER if m in present]
+    return known + sorted(present - set(known))
+
+
+Table = dict[str, dict[str, dict[int, dict[int, float]]]]  # metric -> variant -> seed -> step
+
+
+def curves(rows: Sequence[Row], task: str) -> Table:
+    """metric -> variant -> seed -> step -> value for one task."""
+    out: Table = defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))
+    for r in rows:
+        if r.task == task:
+            out[r.metric][r.variant][r.seed][r.step] = r.value
+    return out
+
+
+def final_values(by_seed: dict[int, dict[int, float]]) -> dict[int, float]:
+    """seed -> value at that seed's last evaluated step (the final model)."""
+    return {seed: steps[max(steps)] for seed, steps in by_seed.items() if steps}
+
+
+def auc_values(by_seed: dict[int, dict[int, float]]) -> dict[int, float]:
+    """seed -> normalized area under that seed's learning curve."""
+    out = {}
+    for seed, steps in by_seed.items():
+        s = sorted(steps)
+        out[seed] = normalized_auc(s, [steps[k] for k in s])
+    return out
+
+
+def _fmt(x: float) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return f"{x:.4g}"
+
+
+def _fmt_p(p: float) -> str:
+    return "–" if math.isnan(p) else f"{p:.3g}"
+
+
+def _paired(values: dict[str, dict[int, float]], baseline: str, variant: str) -> Any:
+    seeds = sorted(set(values.get(baseline, {})) & set(values.get(variant, {})))
+    return compare_paired([values[baseline][s] for s in seeds],
+                          [values[variant][s] for s in seeds])
+
+
+def _comparison_table(per_variant: dict[str, dict[str, dict[int, float]]], exp: Experiment,
+                      metrics: Sequence[str]) -> list[str]:
+    """Markdown rows: variant - baseline per metric with CI, p-values, n and note."""
+    lines = ["| metric | variant | mean diff (variant − baseline) | 95% bootstrap CI | "
+             "p Wilcoxon | p paired t | seeds | note |", "|---|---|---|---|---|---|---|---|"]
+    for metric in metrics:
+        values = per_variant.get(metric, {})
+        if exp.baseline not in values:
+            continue
+        for variant in exp.variants:
+            if variant == exp.baseline or variant not in values:
+                continue
+            c = _paired(values, exp.baseline, variant)
+            lines.append(
+                f"| {metric} | {variant} | {_fmt(c.mean_diff)} | [{_fmt(c.ci_low)}, "
+                f"{_fmt(c.ci_high)}] | {_fmt_p(c.p_wilcoxon)} | {_fmt_p(c.p_ttest)} | {c.n} | "
+                f"{c.note} |"
+            )
+    return lines
+
+
+def _task_section(exp: Experiment, task: str, rows: Sequence[Row],
+                  plots: dict[str, list[str]]) -> list[str]:
+    table = curves(rows, task)
+    metrics = ordered_metrics(table)
+    lines = [f"## Task `{task}`", ""]
+    if not metrics:
+        return [*lines, "No finished cell.", ""]
+    final = {m: {v: final_values(table[m][v]) for v in table[m]} for m in metrics}
+    steps = sorted({r.step for r in rows if r.task == task})
+    lines += [f"Evaluated steps: {', '.join(map(str, steps))}. Baseline: `{exp.baseline}`.", "",
+              "### Final checkpoint: mean ± std over seeds (n seeds)", ""]
+    lines.append("| variant | " + " | ".join(metrics) + " |")
+    lines.append("|---" * (len(metrics) + 1) + "|")
+    for variant in exp.variants:
+        cells = []
+        for m in metrics:
+            mean, std, n = mean_std(list(final[m].get(variant, {}).values()))
+            cells.append(f"{_fmt(mean)} ± {_fmt(std)} ({n})")
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    better = dict(METRIC_ORDER)
+    key = [m for m in KEY_METRICS if m in metrics] or metrics[:4]
+    lines += ["", "### Final checkpoint: paired difference against the baseline", "",
+              "Lower is better for " + ", ".join(m for m in key if better.get(m) == "lower")
+              + "; higher for " + ", ".join(m for m in key if better.get(m) == "higher") + ".",
+              "", *_comparison_table(final, exp, key), ""]
+    if len(steps) > 1:
+        auc = {m: {v: auc_values(table[m][v]) for v in table[m]} for m in key}
+        lines += ["### Area under the learning curve (trapezoid over steps / step range)", "",
+                  *_comparison_table(auc, exp, key), ""]
+    if "exact_match" in table and len(steps) > 1:
+        lines += _threshold_lines(table["exact_match"], exp)
+    for name in plots.get(task, []):
+        lines += [f"![{name}](plots/{name})", ""]
+    return lines
+
+
+def _threshold_lines(em: dict[str, dict[int, dict[int, float]]], exp: Experiment) -> list[str]:
+    lines = ["### Steps to reach an exact-match level (mean over the seeds that reached it)", "",
+             "| variant | " + " | ".join(f"{t:.0%}" for t in THRESHOLDS) + " |",
+             "|---" * (len(THRESHOLDS) + 1) + "|"]
+    for variant in exp.variants:
+        cells = []
+        for thr in THRESHOLDS:
+            reached = []
+            for steps in em.get(variant, {}).values():
+                s = sorted(steps)
+                reached.append(steps_to_reach(s, [steps[k] for k in s], thr))
+            hit = [x for x in reached if not math.isnan(x)]
+            mean = _fmt(float(np.mean(hit))) if hit else "–"
+            cells.append(f"{mean} ({len(hit)}/{len(reached)} seeds)")
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def write_report(exp: Experiment, cells: Sequence[Cell], rows: Sequence[Row], path: Path,
+                 *, command: str = "", plots: dict[str, list[str]] | None = None) -> None:
+    """report.md: header (command, grid, cost), one section per task, failed cells."""
+    done = [c for c in cells if (c.folder / CELL_DONE).is_file()]
+    failed = [c for c in cells if (c.folder / ERROR_FILE).is_file()]
+    wall = sum(json.loads((c.folder / CELL_DONE).read_text()).get("wall_s", 0.0) for c in done)
+    lines = [f"# Experiment `{exp.name}`", ""]
+    if command:
+        lines += ["Produced by:", "", "```", command, "```", ""]
+    lines += [
+        f"Variants: {', '.join(exp.variants)} (baseline `{exp.baseline}`); seeds: "
+        f"{', '.join(map(str, exp.seeds))}; tasks: {', '.join(exp.tasks)}.",
+        f"Cells finished: {len(done)}/{len(cells)}; failed: {len(failed)}. Sum of the finished "
+        f"cells' wall times: {wall:.0f} s at {exp.threads_per_worker} thread(s) each "
+        f"(CPU time ≈ {wall * exp.threads_per_worker:.0f} s).",
+        "",
+        "The variants of one seed share the training data, its order and the initial weights: "
+        "differences are paired by seed. Metric values are on the test set given by the "
+        "config; numeric errors come first, exact match after them. Absolute, log and "
+        "relative errors are over the answers that parse: read them with parse_failure_rate "
+        "(the ±1% / ±5% shares count unparsed answers as misses).",
+        "",
+    ]
+    for task in exp.tasks:
+        lines += _task_section(exp, task, rows, plots or {})
+    if failed:
+        lines += ["## Failed cells", ""]
+        for c in failed:
+            last = (c.folder / ERROR_FILE).read_text().strip().splitlines()[-1:] or [""]
+            lines.append(f"- `{c.key}`: {last[0]} (see `{c.folder / ERROR_FILE}`)")
+        lines.append("")
+    path.write_text("\n".join(lines), encoding="utf-8")

@@ -1,0 +1,314 @@
+"""Run an experiment grid: every cell is ``run_training`` + ``evaluate_run`` on several
+checkpoints, in worker processes, resumable, with one progress display for the grid.
+
+Cell folder ``<output_dir>/<task>/<variant>/seed<k>/``:
+
+* ``train/``: the training run (``checkpoint-<step>`` folders, final model, train_log.jsonl).
+* ``eval/step-<N>/``: ``metrics.json`` and ``predictions.jsonl`` of the model at step N.
+* ``cell_done.json``: written last; a cell that has it is skipped by later invocations.
+* ``error.txt``: the traceback of a failed cell (the other cells go on).
+
+A cell interrupted half-way continues where it stopped: training resumes from its newest
+checkpoint (same result as an uninterrupted run) and evaluated steps are not evaluated again.
+
+Workers: each cell runs in one of ``workers`` spawned processes (fork is unsafe once torch
+has started its thread pools) with ``torch.set_num_threads(threads_per_worker)``. The default
+is one single-thread worker per CPU core: on the 2-core development machine two 1-thread runs
+side by side finish sooner than the same runs one after the other with 2 threads each (figures
+in docs/experiments.md). ``workers=1`` runs the cells in this process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from emdlm.experiments.grid import Cell
+
+CELL_DONE = "cell_done.json"
+ERROR_FILE = "error.txt"
+EVAL_DIR = "eval"
+
+
+@dataclass
+class CellOutcome:
+    """What happened to one cell: "done", "skipped" (done earlier) or "failed"."""
+
+    key: str
+    status: str
+    wall_s: float = 0.0
+    error: str = ""
+
+
+def default_workers() -> int:
+    """One single-thread worker per available CPU core."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def eval_dir(cell_folder: Path, step: int) -> Path:
+    return cell_folder / EVAL_DIR / f"step-{step}"
+
+
+def _saved_checkpoints(train_dir: Path) -> dict[int, Path]:
+    """step -> checkpoint folder, for every checkpoint-<step> the run kept."""
+    out: dict[int, Path] = {}
+    for p in train_dir.glob("checkpoint-*"):
+        tail = p.name.split("-")[-1]
+        if p.is_dir() and tail.isdigit():
+            out[int(tail)] = p
+    return out
+
+
+def _models_to_evaluate(cell: Cell, final_step: int) -> dict[int, Path]:
+    """step -> model folder: the chosen checkpoints plus the final model (which replaces a
+    checkpoint of the same step: the weights are the same)."""
+    saved = _saved_checkpoints(cell.train_dir)
+    if cell.checkpoints == "all":
+        chosen = dict(saved)
+    elif cell.checkpoints == "final":
+        chosen = {}
+    else:
+        missing = [s for s in cell.checkpoints if s not in saved and s != final_step]
+        if missing:
+            raise RuntimeError(
+                f"eval.checkpoints {missing} were not saved (saved: {sorted(saved)}, final "
+                f"{final_step}); use multiples of train.save_steps"
+            )
+        chosen = {s: saved[s] for s in cell.checkpoints if s in saved}
+    chosen[final_step] = cell.train_dir
+    return dict(sorted(chosen.items()))
+
+
+def _train(cell: Cell) -> dict[str, Any]:
+    """Train the cell (or finish an interrupted run); returns the train summary."""
+    summary_path = cell.train_dir / "train_summary.json"
+    if summary_path.is_file():  # trained by an earlier invocation
+        return json.loads(summary_path.read_text())
+    from emdlm.config import build_config
+    from emdlm.training import latest_checkpoint, run_training
+
+    cfg = build_config(cell.config)
+    has_ckpt = cell.train_dir.is_dir() and latest_checkpoint(cell.train_dir) is not None
+    return run_training(cfg, resume=has_ckpt, overwrite=not has_ckpt)
+
+
+def _evaluate(cell: Cell, final_step: int) -> dict[int, dict[str, Any]]:
+    """Evaluate every chosen model not evaluated yet; returns step -> metrics."""
+    from emdlm.config import apply_overrides, build_config
+
+    models = _models_to_evaluate(cell, final_step)  # a step that was never saved fails here
+    cfg = build_config(apply_overrides(cell.config, cell.eval_overrides))
+    results: dict[int, dict[str, Any]] = {}
+    for step, model_dir in models.items():
+        target = eval_dir(cell.folder, step)
+        metrics_file = target / "metrics.json"
+        if metrics_file.is_file() and (target / "predictions.jsonl").is_file():
+            results[step] = json.loads(metrics_file.read_text())
+            continue
+        from emdlm.training import evaluate_run
+
+        results[step] = evaluate_run(model_dir, cfg, out_dir=target)["metrics"]
+    return results
+
+
+def run_cell(cell: Cell) -> CellOutcome:
+    """Train and evaluate one cell; never raises (a failure goes to ``error.txt``)."""
+    done = cell.folder / CELL_DONE
+    if done.is_file():
+        return CellOutcome(cell.key, "skipped")
+    start = time.perf_counter()
+    try:
+        cell.folder.mkdir(parents=True, exist_ok=True)
+        (cell.folder / ERROR_FILE).unlink(missing_ok=True)
+    except OSError as err:  # no folder: nowhere to write error.txt either
+        return CellOutcome(cell.key, "failed", 0.0, f"cannot create {cell.folder}: {err}")
+    try:
+        summary = _train(cell)
+        metrics = _evaluate(cell, int(summary["global_step"]))
+        if not cell.keep_checkpoints:
+            for ckpt in _saved_checkpoints(cell.train_dir).values():
+                shutil.rmtree(ckpt)
+        wall = time.perf_counter() - start
+        record = {
+            "task": cell.task, "variant": cell.variant, "seed": cell.seed,
+            "final_step": int(summary["global_step"]),
+            "evaluated_steps": sorted(metrics), "wall_s": wall, "train_summary": summary,
+        }
+        done.write_text(json.dumps(record, indent=2, default=str) + "\n")
+        return CellOutcome(cell.key, "done", wall)
+    except Exception as err:  # a failed cell is recorded and the grid goes on
+        if _is_interrupt(err):
+            raise  # Ctrl-C stops the grid; its checkpoint lets the next invocation resume
+        (cell.folder / ERROR_FILE).write_text(traceback.format_exc())
+        return CellOutcome(cell.key, "failed", time.perf_counter() - start,
+                           f"{type(err).__name__}: {err}")
+
+
+def _is_interrupt(err: BaseException) -> bool:
+    """True for emdlm's TrainingInterrupted (Ctrl-C during training, checkpoint saved)."""
+    train = sys.modules.get("emdlm.training.train")  # not imported: cannot be the cause
+    return train is not None and isinstance(err, train.TrainingInterrupted)
+
+
+def _init_worker(threads: int) -> None:
+    """Pin a worker's intra-op threads before any torch work."""
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ["MKL_NUM_THREADS"] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+    _set_hf_progress_bars(False)  # per-shard bars of many cells would bury the grid display
+
+
+def _set_hf_progress_bars(enabled: bool) -> bool:
+    """Turn transformers' own progress bars (weights loading / saving) on or off; returns
+    the previous state."""
+    from transformers.utils import logging as hf_logging
+
+    previous = hf_logging.is_progress_bar_enabled()
+    if enabled:
+        hf_logging.enable_progress_bar()
+    else:
+        hf_logging.disable_progress_bar()
+    return previous
+
+
+class _Progress:
+    """Grid progress: cells done / skipped / failed / running of total, elapsed time."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total = total
+        self.counts = {"done": 0, "skipped": 0, "failed": 0}
+        self.running = 0
+        self.start = time.perf_counter()
+        self._bar: Any = None
+        if enabled:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(
+                TextColumn("[bold]grid"), BarColumn(), TextColumn("{task.description}"),
+                TimeElapsedColumn(),
+            )
+            self._task = self._bar.add_task(self._text(), total=total)
+            self._bar.start()
+
+    def _text(self) -> str:
+        c = self.counts
+        return (f"{c['done'] + c['skipped']}/{self.total} done ({c['skipped']} earlier), "
+                f"{c['failed']} failed, {self.running} running")
+
+    def update(self, running: int, outcome: CellOutcome | None = None) -> None:
+        self.running = running
+        if outcome is not None:
+            self.counts[outcome.status] += 1
+        if self._bar is not None:
+            finished = sum(self.counts.values())
+            self._bar.update(self._task, completed=finished, description=self._text())
+            if outcome is not None and outcome.status == "failed":
+                self._bar.console.print(f"[red]failed[/red] {outcome.key}: {outcome.error}")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def run_cells(
+    cells: list[Cell], *, workers: int, threads: int, progress: bool = True,
+    on_outcome: Callable[[CellOutcome], None] | None = None,
+) -> list[CellOutcome]:
+    """Run every cell (finished ones are skipped) with ``workers`` processes; returns the
+    outcomes in the cells' order. Ctrl-C stops the grid with KeyboardInterrupt (an interrupted
+    cell keeps its checkpoint and resumes from it on the next invocation)."""
+    if workers < 1 or threads < 1:
+        raise ValueError(f"workers and threads must be >= 1, got {workers}, {threads}")
+    display = _Progress(len(cells), progress)
+    by_key: dict[str, CellOutcome] = {}
+
+    def record(outcome: CellOutcome, running: int) -> None:
+        by_key[outcome.key] = outcome
+        display.update(running, outcome)
+        if on_outcome is not None:
+            on_outcome(outcome)
+
+    todo = []
+    for cell in cells:  # finished cells never reach a worker
+        if (cell.folder / CELL_DONE).is_file():
+            record(CellOutcome(cell.key, "skipped"), 0)
+        else:
+            todo.append(cell)
+    display.update(min(workers, len(todo)))
+    try:
+        if workers == 1 or len(todo) <= 1:
+            _run_here(todo, threads, record)
+        else:
+            _run_pool(todo, min(workers, len(todo)), threads, record)
+    except Exception as err:
+        if _is_interrupt(err):  # one Ctrl-C reaches training as TrainingInterrupted
+            raise KeyboardInterrupt(str(err)) from err
+        raise
+    finally:
+        display.close()
+    return [by_key[c.key] for c in cells]
+
+
+def _run_here(cells: list[Cell], threads: int, record: Callable[..., None]) -> None:
+    import torch
+
+    previous = torch.get_num_threads()
+    bars = _set_hf_progress_bars(False)
+    torch.set_num_threads(threads)
+    try:
+        for left, cell in enumerate(cells, start=1):
+            record(run_cell(cell), 1 if left < len(cells) else 0)
+    finally:
+        torch.set_num_threads(previous)
+        _set_hf_progress_bars(bars)
+
+
+def _run_pool(
+    cells: list[Cell], workers: int, threads: int, record: Callable[..., None]
+) -> None:
+    with ProcessPoolExecutor(
+        max_workers=workers, mp_context=get_context("spawn"), initializer=_init_worker,
+        initargs=(threads,),
+    ) as pool:
+        pending: dict[Future[CellOutcome], Cell] = {pool.submit(run_cell, c): c for c in cells}
+        try:
+            _collect(pending, workers, record)
+        except BaseException:  # Ctrl-C: start no further cell
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+
+
+def _collect(
+    pending: dict[Future[CellOutcome], Cell], workers: int, record: Callable[..., None]
+) -> None:
+    """Record the outcomes as the workers finish them."""
+    while pending:
+        finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+        for fut in finished:
+            cell = pending.pop(fut)
+            try:
+                outcome = fut.result()
+            except Exception as err:
+                if _is_interrupt(err):
+                    raise
+                # the worker itself died (e.g. killed for memory)
+                with contextlib.suppress(OSError):
+                    (cell.folder / ERROR_FILE).write_text(f"worker process died: {err!r}\n")
+                outcome = CellOutcome(cell.key, "failed", error=repr(err))
+            record(outcome, min(workers, len(pending)))

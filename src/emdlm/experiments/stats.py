@@ -1,0 +1,173 @@
+"""Paired statistics over seeds: bootstrap CI, Wilcoxon signed-rank, paired t, curve summaries.
+
+A pair is (baseline, variant) trained with the same seed (same data, order and initial
+weights); every statistic works on the per-seed differences d_i = variant_i - baseline_i.
+Pairs where either side is missing (NaN: a failed cell, no parsed answer) are dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+ALPHA = 0.05
+
+
+@dataclass
+class PairedComparison:
+    """Variant minus baseline over n paired seeds."""
+
+    n: int
+    mean_diff: float
+    ci_low: float
+    ci_high: float
+    p_wilcoxon: float
+    p_ttest: float
+    note: str
+
+
+def paired_differences(baseline: Sequence[float], variant: Sequence[float]) -> np.ndarray:
+    """d_i = variant_i - baseline_i over the pairs where both are finite."""
+    a = np.asarray(baseline, dtype=np.float64)
+    b = np.asarray(variant, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 1:
+        raise ValueError(f"paired samples need equal 1-D shapes, got {a.shape} and {b.shape}")
+    keep = np.isfinite(a) & np.isfinite(b)
+    return b[keep] - a[keep]
+
+
+def bootstrap_ci(
+    diffs: Sequence[float], *, level: float = 0.95, n_boot: int = 10_000, seed: int = 0
+) -> tuple[float, float]:
+    """Percentile bootstrap CI of the mean paired difference (Efron & Tibshirani 1993, §13.3).
+
+    Resamples the n seeds' differences with replacement ``n_boot`` times with a fixed RNG seed
+    (reproducible), and returns the (1-level)/2 and (1+level)/2 quantiles of the resampled
+    means. NaN for fewer than 2 pairs (one pair says nothing about the spread).
+    """
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    if n_boot < 1:
+        raise ValueError(f"n_boot must be >= 1, got {n_boot}")
+    d = np.asarray(diffs, dtype=np.float64)
+    if d.size < 2:
+        return math.nan, math.nan
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, d.size, size=(n_boot, d.size))  # [n_boot, n] resampled seeds
+    means = d[idx].mean(axis=1)
+    lo, hi = np.quantile(means, [(1.0 - level) / 2.0, (1.0 + level) / 2.0])
+    return float(lo), float(hi)
+
+
+def paired_t_test(diffs: Sequence[float]) -> tuple[float, float]:
+    """Two-sided paired t test: t = mean(d) / (sd(d) / sqrt(n)), n-1 degrees of freedom.
+
+    Returns (t, p). NaN for n < 2; with all differences equal, p = 1 when they are 0 and
+    t = +-inf, p = 0 otherwise (no spread at all around a non-zero shift).
+    """
+    from scipy import stats
+
+    d = np.asarray(diffs, dtype=np.float64)
+    n = d.size
+    if n < 2:
+        return math.nan, math.nan
+    mean = float(d.mean())
+    sd = float(d.std(ddof=1))
+    if sd == 0.0:
+        return (0.0, 1.0) if mean == 0.0 else (math.copysign(math.inf, mean), 0.0)
+    t = mean / (sd / math.sqrt(n))
+    p = 2.0 * float(stats.t.sf(abs(t), df=n - 1))
+    return t, p
+
+
+def wilcoxon_test(diffs: Sequence[float]) -> float:
+    """Two-sided Wilcoxon signed-rank p-value of the paired differences (scipy: exact
+    distribution for small n without ties, normal approximation otherwise; zero differences
+    dropped, Wilcoxon 1945). 1.0 when every difference is 0, NaN with no pair."""
+    from scipy import stats
+
+    d = np.asarray(diffs, dtype=np.float64)
+    if d.size == 0:
+        return math.nan
+    if not np.any(d != 0.0):
+        return 1.0
+    return float(stats.wilcoxon(d, zero_method="wilcox", alternative="two-sided").pvalue)
+
+
+def wilcoxon_min_p(n: int) -> float:
+    """Smallest two-sided exact Wilcoxon p-value with n non-zero, untied differences: every
+    sign the same gives P = 2 / 2^n. It is 0.0625 at n = 5 and 0.031 at n = 6, so fewer than
+    6 seeds can never reach p < 0.05."""
+    if n < 1:
+        return 1.0
+    return min(1.0, 2.0 / 2.0**n)
+
+
+def seeds_note(n: int, alpha: float = ALPHA) -> str:
+    """A warning when n pairs are too few for the tests to reach p < alpha ("" otherwise)."""
+    if n < 2:
+        return f"{n} paired seed(s): no test possible"
+    if wilcoxon_min_p(n) >= alpha:
+        need = next(k for k in range(n, 64) if wilcoxon_min_p(k) < alpha)
+        return f"only {n} seeds: Wilcoxon cannot reach p < {alpha} (needs >= {need})"
+    return ""
+
+
+def compare_paired(
+    baseline: Sequence[float], variant: Sequence[float], *, level: float = 0.95,
+    n_boot: int = 10_000, seed: int = 0,
+) -> PairedComparison:
+    """Mean difference, bootstrap CI, Wilcoxon and paired-t p-values and a too-few-seeds note."""
+    d = paired_differences(baseline, variant)
+    lo, hi = bootstrap_ci(d, level=level, n_boot=n_boot, seed=seed)
+    return PairedComparison(
+        n=int(d.size),
+        mean_diff=float(d.mean()) if d.size else math.nan,
+        ci_low=lo,
+        ci_high=hi,
+        p_wilcoxon=wilcoxon_test(d),
+        p_ttest=paired_t_test(d)[1],
+        note=seeds_note(int(d.size)),
+    )
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float, int]:
+    """(mean, sample std with ddof=1, n) over the finite values; std NaN for n < 2."""
+    v = np.asarray(values, dtype=np.float64)
+    v = v[np.isfinite(v)]
+    if v.size == 0:
+        return math.nan, math.nan, 0
+    std = float(v.std(ddof=1)) if v.size > 1 else math.nan
+    return float(v.mean()), std, int(v.size)
+
+
+def normalized_auc(steps: Sequence[float], values: Sequence[float]) -> float:
+    """Area under a learning curve divided by its step range: the trapezoid rule over the
+    evaluated steps, (1 / (s_last - s_first)) * sum_k (s_k+1 - s_k) (v_k + v_k+1) / 2, i.e. the
+    curve's average level. A single point is its own value; NaN if any value is missing."""
+    s = np.asarray(steps, dtype=np.float64)
+    v = np.asarray(values, dtype=np.float64)
+    if s.shape != v.shape or s.ndim != 1 or s.size == 0:
+        raise ValueError(f"steps and values need equal non-empty 1-D shapes, got {s.shape}, "
+                         f"{v.shape}")
+    if np.any(np.diff(s) <= 0):
+        raise ValueError(f"steps must be strictly increasing, got {s.tolist()}")
+    if not np.all(np.isfinite(v)):
+        return math.nan
+    if s.size == 1:
+        return float(v[0])
+    area = float(np.sum(np.diff(s) * (v[1:] + v[:-1]) / 2.0))
+    return area / float(s[-1] - s[0])
+
+
+def steps_to_reach(
+    steps: Sequence[float], values: Sequence[float], threshold: float
+) -> float:
+    """The first evaluated step whose value is >= threshold (NaN if never reached)."""
+    for s, v in zip(steps, values, strict=True):
+        if math.isfinite(v) and v >= threshold:
+            return float(s)
+    return math.nan

@@ -1,0 +1,169 @@
+"""Distillation losses: EMO's generalized DEMD to a teacher (EMO Eq. 15) and the CE + KL baseline.
+
+Both are called as ``loss_fn(logits, labels, teacher_logits)`` with labels and teacher logits
+aligned to the student logits (no shift inside) and carry ``needs_teacher = True``: the
+``transformers`` integration (:class:`emdlm.integrations.transformers.ComputeLoss`) then passes
+the teacher's logits, computed on the same inputs (see ``with_teacher`` there). Formulas and
+sources: :mod:`emdlm.functional.emo_dense`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from emdlm._output import LossOutput
+from emdlm.functional._common import IGNORE_INDEX, Reduction, check_reduction
+from emdlm.functional.emo import EMOMode, normalize_cost_embedding
+from emdlm.functional.emo_dense import (
+    DistillBase,
+    check_distill_options,
+    emo_distill_loss,
+    kl_distill_loss,
+)
+from emdlm.losses.emo import cost_embedding_from
+
+Implementation = Literal["chunked", "reference"]
+
+
+class EMODistillLoss(nn.Module):
+    """EMO distillation: per token B + mu·DEMD by default, DEMD = |q - p|ᵀ C p (EMO Eq. 15).
+
+    q = softmax(student logits), p = softmax(teacher logits / temperature), C = 1 - Ê Êᵀ with Ê
+    the row-normalized cost embedding; B = KL(p ‖ q) ("kl", default), the gold CE ("ce") or 0
+    ("none"). ``mode`` "emo1" / "emo2" mix B and DEMD with EMO's dynamic weights (Eq. 19 / the
+    emoloss package's mode 2) instead of the static B + mu·DEMD.
+
+    Args:
+        cost_embedding: E [V, d'] (e.g. ``cost_embedding_from(teacher)``); normalized once.
+        base: "kl", "ce" or "none"; mode: "static", "emo1" or "emo2"; mu: DEMD weight of
+            "static"; temperature: τ of the teacher's softmax (the student is not softened);
+            max_ratio: cap of emo1's ratio.
+        ignore_index, reduction: as every emdlm loss ("sum" for the Trainer integration).
+        implementation: "chunked" (custom autograd, O(chunk·V) scratch), "reference" (plain
+            autograd) or None ("chunked" when the logits require grad).
+        chunk_size: positions per chunk of the chunked path.
+
+    Call: ``out = loss_fn(logits [B, T, V], labels [B, T], teacher_logits [B, T, V])``;
+    ``out.components``: "base", "demd" (means over scored tokens), "n_tokens".
+
+    Example:
+        >>> loss_fn = EMODistillLoss(cost_embedding_from(teacher), reduction="mean")
+        >>> with torch.no_grad():
+        ...     t = teacher(input_ids).logits
+        >>> out = loss_fn(student(input_ids).logits[:, :-1], input_ids[:, 1:], t[:, :-1])
+    """
+
+    needs_teacher = True
+    cost_embedding_normalized: torch.Tensor
+
+    def __init__(
+        self,
+        cost_embedding: torch.Tensor,
+        base: DistillBase = "kl",
+        mode: EMOMode = "static",
+        mu: float = 1.0,
+        temperature: float = 1.0,
+        ignore_index: int = IGNORE_INDEX,
+        reduction: Reduction = "mean",
+        implementation: Implementation | None = None,
+        chunk_size: int = 512,
+        max_ratio: float | None = None,
+    ) -> None:
+        super().__init__()
+        check_distill_options(base, mode, mu, max_ratio, temperature)
+        check_reduction(reduction)
+        if implementation not in (None, "chunked", "reference"):
+            raise ValueError(
+                f"implementation must be 'chunked', 'reference' or None, got {implementation!r}"
+            )
+        if not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        self.base = base
+        self.mode = mode
+        self.mu = mu
+        self.temperature = float(temperature)
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.implementation = implementation
+        self.chunk_size = chunk_size
+        self.max_ratio = max_ratio
+        self.register_buffer(
+            "cost_embedding_normalized", normalize_cost_embedding(cost_embedding), persistent=False
+        )
+
+    @classmethod
+    def from_model(cls, model: nn.Module, **kwargs: Any) -> EMODistillLoss:
+        """Build the loss from a frozen copy of ``model``'s output embedding (e.g. the
+        teacher's)."""
+        return cls(cost_embedding_from(model), **kwargs)
+
+    def forward(
+        self, logits: torch.Tensor, labels: torch.Tensor, teacher_logits: torch.Tensor
+    ) -> LossOutput:
+        kwargs: dict[str, Any] = dict(
+            base=self.base, mode=self.mode, mu=self.mu, temperature=self.temperature,
+            ignore_index=self.ignore_index, reduction=self.reduction, max_ratio=self.max_ratio,
+        )  # fmt: skip
+        cost = self.cost_embedding_normalized
+        impl = self.implementation or ("chunked" if logits.requires_grad else "reference")
+        if impl == "chunked":
+            from emdlm.ops.emo_dense_chunked import emo_distill_loss_chunked
+
+            return emo_distill_loss_chunked(
+                logits, teacher_logits, labels, cost, chunk_size=self.chunk_size, **kwargs
+            )
+        return emo_distill_loss(logits, teacher_logits, labels, cost, **kwargs)
+
+    def extra_repr(self) -> str:
+        vocab, width = self.cost_embedding_normalized.shape
+        return (
+            f"base={self.base!r}, mode={self.mode!r}, mu={self.mu}, "
+            f"temperature={self.temperature}, vocab={vocab}, width={width}, "
+            f"reduction={self.reduction!r}"
+        )
+
+
+class KLDistillLoss(nn.Module):
+    """The usual distillation baseline: per token (1 - alpha)·CE(y) + alpha·τ²·KL(p_τ ‖ q_τ).
+
+    Hinton, Vinyals & Dean 2015 (Sec. 2): teacher and student both softened by τ, the KL scaled
+    by τ². Plain autograd (:func:`emdlm.functional.emo_dense.kl_distill_loss`). Called as
+    ``loss_fn(logits, labels, teacher_logits)``; components "ce", "kl", "n_tokens".
+    """
+
+    needs_teacher = True
+
+    def __init__(
+        self,
+        alpha: float = 0.5,
+        temperature: float = 1.0,
+        ignore_index: int = IGNORE_INDEX,
+        reduction: Reduction = "mean",
+    ) -> None:
+        super().__init__()
+        check_reduction(reduction)
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
+        if not (isinstance(temperature, (int, float)) and temperature > 0):
+            raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+        self.alpha = float(alpha)
+        self.temperature = float(temperature)
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+
+    def forward(
+        self, logits: torch.Tensor, labels: torch.Tensor, teacher_logits: torch.Tensor
+    ) -> LossOutput:
+        return kl_distill_loss(
+            logits, teacher_logits, labels, alpha=self.alpha, temperature=self.temperature,
+            ignore_index=self.ignore_index, reduction=self.reduction,
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, temperature={self.temperature}, reduction={self.reduction!r}"
+
+
+__all__ = ["EMODistillLoss", "KLDistillLoss"]

@@ -1,0 +1,235 @@
+"""Chunked EMO distillation (dense target): one custom autograd Function, O(chunk·V) scratch.
+
+Same values and gradients as the reference :func:`emdlm.functional.emo_dense.emo_distill_loss`
+(formulas and sources there; EMO, ICLR 2024, Eq. 15 and Eq. 19). Per position, with
+q = softmax(z), p = softmax(u / τ) and w = C p = (Σp) - Ê (Êᵀ p):
+
+    DEMD = Σ_i |q_i - p_i| · w_i            d DEMD / d q_i = sign(q_i - p_i) · w_i =: g_i
+
+(sign(0) = 0: at q_i = p_i the subgradient 0 is taken, as autograd's ``abs`` does), and through
+the softmax  d DEMD / d z = q ⊙ (g - q·g).  The base terms' gradients w.r.t. z:
+KL(p ‖ q) → (Σp)·q - p, CE(y) → q - onehot(y). With detached per-token coefficients (a, b) of the
+mode (``emdlm.ops._chunking.mode_coefficients``), the gradient is a·∇B + b·∇DEMD.
+
+Design (as :mod:`emdlm.ops.emo_chunked`): the gradient w.r.t. the student logits is written into
+one [N, V] buffer (logits' dtype) during forward, chunk by chunk; backward only scales it by
+grad_output and hands it over (so backward runs once per forward unless
+``inplace_backward=False``). w is needed twice (value and gradient), so it is computed once per
+chunk with two matmuls, Êᵀp ([n, V] × [V, d']) and (Êᵀp) Êᵀ ([n, d'] × [d', V]); no V x V matrix.
+Scratch per chunk: about six [chunk, V] compute-dtype tensors (log q / q, log p / w, p, q - p, g,
+and float32 copies of half-precision inputs). No gradient flows to the teacher or to Ê.
+
+Shape notation: N positions, n positions in a chunk, V vocabulary, d' cost-embedding width.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from emdlm._output import LossOutput
+from emdlm.functional._common import IGNORE_INDEX, Reduction, check_logits_labels, compute_dtype
+from emdlm.functional.emo import EMOMode
+from emdlm.functional.emo_dense import (
+    DistillBase,
+    check_distill_options,
+    check_teacher_logits,
+)
+from emdlm.ops._chunking import (
+    check_chunk_size,
+    check_cost_embedding,
+    check_mode,
+    mode_coefficients,
+    prepare_cost,
+    row_chunks,
+)
+from emdlm.ops._handover import hand_over_gradients
+
+
+def _chunk(
+    z: torch.Tensor,
+    u: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    cost: torch.Tensor,
+    opts: dict[str, Any],
+    grad_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One chunk: per-token (loss value, base, DEMD) [n] and, if asked, d(loss)/dz [n, V].
+
+    ``z``, ``u``: [n, V] student / teacher logits (any dtype, any strides; read only).
+    """
+    cdtype = cost.dtype  # the compute dtype: prepare_cost cast Ê to it
+    keep = valid[:, None]
+    # Ignored rows may hold NaN / inf (padding): compute on zeros there, so nothing non-finite
+    # enters a row sum; their coefficients are 0 and their gradient rows are filled with 0.
+    z = torch.where(keep, z.to(cdtype), 0.0)
+    u = torch.where(keep, u.to(cdtype), 0.0)
+    if opts["temperature"] != 1.0:
+        u = u.div_(opts["temperature"])
+    log_q = torch.log_softmax(z, dim=1)  # [n, V]
+    log_p = torch.log_softmax(u, dim=1)  # [n, V]
+    p = log_p.exp()  # [n, V]
+    base = opts["base"]
+    if base == "kl":  # Σ p (log p - log q), with 0·log 0 = 0
+        terms = log_p.sub_(log_q).mul_(p).masked_fill_(p == 0, 0.0)
+        base_value = terms.sum(dim=1)
+    elif base == "ce":
+        base_value = -log_q.gather(1, labels[:, None]).squeeze(1)
+    else:
+        base_value = torch.zeros(z.shape[0], dtype=cdtype, device=z.device)
+    q = log_q.exp_()  # [n, V]
+    p_sum = p.sum(dim=1, keepdim=True)  # [n, 1]
+    w = torch.addmm(p_sum, p @ cost, cost.T, beta=1.0, alpha=-1.0)  # C p: [n, V]
+    diff = q - p  # [n, V]
+    g = torch.sign(diff).mul_(w)  # d DEMD / d q (subgradient 0 where q_i = p_i)
+    demd = torch.linalg.vecdot(diff, g, dim=1)  # Σ |q - p| ⊙ w: [n]
+    a, b, value = mode_coefficients(
+        base_value, demd, valid, opts["mode"], opts["mu"], opts["max_ratio"]
+    )
+    zero = torch.zeros((), dtype=cdtype, device=z.device)
+    base_value = torch.where(valid, base_value, zero)
+    demd = torch.where(valid, demd, zero)
+    if grad_scale is None:
+        return value, base_value, demd, None
+    a = a * grad_scale
+    b = b * grad_scale  # type: ignore[operator]
+    q_dot_g = torch.linalg.vecdot(q, g, dim=1)  # [n]
+    grad = g.sub_(q_dot_g[:, None]).mul_(q).mul_(b[:, None])  # b · q ⊙ (g - q·g)
+    if base == "kl":  # a · ((Σp) q - p)
+        grad.addcmul_(q, a[:, None] * p_sum).addcmul_(p, -a[:, None])
+    elif base == "ce":  # a · (q - onehot(y))
+        grad.addcmul_(q, a[:, None]).scatter_add_(1, labels[:, None], -a[:, None])
+    return value, base_value, demd, grad.masked_fill_(~keep, 0.0)
+
+
+def _forward(
+    logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    labels: torch.Tensor,
+    cost: torch.Tensor,
+    opts: dict[str, Any],
+    with_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Loop over position chunks. Returns loss, mean base, mean DEMD, count, grad [N, V]."""
+    vocab = logits.shape[-1]
+    cdtype = compute_dtype(logits.dtype)
+    flat_labels = labels.reshape(-1).long()  # [N]
+    ignore_index = opts["ignore_index"]
+    count = (flat_labels != ignore_index).sum()
+    denom = count.clamp_min(1).to(cdtype)
+    scale = 1.0 / denom if opts["reduction"] == "mean" else torch.ones_like(denom)
+    grad = None
+    if with_grad:
+        grad = torch.empty((flat_labels.numel(), vocab), dtype=logits.dtype, device=logits.device)
+    student_chunks = list(row_chunks(logits, opts["chunk_size"]))
+    teacher_chunks = list(row_chunks(teacher_logits, opts["chunk_size"]))
+    if [c[:2] for c in teacher_chunks] != [c[:2] for c in student_chunks]:
+        # Different strides (e.g. only one of them is a sliced view): flatten the teacher once
+        # (at most one copy) and slice its rows at the student's chunk boundaries.
+        flat_teacher = teacher_logits.reshape(-1, vocab)
+        teacher_chunks = [(s, e, flat_teacher[s:e]) for s, e, _ in student_chunks]
+    loss = torch.zeros((), dtype=cdtype, device=logits.device)
+    base_sum, demd_sum = loss.clone(), loss.clone()
+    for (start, end, z), (_, _, u) in zip(student_chunks, teacher_chunks, strict=True):
+        y = flat_labels[start:end]
+        valid = y != ignore_index
+        value, base_value, demd, g = _chunk(
+            z, u, torch.where(valid, y, 0), valid, cost, opts, scale if with_grad else None
+        )
+        loss += value.sum()
+        base_sum += base_value.sum()
+        demd_sum += demd.sum()
+        if grad is not None and g is not None:
+            grad[start:end].copy_(g)
+    loss = loss * scale
+    return loss, base_sum / denom, demd_sum / denom, count, grad
+
+
+class EMODistillChunkedFunction(torch.autograd.Function):
+    """Autograd Function: (loss, mean base, mean DEMD, count); a gradient for the logits only."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        teacher_logits: torch.Tensor,
+        labels: torch.Tensor,
+        cost: torch.Tensor,
+        opts: dict[str, Any],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        ctx.inplace_backward = opts["inplace_backward"]
+        loss, base, demd, count, grad = _forward(logits, teacher_logits, labels, cost, opts, True)
+        ctx.grad_buffer = (grad,)  # d(loss)/d(logits) for grad_output = 1
+        ctx.logits_shape = logits.shape
+        ctx.mark_non_differentiable(base, demd, count)
+        return loss, base, demd, count
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
+        skip = ctx.inplace_backward and bool(grad_loss == 1)  # one host sync per batch
+        (grad,) = hand_over_gradients(
+            ctx, "grad_buffer", None if skip else grad_loss, "EMODistillChunkedFunction"
+        )
+        return grad.view(ctx.logits_shape), None, None, None, None
+
+
+def emo_distill_loss_chunked(
+    logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    labels: torch.Tensor,
+    cost_embedding: torch.Tensor,
+    *,
+    base: DistillBase = "kl",
+    mode: EMOMode = "static",
+    mu: float = 1.0,
+    temperature: float = 1.0,
+    ignore_index: int = IGNORE_INDEX,
+    reduction: Reduction = "mean",
+    chunk_size: int = 512,
+    max_ratio: float | None = None,
+    inplace_backward: bool = True,
+) -> LossOutput:
+    """EMO distillation loss, chunked over positions; equal to ``emo_distill_loss``.
+
+    Args:
+        logits: student z [..., V], any float dtype and strides (computed in float32, float64
+            kept); teacher_logits: u [..., V], same shape and device, detached (any dtype).
+        labels: [...] aligned with the logits; ``ignore_index`` marks unscored positions.
+        cost_embedding: Ê [V, d'] row-normalized (``normalize_cost_embedding``), frozen.
+        base, mode, mu, temperature, max_ratio: see :mod:`emdlm.functional.emo_dense`.
+        chunk_size: positions per chunk (scratch about six [chunk_size, V] float32 tensors).
+        inplace_backward: hand the gradient buffer over in backward (one backward per forward);
+            False allows a second backward at the cost of one [N, V] copy.
+
+    Returns:
+        LossOutput: loss (0-d), components "base", "demd" (means over scored positions,
+        detached) and "n_tokens".
+    """
+    check_distill_options(base, mode, mu, max_ratio, temperature)
+    check_mode(mode, reduction, mu, max_ratio)
+    check_chunk_size(chunk_size)
+    check_logits_labels(logits, labels, ignore_index)
+    check_teacher_logits(logits, teacher_logits)
+    check_cost_embedding(cost_embedding, logits.shape[-1], logits.device)
+    cost = prepare_cost(cost_embedding, None, compute_dtype(logits.dtype))
+    opts = {
+        "base": base, "mode": mode, "mu": mu, "temperature": float(temperature),
+        "ignore_index": ignore_index, "reduction": reduction, "chunk_size": chunk_size,
+        "max_ratio": max_ratio, "inplace_backward": inplace_backward,
+    }  # fmt: skip
+    if torch.is_grad_enabled() and logits.requires_grad:
+        loss, base_mean, demd, count = EMODistillChunkedFunction.apply(
+            logits, teacher_logits, labels, cost, opts
+        )
+    else:
+        loss, base_mean, demd, count, _ = _forward(
+            logits, teacher_logits, labels, cost, opts, False
+        )
+    return LossOutput(
+        loss=loss, components={"base": base_mean, "demd": demd, "n_tokens": count}
+    )
+
+
+__all__ = ["EMODistillChunkedFunction", "emo_distill_loss_chunked"]

@@ -1,0 +1,358 @@
+"""Per-chunk functions of CE, TaiLr, MixCE, digit EMD and NTIL for :mod:`emdlm.ops.chunked`.
+
+Weighted cross-entropy (CE, TaiLr, MixCE): per counted token t of a chunk, with
+lse_t = logsumexp(z_t), CE_t = lse_t − z_t[y_t], q_t = softmax(z_t) and a detached multiplier
+a_t = f(sg(q_t(y_t))) that depends only on the token's own gold probability (so it is local to
+the chunk):
+
+    L_t      = a_t·CE_t + ε·(lse_t − mean_v z_tv)          (ε: TaiLr's label smoothing,
+                                                             ε/V·Σ_v −log q_tv)
+    dL_t/dz_t = (a_t + ε)·q_t − a_t·onehot(y_t) − ε/V
+
+CE: a = 1. MixCE (ACL 2023): a = η + (1−η)·q_y. TaiLr (ICLR 2023, preset "paper"):
+a = (1−ε)·clamp(q_y/(γ + (1−γ)·q_y), w_min, 1); preset "emo_repo" (DRSY/EMO):
+a = η + (1−η)·clamp(q_y/((1−η) + η·q_y), w_min, 1). The formulas are those of
+:mod:`emdlm.functional.tailr` and :mod:`emdlm.functional.mixce` (the oracles in the tests).
+
+NTIL and digit EMD (:class:`NTILObjective`): CE per chunk, and the [M, K] class-candidate logits
+of the number positions copied out of each chunk's z. After the pass the NTIL terms are computed
+on that small tensor exactly as :mod:`emdlm.ops.ntil_fused` does (``ntil_terms`` on a float64
+leaf, ``mix_coefficient`` with the global CE mean), and their gradient goes back through the
+head on those logits only (:class:`emdlm.ops.chunked.SparseLogitGrad`).
+
+Shape notation: n rows in a chunk, V vocabulary, M number tokens, K candidates per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from emdlm._output import LossOutput
+from emdlm.functional._common import IGNORE_INDEX, Reduction, compute_dtype
+from emdlm.functional.ntil import (
+    ClassCandidates,
+    NTILSettings,
+    mix_coefficient,
+    ntil_terms,
+)
+from emdlm.numbers import NumberSpans
+from emdlm.ops._chunking import (
+    ChunkSums,
+    check_cost_embedding,
+    check_mode,
+    emo_chunk,
+    prepare_cost,
+)
+from emdlm.ops.chunked import (
+    ChunkObjective,
+    ChunkOut,
+    Finish,
+    HeadOptions,
+    SparseLogitGrad,
+    chunked_linear_loss,
+)
+
+#: f(q_y) -> (a, reported weight), both [n]; q_y is detached.
+TokenWeights = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def mixce_weights(eta: float) -> TokenWeights:
+    """MixCE's multiplier a = η + (1−η)·q_y (reported as is)."""
+
+    def weights(q_gold: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = eta + (1.0 - eta) * q_gold
+        return a, a
+
+    return weights
+
+
+def tailr_weights(
+    preset: str, gamma: float, min_weight: float, label_smoothing: float, mixing_ratio: float | None
+) -> TokenWeights:
+    """TaiLr's multiplier of CE and its reported weight (``functional.tailr.tailr_loss``)."""
+
+    def paper(q_gold: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w = (q_gold / (gamma + (1.0 - gamma) * q_gold)).clamp(min_weight, 1.0)
+        return (1.0 - label_smoothing) * w, w
+
+    def emo_repo(q_gold: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        eta = float(mixing_ratio)  # type: ignore[arg-type]  # validated by the module
+        denom = (1.0 - eta) + eta * q_gold
+        tiny = torch.finfo(q_gold.dtype).tiny
+        # η = 1 with q underflowing to 0 would give 0/0; the term is multiplied by 1-η = 0 anyway.
+        ratio = torch.where(denom > 0, q_gold / denom.clamp_min(tiny), 1.0)
+        a = eta + (1.0 - eta) * ratio.clamp(min_weight, 1.0)
+        return a, a
+
+    return paper if preset == "paper" else emo_repo
+
+
+class WeightedCEObjective(ChunkObjective):
+    """Σ_t a_t·CE_t (+ label smoothing ε) per chunk; stats [Σ CE_t, Σ reported weight].
+
+    Args:
+        weights: f(q_y) -> (a, reported weight), or None for plain CE (a = 1).
+        label_smoothing: ε (TaiLr's unweighted smoothing term), 0 otherwise.
+    """
+
+    n_stats = 2
+
+    def __init__(self, weights: TokenWeights | None = None, label_smoothing: float = 0.0) -> None:
+        self.weights = weights
+        self.label_smoothing = float(label_smoothing)
+
+    def chunk(
+        self,
+        z: torch.Tensor,
+        labels: torch.Tensor,
+        valid: torch.Tensor,
+        start: int,
+        want_grad: bool,
+    ) -> ChunkOut:
+        safe = torch.where(valid, labels, 0).unsqueeze(1)  # [n, 1]
+        zero = z.new_zeros(())
+        gold = z.gather(1, safe).squeeze(1)  # [n] z_y, read before z is overwritten
+        eps = self.label_smoothing
+        mean_z = z.mean(dim=-1) if eps > 0.0 else None  # [n]
+        # logsumexp in z's own storage (no [n, V] temporary): e = exp(z − max), lse = max + log Σe.
+        top = z.amax(dim=-1, keepdim=True)  # [n, 1]
+        e = z.sub_(top).exp_()  # [n, V]
+        total = e.sum(dim=-1)  # [n]
+        lse = top.squeeze(1) + total.log()  # [n]
+        # where, not a multiply: an ignored row may hold NaN / ±inf (0·NaN = NaN).
+        ce = torch.where(valid, lse - gold, zero)  # [n]
+        if self.weights is None:
+            a, reported = None, torch.where(valid, 1.0, zero)
+            per_token = ce
+        else:
+            a, reported = self.weights(torch.exp(-ce))
+            a, reported = torch.where(valid, a, zero), torch.where(valid, reported, zero)
+            per_token = a * ce
+        if mean_z is not None:
+            smooth = torch.where(valid, lse - mean_z, zero)  # (1/V)·Σ_v −log q_v: [n]
+            per_token = per_token + eps * smooth
+        stats = torch.stack([ce.sum(), reported.sum()])
+        if not want_grad:
+            return ChunkOut(loss=per_token.sum(), grad=None, stats=stats)
+        a_col = torch.ones_like(ce) if a is None else a  # [n]
+        g = e.mul_(((a_col + eps) / total).unsqueeze(1))  # (a + ε)·q: [n, V]
+        g.scatter_add_(1, safe, -a_col.unsqueeze(1))
+        if eps > 0.0:
+            g.sub_(eps / z.shape[-1])
+        g.masked_fill_(~valid.unsqueeze(1), 0.0)  # exact 0 on ignored rows (NaN never leaks)
+        return ChunkOut(loss=per_token.sum(), grad=g, stats=stats)
+
+    def finish(self, stats: torch.Tensor, count: torch.Tensor, want_grad: bool) -> Finish:
+        denom = count.clamp_min(1).to(stats.dtype)
+        components = {"ce": stats[0] / denom, "n_tokens": count}
+        if self.weights is not None:
+            components["weight_mean"] = stats[1] / denom
+        return Finish(extra_loss=stats.new_zeros(()), sparse=None, components=components)
+
+
+class NTILObjective(WeightedCEObjective):
+    """CE per chunk plus NTIL (or digit EMD) on the kept [M, K] class-candidate logits.
+
+    Args:
+        spans: the batch's number spans (``flat_index`` sorted, as ``find_number_spans`` gives).
+        candidates: their class candidates ([M, K] ids).
+        n_rows: B, batch rows of the labels (``averaging="row"``).
+        settings: the NTIL knobs (reduction is applied by the engine).
+        noise: [M, K] Gumbel noise for ``value_mode="gumbel"``.
+    """
+
+    def __init__(
+        self,
+        spans: NumberSpans,
+        candidates: ClassCandidates,
+        n_rows: int,
+        settings: NTILSettings,
+        noise: torch.Tensor | None,
+    ) -> None:
+        super().__init__()
+        self.spans, self.candidates = spans, candidates
+        self.n_rows, self.settings, self.noise = n_rows, settings, noise
+        self.class_logits: torch.Tensor | None = None
+        self.bounds: list[int] = []
+        self.chunk_rows = 1
+
+    def begin(self, n_rows: int, chunk_rows: int) -> None:
+        self.chunk_rows = chunk_rows
+        ids = self.candidates.ids
+        self.class_logits = torch.zeros(ids.shape, dtype=torch.float64, device=ids.device)
+        starts = torch.arange(0, n_rows + chunk_rows, chunk_rows, device=ids.device)
+        # Where each chunk's number tokens begin in the sorted flat_index: one host sync per call.
+        self.bounds = torch.searchsorted(self.spans.flat_index, starts).tolist()
+
+    def chunk(
+        self,
+        z: torch.Tensor,
+        labels: torch.Tensor,
+        valid: torch.Tensor,
+        start: int,
+        want_grad: bool,
+    ) -> ChunkOut:
+        k = start // self.chunk_rows
+        lo, hi = self.bounds[k], self.bounds[k + 1]
+        if hi > lo and self.class_logits is not None:  # copy before CE overwrites z
+            local = (self.spans.flat_index[lo:hi] - start).unsqueeze(1)  # [m, 1]
+            self.class_logits[lo:hi] = z[local, self.candidates.ids[lo:hi]].double()
+        return super().chunk(z, labels, valid, start, want_grad)
+
+    def finish(self, stats: torch.Tensor, count: torch.Tensor, want_grad: bool) -> Finish:
+        spans, settings = self.spans, self.settings
+        count_f = count.to(torch.float64)
+        ce_mean = stats[0].double() / count_f.clamp_min(1)
+        leaf = self.class_logits.requires_grad_(want_grad and spans.n_tokens > 0)  # type: ignore[union-attr]
+        with torch.enable_grad():
+            terms = ntil_terms(
+                leaf, self.candidates, spans, self.n_rows, settings, self.noise, n_tokens=count
+            )
+        coef = mix_coefficient(ce_mean, terms.ntil, settings)
+        sparse = None
+        if leaf.requires_grad:
+            (grad_z,) = torch.autograd.grad(terms.ntil, leaf, allow_unused=True)
+            if grad_z is not None:  # in sum units: n·c·dNTIL/dz (the engine applies 1/n)
+                sparse = SparseLogitGrad(
+                    rows=spans.flat_index,
+                    ids=self.candidates.ids,
+                    grad=grad_z * (coef * count_f),
+                    logits=leaf.detach(),
+                )
+        ntil = terms.ntil.detach()
+        dtype = stats.dtype
+        components = {
+            "ce": ce_mean.to(dtype),
+            "emd": terms.emd.detach().to(dtype),
+            "relative": terms.relative.detach().to(dtype),
+            "magnitude": terms.magnitude.detach().to(dtype),
+            "ntil": ntil.to(dtype),
+            "mix_coef": coef.detach().to(dtype),
+            "n_numbers": torch.tensor(spans.n_numbers),
+            "n_digit_tokens": torch.tensor(spans.n_tokens),
+            "n_tokens": count,
+        }
+        return Finish(extra_loss=count_f * coef * ntil, sparse=sparse, components=components)
+
+
+class EMOObjective(ChunkObjective):
+    """EMO (ICLR 2024, Eq. 14 and 19) per chunk: :func:`emdlm.ops._chunking.emo_chunk` plugged
+    into the engine; stats [Σ CE_t, Σ DEMD_t]. Same value and gradients as
+    :func:`emdlm.ops.fused_linear_emo.fused_linear_emo_loss` (tested).
+
+    Args:
+        cost: [V, d'] row-normalized Ê already cast to the S-matmul dtype (``prepare_cost``).
+        mode: "emo1", "emo2" or "static".
+        mu: weight of DEMD for "static".
+        max_ratio: cap of the emo1 ratio (None: no cap).
+    """
+
+    n_stats = 2
+
+    def __init__(self, cost: torch.Tensor, mode: str, mu: float, max_ratio: float | None) -> None:
+        self.cost, self.mode, self.mu, self.max_ratio = cost, mode, mu, max_ratio
+        self.q_buf: torch.Tensor | None = None
+
+    def chunk(
+        self,
+        z: torch.Tensor,
+        labels: torch.Tensor,
+        valid: torch.Tensor,
+        start: int,
+        want_grad: bool,
+    ) -> ChunkOut:
+        if self.q_buf is None or self.q_buf.shape[0] < z.shape[0]:
+            self.q_buf = torch.empty_like(z)  # [rows, V], reused by every chunk
+        q = self.q_buf[: z.shape[0]]
+        sums = ChunkSums.zeros(z.device, z.dtype)
+        # labels of ignored rows are set to -1 so emo_chunk's own ignore test sees them.
+        marked = torch.where(valid, labels, -1)
+        g = emo_chunk(
+            z,
+            marked,
+            -1,
+            self.cost,
+            self.mode,  # type: ignore[arg-type]
+            self.mu,
+            z.new_ones(()) if want_grad else None,  # the engine applies the reduction
+            sums,
+            q,
+            z,  # z is consumed by the log-softmax before S is written
+            max_ratio=self.max_ratio,
+        )
+        return ChunkOut(loss=sums.loss, grad=g, stats=torch.stack([sums.ce, sums.demd]))
+
+    def finish(self, stats: torch.Tensor, count: torch.Tensor, want_grad: bool) -> Finish:
+        self.q_buf = None
+        denom = count.clamp_min(1).to(stats.dtype)
+        components = {"ce": stats[0] / denom, "demd": stats[1] / denom, "n_tokens": count}
+        return Finish(extra_loss=stats.new_zeros(()), sparse=None, components=components)
+
+
+def loss_from_hidden(
+    objective: ChunkObjective,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    ignore_index: int,
+    reduction: Reduction,
+    chunk_size: int | None = None,
+    logit_scale: float | None = None,
+    softcap: float | None = None,
+) -> LossOutput:
+    """Run ``objective`` through :func:`emdlm.ops.chunked.chunked_linear_loss` (the modules'
+    ``from_hidden`` methods); arguments as there and in :class:`HeadOptions`."""
+    options = HeadOptions(
+        ignore_index=ignore_index,
+        reduction=reduction,
+        chunk_size=chunk_size,
+        logit_scale=logit_scale,
+        softcap=softcap,
+    )
+    return chunked_linear_loss(hidden, weight, bias, labels, objective, options)
+
+
+def emo_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    cost_embedding: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    mode: str = "emo1",
+    mu: float = 1.0,
+    max_ratio: float | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    reduction: Reduction = "mean",
+    chunk_size: int | None = None,
+    logit_scale: float | None = None,
+    softcap: float | None = None,
+    cost_dtype: torch.dtype | None = None,
+) -> LossOutput:
+    """EMO of the head ``hidden @ weight.T + bias`` through the chunked engine.
+
+    Same contract, value and gradients as
+    :func:`emdlm.ops.fused_linear_emo.fused_linear_emo_loss` (``cost_embedding`` Ê [V, d']
+    row-normalized), plus the engine's ``logit_scale`` / ``softcap``; components "ce", "demd",
+    "n_tokens".
+    """
+    check_mode(mode, reduction, mu, max_ratio)
+    check_cost_embedding(cost_embedding, weight.shape[0], hidden.device)
+    cost = prepare_cost(cost_embedding, cost_dtype, compute_dtype(hidden.dtype))
+    objective = EMOObjective(cost, mode, mu, max_ratio)
+    return loss_from_hidden(
+        objective,
+        hidden,
+        weight,
+        labels,
+        bias,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        chunk_size=chunk_size,
+        logit_scale=logit_scale,
+        softcap=softcap,
+    )

@@ -1,0 +1,186 @@
+"""A contact sheet: a PNG grid of test images with the gold and the predicted answers drawn.
+
+Layout (all in pixels): a legend strip of ``LEGEND_H`` on top, then ``ceil(n / columns)`` rows of
+cells. Each cell is ``thumb + 2 * PAD`` wide and ``thumb + 2 * PAD + CAPTION_H`` tall: the image
+scaled to fit a ``thumb`` square, and two caption lines under it. So the sheet is
+``columns * (thumb + 2 PAD)`` by ``LEGEND_H + rows * (thumb + 2 PAD + CAPTION_H)``
+(:func:`sheet_size`).
+
+Kinds: ``"box"`` / ``"boxes"`` draw gold boxes in green and predicted boxes in magenta (the
+answer parsed and mapped back to pixels with the row's ``box_format``); the caption gives the
+IoU (one box) or matched / gold / predicted counts. ``"clock"`` writes the gold and the predicted
+time under each image, green when they match, red otherwise. Unparseable predictions say so.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from PIL import Image, ImageDraw
+
+from emdlm.metrics import box_iou, clock_time_gap, parse_box
+from emdlm.tasks.render import load_font
+from emdlm.vision.boxes import answer_box_to_pixels, match_boxes, parse_boxes
+
+PAD = 4
+CAPTION_H = 30
+LEGEND_H = 22
+GOLD = (0, 190, 0)
+PRED = (255, 0, 255)
+WRONG = (220, 0, 0)
+SHEET_KINDS = ("box", "boxes", "clock")
+
+
+def sheet_size(n_items: int, columns: int, thumb: int) -> tuple[int, int]:
+    """(width, height) of a sheet of ``n_items`` cells (see the module docstring)."""
+    cell = thumb + 2 * PAD
+    rows = math.ceil(n_items / columns)
+    return columns * cell, LEGEND_H + rows * (cell + CAPTION_H)
+
+
+def _fit(image: Image.Image, thumb: int) -> tuple[Image.Image, float]:
+    """The image scaled to fit a ``thumb`` square (aspect kept), and the scale factor."""
+    scale = thumb / max(image.size)
+    size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
+    return image.convert("RGB").resize(size, Image.Resampling.BILINEAR), scale
+
+
+def _gold_boxes(row: dict[str, Any], size: tuple[int, int], fmt: str) -> list[tuple]:
+    if "boxes" in row:  # pixel boxes kept by the generators and readers
+        return [tuple(b) for b in row["boxes"]]
+    boxes = parse_boxes(row["completion"]) or []
+    return [answer_box_to_pixels(b, size[0], size[1], fmt) for b in boxes]
+
+
+def _pred_boxes(pred: str, kind: str, size: tuple[int, int], fmt: str) -> list[tuple] | None:
+    if kind == "box":
+        box = parse_box(pred)
+        boxes = None if box is None else [box]
+    else:
+        boxes = parse_boxes(pred)
+    if boxes is None:
+        return None
+    return [answer_box_to_pixels(b, size[0], size[1], fmt) for b in boxes]
+
+
+def _shorten(text: str, font: Any, width: int) -> str:
+    if font.getlength(text) <= width:
+        return text
+    while text and font.getlength(text + "...") > width:
+        text = text[:-1]
+    return text + "..."
+
+
+def _box_cell(
+    draw: ImageDraw.ImageDraw,
+    row: dict[str, Any],
+    pred: str,
+    kind: str,
+    size: tuple[int, int],
+    origin: tuple[int, int],
+    scale: float,
+) -> tuple[str, tuple[int, int, int]]:
+    """Draw gold and predicted boxes on the cell; returns the score caption and its colour."""
+    fmt = row.get("box_format", "qwen2vl")
+    gold = _gold_boxes(row, size, fmt)
+    preds = _pred_boxes(pred, kind, size, fmt)
+    ox, oy = origin
+
+    def rect(b: Sequence[float], color: tuple[int, int, int], width: int) -> None:
+        x1, y1, x2, y2 = (
+            ox + b[0] * scale,
+            oy + b[1] * scale,
+            ox + b[2] * scale,
+            oy + b[3] * scale,
+        )
+        draw.rectangle(
+            [min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2)], outline=color, width=width
+        )
+
+    for b in gold:
+        rect(b, GOLD, 2)
+    if preds is None:
+        return "unparsed prediction", WRONG
+    for b in preds:
+        rect(b, PRED, 1)
+    if kind == "box":
+        iou = box_iou(preds[0], gold[0]) if gold else 0.0
+        return f"IoU {iou:.2f}", GOLD if iou >= 0.5 else WRONG
+    matched = len(match_boxes(preds, gold, 0.5))
+    ok = matched == len(gold) == len(preds)
+    return f"matched {matched}/{len(gold)}, pred {len(preds)}", GOLD if ok else WRONG
+
+
+def make_contact_sheet(
+    rows: Sequence[dict[str, Any]],
+    predictions: Sequence[str],
+    path: str | os.PathLike[str],
+    *,
+    kind: str = "boxes",
+    columns: int = 4,
+    thumb: int = 160,
+    max_items: int | None = 32,
+) -> Path:
+    """Write a PNG grid of ``rows``' images with gold and predicted answers; returns its path.
+
+    Args:
+        rows: test rows with ``image`` (a path), ``completion`` (the gold answer) and, for boxes,
+            optionally ``boxes`` (gold pixel boxes) and ``box_format``.
+        predictions: the model's answers, one per row.
+        path: the PNG to write (parent folders are created).
+        kind: "box" (one box), "boxes" (several) or "clock".
+        columns: cells per row of the grid (>= 1).
+        thumb: side of the square each image is fitted into (>= 32).
+        max_items: draw only the first ``max_items`` rows (None for all).
+    """
+    if kind not in SHEET_KINDS:
+        raise ValueError(f"kind must be one of {SHEET_KINDS}, got {kind!r}")
+    if len(rows) != len(predictions):
+        raise ValueError(f"{len(rows)} rows but {len(predictions)} predictions")
+    if not rows:
+        raise ValueError("a contact sheet needs at least one row")
+    if columns < 1 or thumb < 32:
+        raise ValueError(f"need columns >= 1 and thumb >= 32, got {columns}, {thumb}")
+    items = list(zip(rows, predictions, strict=True))[: max_items or None]
+    sheet = Image.new("RGB", sheet_size(len(items), columns, thumb), (255, 255, 255))
+    draw = ImageDraw.Draw(sheet)
+    font = load_font(11)
+    if kind == "clock":
+        draw.text(
+            (PAD, 4), "gold / predicted time (green: exact, red: wrong)", fill=(0, 0, 0), font=font
+        )
+    else:
+        draw.text((PAD, 4), "gold box", fill=GOLD, font=font)
+        draw.text((PAD + 70, 4), "predicted box", fill=PRED, font=font)
+    cell = thumb + 2 * PAD
+    for i, (row, pred) in enumerate(items):
+        x0 = (i % columns) * cell
+        y0 = LEGEND_H + (i // columns) * (cell + CAPTION_H)
+        with Image.open(row["image"]) as im:
+            size = im.size
+            small, scale = _fit(im, thumb)
+        origin = (x0 + PAD + (thumb - small.width) // 2, y0 + PAD + (thumb - small.height) // 2)
+        sheet.paste(small, origin)
+        text_y = y0 + cell
+        if kind == "clock":
+            gap = clock_time_gap(pred, row["completion"])
+            color = GOLD if gap == 0.0 else WRONG
+            line1 = f"gold {row['completion']}"
+            line2 = f"pred {pred.strip() or '(empty)'}" + ("  (unparsed)" if gap is None else "")
+        else:
+            line2, color = _box_cell(draw, row, pred, kind, size, origin, scale)
+            line1 = str(row.get("expression") or " ".join(row.get("words", [])) or "")
+        draw.text(
+            (x0 + PAD, text_y), _shorten(line1, font, cell - 2 * PAD), fill=(0, 0, 0), font=font
+        )
+        draw.text(
+            (x0 + PAD, text_y + 14), _shorten(line2, font, cell - 2 * PAD), fill=color, font=font
+        )
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sheet.save(out, format="PNG")
+    return out

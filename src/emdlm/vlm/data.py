@@ -1,0 +1,121 @@
+"""Image+text examples for VLMs, checked before training starts.
+
+Rows come from :func:`emdlm.data.load_examples` (JSONL, ``save_to_disk`` folder or a
+registered task) and must hold ``prompt``, ``completion`` and an image under ``image_key``:
+
+* JSONL: a path, relative to the JSONL file's folder (or absolute);
+* ``save_to_disk`` folder: a ``datasets`` Image column (PIL images) or paths relative to the
+  folder;
+* a task generator: the absolute path of the rendered PNG.
+
+Every image is opened (header and data checksum via Pillow's ``verify``) here, so a missing or
+unreadable file is a ConfigError naming ``file:line`` (or the row) before any step runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from emdlm.config import ConfigError, DataSourceConfig
+from emdlm.data import CutCounts, load_examples, report_cuts
+
+
+def _jsonl_line_numbers(path: Path) -> list[int]:
+    """1-based line numbers of the non-blank lines (the rows ``read_jsonl`` returned)."""
+    with path.open("rb") as fh:
+        return [n for n, raw in enumerate(fh, start=1) if raw.strip()]
+
+
+def _where(src: DataSourceConfig, index: int, lines: list[int] | None) -> str:
+    if lines is not None and index < len(lines):
+        return f"{src.path}:{lines[index]}"
+    return f"{src.describe()}: row {index}"
+
+
+def check_image(value: Any, base: Path | None, where: str, image_key: str) -> Any:
+    """The image as a readable absolute path (or the PIL image itself); ConfigError naming
+    ``where`` when it is missing, not a file or not an image Pillow can read."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(value, Image.Image):
+        return value
+    if not isinstance(value, str) or not value:
+        raise ConfigError(
+            f"{where}: field {image_key!r} must be an image path, got {type(value).__name__}"
+        )
+    path = Path(value).expanduser()
+    if not path.is_absolute() and base is not None:
+        path = base / path
+    if not path.is_file():
+        raise ConfigError(f"{where}: image file not found: {path}")
+    try:
+        with Image.open(path) as img:
+            img.verify()
+    except (UnidentifiedImageError, OSError, SyntaxError) as err:
+        raise ConfigError(f"{where}: cannot read image {path}: {err}") from err
+    return str(path.resolve())
+
+
+def load_image_examples(
+    src: DataSourceConfig, *, seed: int, image_key: str = "image"
+) -> list[dict[str, Any]]:
+    """Rows of ``src`` with ``image_key`` resolved and checked (see the module docstring)."""
+    rows = load_examples(src, seed=seed)
+    lines: list[int] | None = None
+    base: Path | None = None
+    if src.path is not None:
+        p = Path(src.path)
+        base = p if p.is_dir() else p.parent
+        if p.is_file():
+            lines = _jsonl_line_numbers(p)
+    out = []
+    for i, row in enumerate(rows):
+        where = _where(src, i, lines)
+        if "completion" not in row:
+            raise ConfigError(f"{where}: image examples need 'prompt' and 'completion' fields")
+        if image_key not in row:
+            raise ConfigError(f"{where}: field {image_key!r} (the image) is missing")
+        out.append({**row, image_key: check_image(row[image_key], base, where, image_key)})
+    return out
+
+
+class ImageRowsDataset:
+    """Rows kept as dicts; the VLM collator opens images and tokenizes per batch. ``cuts``
+    says how many rows truncation cut or dropped (:func:`cut_image_rows`)."""
+
+    def __init__(self, rows: list[dict[str, Any]], cuts: CutCounts | None = None) -> None:
+        self.rows = rows
+        self.cuts = cuts
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.rows[index]
+
+
+def cut_image_rows(
+    rows: list[dict[str, Any]],
+    lengths: list[tuple[int, int]],
+    *,
+    source: str,
+    max_length: int,
+    on_truncate: str = "warn",
+    on_drop: str = "warn",
+) -> ImageRowsDataset:
+    """Say what ``data.max_length`` cuts before training, as for text data
+    (:func:`emdlm.data.build_dataset`): a row whose prompt (image tokens included) leaves no
+    room for an answer token is dropped, a row whose answer (with its EOS) does not fit is
+    truncated by the collator; both are counted, printed once and kept in ``dataset.cuts``
+    (``train_summary.json``), or are a ConfigError with ``data.on_drop`` / ``data.on_truncate``
+    = "error". ``lengths``: (prompt, answer) token counts per row
+    (:meth:`emdlm.vlm.collator.VLMCollator.lengths`)."""
+    kept = [row for row, (p, _) in zip(rows, lengths, strict=True) if p + 1 <= max_length]
+    truncated = sum(1 for p, a in lengths if p + 1 <= max_length < p + a)
+    cuts = CutCounts(source, len(rows), truncated, len(rows) - len(kept), max_length)
+    report_cuts(cuts, on_truncate, on_drop)
+    if not kept:
+        raise ConfigError(f"{source}: no example leaves room for an answer within "
+                          f"data.max_length={max_length}")
+    return ImageRowsDataset(kept, cuts)

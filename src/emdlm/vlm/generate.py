@@ -1,0 +1,103 @@
+"""Greedy (or sampled) answers and completion perplexity of a VLM on image rows.
+
+Same conventions as :func:`emdlm.evaluation.generate_answers`: an explicit GenerationConfig
+(the checkpoint's own generation defaults are not used), stop per row at EOS or a stop string,
+new text decoded without special tokens and cut before the first stop string. Prompts are
+templated and left-padded by :class:`emdlm.vlm.collator.VLMCollator` in generation mode.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from emdlm.vlm.collator import VLMCollator
+
+
+def _on(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+@torch.no_grad()
+def generate_vlm_answers(
+    model: Any,
+    collator: VLMCollator,
+    rows: Sequence[dict[str, Any]],
+    *,
+    max_new_tokens: int = 16,
+    batch_size: int = 16,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_at: Sequence[str] = ("\n",),
+) -> list[str]:
+    """One answer per row (dicts with the image and "prompt")."""
+    from transformers import GenerationConfig, StoppingCriteriaList
+
+    from emdlm.evaluation import _cut_at_stop, _model_device, _StopOnStrings
+
+    if max_new_tokens < 1 or batch_size < 1:
+        raise ValueError(f"max_new_tokens and batch_size must be >= 1, got {max_new_tokens}, "
+                         f"{batch_size}")
+    tokenizer = collator.tokenizer
+    was_generation, collator.generation = collator.generation, True
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": 0} if do_sample else {}
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=collator.pad_id,
+        eos_token_id=tokenizer.eos_token_id, **sampling,
+    )
+    if do_sample:
+        torch.manual_seed(seed)
+    device = _model_device(model)
+    was_training = model.training
+    model.eval()
+    saved = getattr(model, "generation_config", None)
+    answers: list[str] = []
+    try:
+        if saved is not None:
+            model.generation_config = GenerationConfig()
+        for start in range(0, len(rows), batch_size):
+            batch = _on(collator(list(rows[start : start + batch_size])), device)
+            width = batch["input_ids"].shape[1]
+            criteria = [_StopOnStrings(tokenizer, width, stop_at)] if any(stop_at) else []
+            out = model.generate(
+                **batch, generation_config=config,
+                stopping_criteria=StoppingCriteriaList(criteria),
+            )  # [b, width + new]
+            texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+            answers.extend(_cut_at_stop(t, stop_at) for t in texts)
+    finally:
+        collator.generation = was_generation
+        if saved is not None:
+            model.generation_config = saved
+        model.train(was_training)
+    return answers
+
+
+@torch.no_grad()
+def vlm_perplexity(
+    model: Any, collator: VLMCollator, rows: Sequence[dict[str, Any]], *, batch_size: int = 16
+) -> float:
+    """exp(mean NLL) of the completions and their EOS given image and prompt (the tokens the
+    training loss scores)."""
+    was_generation, collator.generation = collator.generation, False
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    try:
+        for start in range(0, len(rows), batch_size):
+            batch = _on(collator(list(rows[start : start + batch_size])), device)
+            labels = batch.pop("labels")
+            logits = model(**batch).logits[:, :-1].float()  # [b, T-1, V]
+            target = labels[:, 1:]  # [b, T-1]
+            nll = torch.nn.functional.cross_entropy(
+                logits.transpose(1, 2), target, ignore_index=-100, reduction="sum"
+            )
+            total += float(nll)
+            count += int((target != -100).sum())
+    finally:
+        collator.generation = was_generation
+    return math.exp(total / count) if count else float("nan")

@@ -1,0 +1,155 @@
+"""The VLM half of ``emdlm train`` / ``emdlm eval``: what :mod:`emdlm.training.train` and
+:mod:`emdlm.training.evaluate` call when ``model.name`` is a VLM (a named tiny VLM, or a folder
+whose config.json is an image-text-to-text model)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from emdlm.config import ConfigError, RunConfig
+from emdlm.models import load_tokenizer
+from emdlm.vlm.collator import VLMCollator
+from emdlm.vlm.data import ImageRowsDataset, cut_image_rows, load_image_examples
+from emdlm.vlm.models import (
+    LANGUAGE_LORA_TARGETS,
+    build_vlm,
+    family_of,
+    folder_model_type,
+    freeze_vision,
+    load_image_processor,
+    named_family,
+    prepare_vlm_tokenizer,
+    spec_for,
+)
+
+
+@dataclass
+class VLMParts:
+    tokenizer: Any
+    model: Any
+    image_processor: Any
+    collator: VLMCollator
+    train_dataset: ImageRowsDataset
+    eval_dataset: ImageRowsDataset | None
+
+
+def _family(name: str) -> str:
+    model_type = folder_model_type(Path(name).expanduser())
+    return family_of(model_type) if model_type is not None else named_family(name)
+
+
+def prepare_vlm_run(cfg: RunConfig) -> VLMParts:
+    """Image rows (checked: file:line errors), tokenizer with the family's special tokens,
+    the VLM and its image processor, vision tower frozen when ``model.freeze_vision``. LoRA is
+    applied by the caller (:func:`lora_targets` gives the language-model-only default)."""
+    assert cfg.data.train is not None
+    key = cfg.data.image_key
+    train_rows = load_image_examples(cfg.data.train, seed=cfg.train.seed, image_key=key)
+    eval_rows = (
+        load_image_examples(cfg.data.eval, seed=cfg.train.seed, image_key=key)
+        if cfg.data.eval is not None else None
+    )
+    tokenizer = prepare_vlm_tokenizer(load_tokenizer(cfg.tokenizer), _family(cfg.model.name))
+    built = build_vlm(cfg.model, tokenizer)
+    if cfg.model.freeze_vision:
+        freeze_vision(built.model)
+    collator = VLMCollator(
+        tokenizer, built.image_processor, built.spec, built.model.config,
+        max_length=cfg.data.max_length, add_eos=cfg.data.add_eos, image_key=key,
+    )
+    d = cfg.data
+
+    def dataset(rows: list[dict[str, Any]], src: Any) -> ImageRowsDataset:
+        return cut_image_rows(
+            rows, collator.lengths(rows), source=src.describe(), max_length=d.max_length,
+            on_truncate=d.on_truncate, on_drop=d.on_drop,
+        )
+
+    return VLMParts(
+        tokenizer, built.model, built.image_processor, collator,
+        dataset(train_rows, cfg.data.train),
+        dataset(eval_rows, cfg.data.eval) if eval_rows is not None else None,
+    )
+
+
+def lora_targets(configured: Any) -> Any:
+    """The configured LoRA target modules, or (None) the language model's attention
+    projections only, never the vision tower."""
+    return LANGUAGE_LORA_TARGETS if configured is None else configured
+
+
+def load_trained_vlm(folder: Path, model_type: str, tokenizer: Any, cfg: RunConfig) -> Any:
+    """(model, collator in generation mode) for a trained VLM folder or checkpoint. The image
+    processor is read from the folder, else from its run folder (checkpoints)."""
+    from transformers import AutoModelForImageTextToText
+
+    from emdlm.models import check_vocab
+
+    family = family_of(model_type)
+    source = folder if (folder / "preprocessor_config.json").is_file() else folder.parent
+    processor = load_image_processor(source, model_type)
+    try:  # local files only; remote code is never run
+        model = AutoModelForImageTextToText.from_pretrained(str(folder), trust_remote_code=False)
+    except (OSError, ValueError, RuntimeError) as err:
+        raise ConfigError(f"cannot load the VLM in {folder}: {err}") from err
+    prepare_vlm_tokenizer(tokenizer, family)
+    check_vocab(model, tokenizer)
+    model.eval()
+    collator = VLMCollator(
+        tokenizer, processor, spec_for(family), model.config, max_length=cfg.data.max_length,
+        add_eos=cfg.data.add_eos, image_key=cfg.data.image_key, generation=True,
+    )
+    return model, collator
+
+
+def evaluate_vlm(
+    run_dir: Path, model_type: str, cfg: RunConfig, sheet: Path | None = None
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``emdlm eval`` for a VLM folder: image rows of ``cfg.data.eval`` (checked), greedy (or
+    sampled, per ``cfg.eval``) answers with the images, then
+    :func:`emdlm.metrics.compute_task_metrics` of ``eval.kind`` (clock, box, boxes, number;
+    same keys as for text models) plus the completions' perplexity. Parse failures count as
+    wrong, never dropped. ``sheet``: where to write a contact sheet (PNG) of the first 32 test
+    images with gold and predicted answers (kinds clock / box / boxes, images given as paths).
+    Returns (metrics, one prediction row per example)."""
+    from emdlm.evaluation import _cut_at_stop, _per_example_fields
+    from emdlm.metrics import compute_task_metrics
+    from emdlm.models import load_tokenizer as load_tok
+    from emdlm.vlm.generate import generate_vlm_answers, vlm_perplexity
+
+    e = cfg.eval
+    if e.kind in ("text", "choice"):
+        raise ConfigError(f"eval.kind={e.kind} is not supported for VLMs; use clock, box, boxes "
+                          "or number")
+    assert cfg.data.eval is not None
+    rows = load_image_examples(cfg.data.eval, seed=cfg.train.seed, image_key=cfg.data.image_key)
+    has_tok = (run_dir / "tokenizer_config.json").exists() or (run_dir / "tokenizer.json").exists()
+    tokenizer = load_tok(str(run_dir) if has_tok else cfg.tokenizer)
+    model, collator = load_trained_vlm(run_dir, model_type, tokenizer, cfg)
+    stop_at = ("\n",)
+    preds = generate_vlm_answers(
+        model, collator, rows, max_new_tokens=e.max_new_tokens, batch_size=e.batch_size,
+        do_sample=e.do_sample, temperature=e.temperature, top_p=e.top_p, seed=e.seed,
+        stop_at=stop_at,
+    )
+    preds = [p.strip() for p in preds]
+    refs = [_cut_at_stop(r["completion"], stop_at).strip() for r in rows]
+    metrics: dict[str, Any] = compute_task_metrics(preds, refs, e.kind)
+    metrics["perplexity"] = vlm_perplexity(model, collator, rows, batch_size=e.batch_size)
+    key = cfg.data.image_key
+    if sheet is not None and e.kind in ("clock", "box", "boxes") and all(
+        isinstance(r[key], str) for r in rows
+    ):
+        from emdlm.vision.contact_sheet import make_contact_sheet
+
+        sheet_rows = [{**r, "image": r[key], "completion": ref} for r, ref in zip(rows, refs,
+                                                                                  strict=True)]
+        make_contact_sheet(sheet_rows, preds, sheet, kind=e.kind)
+    predictions = [
+        {"image": r[key] if isinstance(r[key], str) else None, "prompt": r["prompt"],
+         "reference": ref, "prediction": pred, **_per_example_fields(pred, ref, e.kind)}
+        for r, ref, pred in zip(rows, refs, preds, strict=True)
+    ]
+    return metrics, predictions

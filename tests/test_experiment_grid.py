@@ -1,0 +1,125 @@
+"""Experiment configs: validation, grid expansion, pairing of seeds, packaged experiments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+from emdlm.config import ConfigError, build_config
+from emdlm.experiments import expand_grid, load_experiment
+from emdlm.experiments.grid import packaged_experiments, parse_experiment
+
+TINY_BASE = {
+    "model": {"name": "tiny-gpt2", "params": {"n_layer": 1, "n_head": 2, "n_embd": 32,
+                                              "n_positions": 32}},
+    "tokenizer": "char",
+    "data": {
+        "train": {"task": "arithmetic", "n": 64, "params": {"max_digits": 2}},
+        "eval": {"task": "arithmetic", "n": 8, "split": "test", "params": {"max_digits": 2}},
+        "max_length": 24,
+    },
+    "train": {"batch_size": 8, "max_steps": 4, "save_steps": 2, "tensorboard": False},
+    "eval": {"kind": "number", "max_new_tokens": 4},
+}
+
+
+def _exp(tmp_path, **extra):
+    data = {
+        "base": TINY_BASE,
+        "variants": {"ce": ["objective.name=ce"], "ntil": ["objective.name=ntil"]},
+        "seeds": [0, 1],
+        "output_dir": str(tmp_path / "exp"),
+        **extra,
+    }
+    return data
+
+
+def test_expansion_order_folders_and_overrides(tmp_path):
+    exp = parse_experiment(_exp(tmp_path, tasks={"d2": [], "d1": ["data.train.n=32"]}))
+    cells = expand_grid(exp)
+    assert [c.key for c in cells] == [
+        "d2/ce/seed0", "d2/ntil/seed0", "d2/ce/seed1", "d2/ntil/seed1",
+        "d1/ce/seed0", "d1/ntil/seed0", "d1/ce/seed1", "d1/ntil/seed1",
+    ]
+    assert exp.baseline == "ce"  # the first variant by default
+    cell = cells[5]  # d1/ntil/seed0
+    cfg = build_config(cell.config)
+    assert cell.folder == tmp_path / "exp" / "d1" / "ntil" / "seed0"
+    assert cfg.output_dir == str(cell.folder / "train")
+    assert cfg.objective.name == "ntil" and cfg.train.seed == 0 and cfg.data.train.n == 32
+    assert cfg.train.save_total_limit is None  # every checkpoint kept for the learning curve
+    # variants of one seed differ only in their own overrides
+    a, b = (build_config(c.config).to_dict() for c in cells[:2])
+    a.pop("output_dir"), b.pop("output_dir")
+    a["objective"].pop("name"), b["objective"].pop("name")
+    assert a == b
+
+
+def test_seed_count_and_cli_style_overrides(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(_exp(tmp_path)))
+    exp = load_experiment(path, ["seeds=3", "base.train.max_steps=7", "baseline=ntil"])
+    assert exp.seeds == [0, 1, 2] and exp.baseline == "ntil"
+    assert all(build_config(c.config).train.max_steps == 7 for c in expand_grid(exp))
+
+
+def test_base_from_packaged_run_config(tmp_path):
+    data = _exp(tmp_path, base="arithmetic_ce", base_overrides=["train.max_steps=9"])
+    exp = parse_experiment(data)
+    cfg = build_config(expand_grid(exp)[0].config)
+    assert cfg.tokenizer == "char" and cfg.train.max_steps == 9
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"variants": {"ce": ["train.seed=3"]}}, "may not be overridden"),
+        ({"variants": {}}, "non-empty mapping"),
+        ({"baseline": "emo"}, "is not a variant"),
+        ({"seeds": [0, 0]}, "duplicates"),
+        ({"output_dir": None}, "output_dir"),
+        ({"workers": 0}, "workers must be an integer >= 1"),
+        ({"eval": {"checkpoints": "some"}}, "'all', 'final' or a list"),
+        ({"eval": {"when": 1}}, "unknown key"),
+        ({"varaints": {}}, "unknown experiment key"),
+        ({"variants": {"ce": ["objective.nam=ce"]}}, "cell default/ce/seed0"),
+        ({"variants": {"ce": "objective.name=ce"}}, "list of key=value"),
+    ],
+)
+def test_bad_experiments_are_named(tmp_path, change, message):
+    data = {**_exp(tmp_path), **change}
+    with pytest.raises(ConfigError, match=message):
+        expand_grid(parse_experiment(data))
+
+
+def test_missing_test_set_is_an_error(tmp_path):
+    base = {**TINY_BASE, "data": {**TINY_BASE["data"], "eval": None}}
+    with pytest.raises(ConfigError, match="no test set"):
+        expand_grid(parse_experiment(_exp(tmp_path, base=base)))
+
+
+def test_variants_of_a_seed_share_data_and_initial_weights(tmp_path):
+    """The pairing the statistics rely on: same seed -> same data and same initial weights
+    whatever the objective; another seed -> other weights."""
+    from emdlm.training import prepare_run
+
+    cells = expand_grid(parse_experiment(_exp(tmp_path)))
+    runs = {c.key: prepare_run(build_config(c.config)) for c in cells[:3]}  # writes nothing
+    ce0, ntil0, ce1 = runs["default/ce/seed0"], runs["default/ntil/seed0"], runs["default/ce/seed1"]
+    assert type(ce0.loss_fn) is not type(ntil0.loss_fn)
+    for name, tensor in ce0.model.state_dict().items():
+        assert torch.equal(tensor, ntil0.model.state_dict()[name]), name
+    assert any(not torch.equal(t, ce1.model.state_dict()[k])
+               for k, t in ce0.model.state_dict().items())
+    assert [ce0.train_dataset[i]["input_ids"] for i in range(8)] == [
+        ntil0.train_dataset[i]["input_ids"] for i in range(8)]
+    assert not (tmp_path / "exp").exists()
+
+
+@pytest.mark.parametrize("path", packaged_experiments(), ids=lambda p: p.name)
+def test_packaged_experiments_expand(path, tmp_path):
+    exp = load_experiment(path.stem, [f"output_dir={tmp_path}"])
+    cells = expand_grid(exp)  # builds and validates every cell's run config
+    assert len(cells) == len(exp.variants) * len(exp.seeds) * len(exp.tasks)
+    assert exp.baseline in exp.variants and len(exp.seeds) >= 5

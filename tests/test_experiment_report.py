@@ -1,0 +1,115 @@
+"""Report, csv and plots from hand-made cell folders (no training): the numbers in report.md
+are the statistics of the per-seed values written into the cells."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from emdlm.experiments import expand_grid, write_outputs
+from emdlm.experiments.grid import parse_experiment
+from emdlm.experiments.runner import CELL_DONE, _models_to_evaluate, eval_dir
+from emdlm.experiments.stats import compare_paired, mean_std, normalized_auc
+
+BASE = {
+    "model": {"name": "tiny-gpt2"},
+    "tokenizer": "char",
+    "data": {"train": {"task": "arithmetic", "n": 8},
+             "eval": {"task": "arithmetic", "n": 4, "split": "test"}},
+    "train": {"max_steps": 20, "save_steps": 10},
+}
+SEEDS = [0, 1, 2, 3, 4, 5]
+# abs_error_mean at steps 10 and 20, per variant and seed
+ERRORS = {
+    "ce": {10: [30.0, 41.0, 28.0, 55.0, 33.0, 47.0], 20: [9.0, 12.5, 7.0, 15.0, 8.0, 11.0]},
+    "ntil": {10: [25.0, 30.0, 27.0, 35.0, 31.0, 36.0], 20: [8.0, 10.0, 6.5, 11.0, 6.0, 9.5]},
+}
+
+
+def _fake_cell(cell, errors_by_step):
+    for step, err in errors_by_step.items():
+        folder = eval_dir(cell.folder, step)
+        folder.mkdir(parents=True)
+        metrics = {"exact_match": 0.5, "abs_error_mean": err, "abs_error_median": None, "n": 2}
+        (folder / "metrics.json").write_text(json.dumps(metrics))
+        preds = [{"prompt": "1+1=", "reference": "2", "prediction": "2", "correct": True,
+                  "abs_error": 0.0},
+                 {"prompt": "9+9=", "reference": "18", "prediction": "x", "correct": False,
+                  "abs_error": None}]
+        (folder / "predictions.jsonl").write_text("".join(json.dumps(p) + "\n" for p in preds))
+    (cell.folder / CELL_DONE).write_text(json.dumps({"wall_s": 2.0}))
+
+
+@pytest.fixture
+def made(tmp_path):
+    exp = parse_experiment({"name": "fake", "base": BASE, "seeds": SEEDS,
+                            "variants": {"ce": [], "ntil": ["objective.name=ntil"]},
+                            "output_dir": str(tmp_path / "out")})
+    cells = expand_grid(exp)
+    for cell in cells:
+        idx = SEEDS.index(cell.seed)
+        _fake_cell(cell, {s: ERRORS[cell.variant][s][idx] for s in (10, 20)})
+    return exp, cells, write_outputs(exp, cells, command="emdlm experiment -c fake")
+
+
+def test_report_numbers_are_the_paired_statistics(made):
+    _, _, result = made
+    report = result.report.read_text()
+    final = compare_paired(ERRORS["ce"][20], ERRORS["ntil"][20])
+    row = (f"| abs_error_mean | ntil | {final.mean_diff:.4g} | [{final.ci_low:.4g}, "
+           f"{final.ci_high:.4g}] | {final.p_wilcoxon:.3g} | {final.p_ttest:.3g} | 6 |  |")
+    assert row in report
+    # six seeds: no too-few-seeds note; the Wilcoxon p here is the exact 2/64 (all better)
+    assert final.p_wilcoxon == pytest.approx(2 / 64, rel=1e-6)
+    auc = [compare_paired(
+        [normalized_auc([10, 20], [ERRORS["ce"][10][i], ERRORS["ce"][20][i]]) for i in range(6)],
+        [normalized_auc([10, 20], [ERRORS["ntil"][10][i], ERRORS["ntil"][20][i]])
+         for i in range(6)])][0]
+    assert f"| abs_error_mean | ntil | {auc.mean_diff:.4g} |" in report
+    mean, std, _ = mean_std(ERRORS["ntil"][20])
+    assert f"| ntil | {mean:.4g} ± {std:.4g} (6) |" in report
+    assert "Sum of the finished cells' wall times: 24 s" in report
+
+
+def test_csv_has_extras_and_null_metrics_as_nan(made):
+    _, _, result = made
+    with result.results_csv.open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 2 * 6 * 2 * 6  # variants x seeds x steps x metrics
+    # "n" is not a metric; null (NaN in metrics.json) stays as nan
+    metrics = {r["metric"] for r in rows}
+    assert metrics == {"exact_match", "abs_error_mean", "abs_error_median",
+                       "log10_error_mean", "within_1pct", "within_5pct"}
+    median = [r for r in rows if r["metric"] == "abs_error_median"]
+    assert all(r["value"] == "nan" for r in median)
+    within = [float(r["value"]) for r in rows if r["metric"] == "within_1pct"]
+    assert within == [0.5] * 24  # one exact answer, one unparsed
+
+
+def test_partial_grid_reports_what_is_finished(made):
+    exp, cells, _ = made
+    (cells[1].folder / CELL_DONE).unlink()  # ntil/seed0 unfinished: its pair is dropped
+    result = write_outputs(exp, cells)
+    report = result.report.read_text()
+    assert "Cells finished: 11/12; failed: 0" in report
+    final = compare_paired(ERRORS["ce"][20][1:], ERRORS["ntil"][20][1:])
+    assert final.n == 5
+    assert "only 5 seeds: Wilcoxon cannot reach p < 0.05 (needs >= 6)" in report
+
+
+def test_checkpoints_to_evaluate(made):
+    _, cells, _ = made
+    cell = cells[0]
+    for step in (10, 20):
+        (cell.train_dir / f"checkpoint-{step}").mkdir(parents=True)
+    assert _models_to_evaluate(cell, 20) == {10: cell.train_dir / "checkpoint-10",
+                                             20: cell.train_dir}  # final model replaces ckpt
+    cell.checkpoints = "final"
+    assert _models_to_evaluate(cell, 20) == {20: cell.train_dir}
+    cell.checkpoints = [10]
+    assert list(_models_to_evaluate(cell, 20)) == [10, 20]
+    cell.checkpoints = [15]
+    with pytest.raises(RuntimeError, match=r"\[15\] were not saved"):
+        _models_to_evaluate(cell, 20)

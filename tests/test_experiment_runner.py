@@ -1,0 +1,192 @@
+"""`emdlm experiment` end to end on a tiny grid: cells, resume, failures, report, csv, plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from emdlm.cli import app
+from emdlm.experiments import expand_grid, run_experiment
+from emdlm.experiments.grid import parse_experiment
+from emdlm.experiments.runner import CELL_DONE, ERROR_FILE, run_cells
+
+pytestmark = pytest.mark.slow
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+BASE = {
+    "model": {"name": "tiny-gpt2", "params": {"n_layer": 1, "n_head": 2, "n_embd": 32,
+                                              "n_positions": 32}},
+    "tokenizer": "char",
+    "data": {
+        "train": {"task": "arithmetic", "n": 128, "params": {"max_digits": 2, "ops": "+-"}},
+        "eval": {"task": "arithmetic", "n": 8, "split": "test",
+                 "params": {"max_digits": 2, "ops": "+-"}},
+        "max_length": 24,
+    },
+    "optim": {"lr": 1.0e-2},
+    "train": {"batch_size": 16, "max_steps": 20, "save_steps": 10, "logging_steps": 10,
+              "tensorboard": False},
+    "eval": {"kind": "number", "max_new_tokens": 4, "batch_size": 16},
+}
+VARIANTS = {
+    "ce": ["objective.name=ce"],
+    "ntil": ["objective.name=ntil", "objective.params.value_mode=expected"],
+    # fails inside its cell (the objective rejects the parameter when it is built)
+    "broken": ["objective.name=ntil", "objective.params.no_such_param=1"],
+}
+
+
+def _write_exp(tmp_path, **extra):
+    data = {"name": "tiny", "base": BASE, "variants": VARIANTS, "baseline": "ce", "seeds": [0, 1],
+            "workers": 1,
+            "eval": {"checkpoints": "all"}, "output_dir": str(tmp_path / "grid"), **extra}
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("experiment")
+    path = _write_exp(tmp)
+    result = run_experiment(path, progress=False, command=f"emdlm experiment -c {path}")
+    return path, result
+
+
+def test_cells_run_and_failure_is_isolated(grid):
+    _, result = grid
+    status = {o.key: o.status for o in result.outcomes}
+    assert status == {
+        "default/ce/seed0": "done", "default/ntil/seed0": "done", "default/broken/seed0": "failed",
+        "default/ce/seed1": "done", "default/ntil/seed1": "done", "default/broken/seed1": "failed",
+    }
+    out = result.output_dir
+    error = (out / "default" / "broken" / "seed0" / ERROR_FILE).read_text()
+    assert "Traceback" in error and "no_such_param" in error
+    assert not (out / "default" / "broken" / "seed0" / CELL_DONE).exists()
+    done = json.loads((out / "default" / "ntil" / "seed1" / CELL_DONE).read_text())
+    assert done["evaluated_steps"] == [10, 20] and done["final_step"] == 20
+    for step in (10, 20):
+        folder = out / "default" / "ntil" / "seed1" / "eval" / f"step-{step}"
+        assert (folder / "metrics.json").is_file() and (folder / "predictions.jsonl").is_file()
+
+
+def test_results_csv_rows(grid):
+    _, result = grid
+    with result.results_csv.open() as fh:
+        rows = list(csv.DictReader(fh))
+    keys = {(r["variant"], r["seed"], r["step"]) for r in rows}
+    assert keys == {(v, s, st) for v in ("ce", "ntil") for s in ("0", "1") for st in ("10", "20")}
+    metrics = {r["metric"] for r in rows}
+    assert {"abs_error_mean", "log10_error_mean", "within_1pct", "within_5pct",
+            "exact_match", "perplexity"} <= metrics
+    per_cell_step = len(metrics)
+    assert len(rows) == 2 * 2 * 2 * per_cell_step  # variants x seeds x steps x metrics
+    # a csv value is the metrics.json value of that cell and step
+    metrics_json = json.loads((result.output_dir / "default" / "ce" / "seed0" / "eval" /
+                               "step-20" / "metrics.json").read_text())
+    (em,) = [r for r in rows if (r["variant"], r["seed"], r["step"], r["metric"]) ==
+             ("ce", "0", "20", "exact_match")]
+    assert float(em["value"]) == pytest.approx(metrics_json["exact_match"])
+
+
+def test_report_and_plots(grid):
+    path, result = grid
+    report = result.report.read_text()
+    assert f"emdlm experiment -c {path}" in report
+    assert "Cells finished: 4/6; failed: 2" in report
+    assert "| abs_error_mean | ntil |" in report  # the paired comparison against ce
+    assert "Wilcoxon cannot reach p < 0.05 (needs >= 6)" in report  # 2 seeds
+    assert "Area under the learning curve" in report
+    assert "`default/broken/seed0`" in report
+    # numeric errors lead, exact match after them
+    header = next(line for line in report.splitlines() if line.startswith("| variant | abs_"))
+    assert header.index("abs_error_mean") < header.index("exact_match")
+    names = sorted(p.name for p in result.plots)
+    assert names == ["default_curves.png", "default_errors.png"]
+    for p in result.plots:
+        assert p.read_bytes()[:8] == PNG_MAGIC and p.stat().st_size > 5000
+        assert f"plots/{p.name}" in report
+
+
+def test_second_invocation_skips_finished_cells(grid, tmp_path):
+    path, result = grid
+    done = result.output_dir / "default" / "ce" / "seed0" / CELL_DONE
+    before = done.stat().st_mtime_ns
+    # a cell that lost its marker and one evaluation: training is not repeated, only the
+    # missing evaluation is redone
+    half = result.output_dir / "default" / "ntil" / "seed0"
+    (half / CELL_DONE).unlink()
+    step3 = half / "eval" / "step-10" / "metrics.json"
+    old = json.loads(step3.read_text())
+    step3.unlink()
+    summary_mtime = (half / "train" / "train_summary.json").stat().st_mtime_ns
+    again = run_experiment(path, progress=False)
+    status = {o.key: o.status for o in again.outcomes}
+    assert status["default/ce/seed0"] == "skipped" and status["default/ce/seed1"] == "skipped"
+    assert status["default/ntil/seed0"] == "done"
+    assert status["default/broken/seed1"] == "failed"  # retried, fails again
+    assert done.stat().st_mtime_ns == before
+    assert (half / "train" / "train_summary.json").stat().st_mtime_ns == summary_mtime
+    assert json.loads(step3.read_text()) == old  # same model, greedy decoding: same metrics
+
+
+def test_worker_processes_record_failures(tmp_path):
+    """Two spawned workers; each cell fails inside its worker and is reported. (The cells'
+    training is marked finished and they ask for a checkpoint that was never saved, so they
+    fail before any model is loaded: this test is about the pool, not about training.)"""
+    data = {"base": BASE, "variants": {"ce": []}, "seeds": [0, 1],
+            "eval": {"checkpoints": [5]}, "output_dir": str(tmp_path / "grid")}
+    cells = expand_grid(parse_experiment(data))
+    for cell in cells:
+        cell.train_dir.mkdir(parents=True)
+        (cell.train_dir / "train_summary.json").write_text('{"global_step": 20}')
+    outcomes = run_cells(cells, workers=2, threads=1, progress=False)
+    assert [o.status for o in outcomes] == ["failed", "failed"]
+    for cell in cells:
+        assert "eval.checkpoints [5] were not saved" in (cell.folder / ERROR_FILE).read_text()
+        assert not (cell.folder / CELL_DONE).exists()
+
+
+def test_cell_folder_that_cannot_be_created(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    data = {"base": BASE, "variants": {"ce": []}, "output_dir": str(tmp_path / "file" / "x")}
+    (outcome,) = run_cells(expand_grid(parse_experiment(data)), workers=1, threads=1,
+                           progress=False)
+    assert outcome.status == "failed" and "cannot create" in outcome.error
+
+
+def test_cli_experiment_report_only(grid):
+    path, _ = grid
+    res = CliRunner().invoke(app, ["experiment", "-c", str(path), "--report-only"])
+    assert res.exit_code == 0, res.output
+    assert "report.md" in res.output
+    bad = CliRunner().invoke(app, ["experiment", "-c", str(path), "varaints=1"])
+    assert bad.exit_code == 2 and "unknown experiment key" in bad.output
+
+
+def test_ctrl_c_stops_the_grid_without_marking_the_cell_failed(tmp_path, monkeypatch):
+    """A Ctrl-C inside training (TrainingInterrupted, checkpoint saved) ends the grid with
+    KeyboardInterrupt: no error.txt, no marker, and the next cell is not started."""
+    from emdlm.experiments import runner
+    from emdlm.training import TrainingInterrupted
+
+    started = []
+
+    def interrupted(cell):
+        started.append(cell.key)
+        raise TrainingInterrupted(cell.train_dir / "checkpoint-3")
+
+    monkeypatch.setattr(runner, "_train", interrupted)
+    data = {"base": BASE, "variants": {"ce": []}, "seeds": [0, 1],
+            "output_dir": str(tmp_path / "grid")}
+    cells = expand_grid(parse_experiment(data))
+    with pytest.raises(KeyboardInterrupt, match="checkpoint-3"):
+        run_cells(cells, workers=1, threads=1, progress=False)
+    assert started == ["default/ce/seed0"]
+    assert not (cells[0].folder / ERROR_FILE).exists()
+    assert not (cells[0].folder / CELL_DONE).exists()

@@ -1,0 +1,151 @@
+"""emdlm.training.launch: launcher detection, the world-size line, the launcher-mismatch warning
+and the tidy console (no raw Trainer dicts), also in the demo."""
+
+from __future__ import annotations
+
+import logging
+import re
+from types import SimpleNamespace
+
+import pytest
+from transformers import PrinterCallback, ProgressCallback, Trainer, TrainingArguments
+
+from emdlm.training.launch import (
+    LaunchInfo,
+    LinePrinterCallback,
+    TidyProgressCallback,
+    accelerate_requested_processes,
+    detect_launch,
+    launch_messages,
+    log_line,
+    start_run_console,
+    tidy_console,
+)
+
+ACCEL = {"ACCELERATE_DYNAMO_BACKEND": "NO", "ACCELERATE_MIXED_PRECISION": "no"}
+
+
+def _args(world=1, bf16=False):
+    return SimpleNamespace(world_size=world, per_device_train_batch_size=4,
+                           gradient_accumulation_steps=2, bf16=bf16, fp16=False,
+                           device=SimpleNamespace(type="cpu"))  # fmt: skip
+
+
+def test_detect_torchrun_and_single_process():
+    info = detect_launch({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "RANK": "1"}, [])
+    assert info == LaunchInfo(2, "torchrun", requested=2) and not info.mismatch
+    assert detect_launch({}, []) == LaunchInfo(1, "single process")
+    assert detect_launch({"OMPI_COMM_WORLD_SIZE": "4", "WORLD_SIZE": "4"}, []).launcher == "mpirun"
+    # garbage in WORLD_SIZE is not a crash: 1 process
+    assert detect_launch({"WORLD_SIZE": "two", "RANK": "0"}, []).world_size == 1
+
+
+def test_detect_accelerate_torchrun_handover():
+    env = {**ACCEL, "TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    info = detect_launch(env, [])
+    assert info.launcher == "accelerate launch (torchrun)" and not info.mismatch
+
+
+def test_accelerate_single_process_launcher_asked_for_two(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\n")
+    argv = ["python", "accelerate", "launch", "--config_file", str(cfg), "-m", "emdlm.cli"]
+    env = {**ACCEL, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    info = detect_launch(env, argv)
+    assert info == LaunchInfo(1, "accelerate launch", requested=2, asked_for_more=True)
+    assert info.mismatch
+    line, warning = launch_messages(info, _args(world=1))
+    assert line.startswith("emdlm: world size 1 (accelerate launch)")
+    assert warning is not None and "asked for 2 processes, but this run has 1" in warning
+    assert "torchrun --nproc_per_node 2" in warning
+    # number unreadable (no argv) but accelerate set MASTER_ADDR: still warned
+    info = detect_launch(env, [])
+    assert info.requested is None and info.mismatch
+    assert "asked for more than 1 processes" in launch_messages(info, _args())[1]
+    # accelerate asked for 1 (no MASTER_ADDR): no warning
+    assert not detect_launch(dict(ACCEL), ["accelerate", "launch"]).mismatch
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["accelerate", "launch", "--num_processes", "3", "x.py"], 3),
+        (["accelerate", "launch", "--num-processes=4", "x.py"], 4),
+        (["accelerate", "launch", "--config_file", "/no/such/file.yaml"], None),
+        (["accelerate", "launch", "x.py"], None),
+        (["python", "x.py", "--num_processes", "3"], None),  # not an accelerate launch
+    ],
+)
+def test_accelerate_requested_processes(argv, expected):
+    assert accelerate_requested_processes(argv) == expected
+
+
+def test_config_file_without_num_processes_or_bad_yaml(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("num_processes: [unclosed\n")
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("- a list\n")
+    for path in (bad, plain):
+        argv = ["accelerate", "launch", "--config_file", str(path)]
+        assert accelerate_requested_processes(argv) is None
+
+
+def test_world_size_line_uses_the_trainers_world_size():
+    # the Trainer's own count wins over the environment's
+    line, warning = launch_messages(LaunchInfo(1, "torchrun", requested=2), _args(world=2))
+    assert line == ("emdlm: world size 2 (torchrun), 4 per process x 2 accumulation x 2 "
+                    "processes = 16 examples per optimizer step; fp32 on cpu")
+    assert warning is None
+    bf16_line = launch_messages(LaunchInfo(1, "single process"), _args(bf16=True))[0]
+    assert "; bf16 on cpu (as asked; bf16 ran ~5x slower" in bf16_line
+
+
+def test_log_line_has_no_raw_dict():
+    logs = {"loss": 1.23456, "grad_norm": 0.5, "learning_rate": 1e-3, "epoch": 0.1}
+    train = log_line(logs, 5, 10)
+    assert train == "step 5/10: loss 1.235, grad_norm 0.5, learning_rate 0.001"
+    ev = log_line({"eval_loss": 2.0, "eval_runtime": 0.1, "eval_samples_per_second": 9.0}, 5, 10)
+    assert ev == "eval step 5/10: eval_loss 2"
+    end = log_line({"train_runtime": 12.34, "train_loss": 1.5, "epoch": 1.0}, 10, 10)
+    assert end == (
+        "stopped at step 10 after 12.3 s, mean train loss 1.5 over the steps run since (re)start"
+    )
+
+
+@pytest.mark.parametrize("disable_tqdm", [False, True])
+def test_tidy_console_replaces_the_raw_printers(tmp_path, disable_tqdm, caplog, capsys):
+    import torch
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                             disable_tqdm=disable_tqdm)  # fmt: skip
+    trainer = Trainer(model=torch.nn.Linear(2, 2), args=args)
+    raw = PrinterCallback if disable_tqdm else ProgressCallback
+    tidy = LinePrinterCallback if disable_tqdm else TidyProgressCallback
+    assert sum(type(cb) is raw for cb in trainer.callback_handler.callbacks) == 1
+    with caplog.at_level(logging.WARNING, logger="emdlm"):
+        info = start_run_console(trainer)
+    kinds = [type(cb) for cb in trainer.callback_handler.callbacks]
+    assert raw not in kinds and tidy in kinds
+    assert info.launcher == "single process"
+    assert "emdlm: world size 1 (single process)" in capsys.readouterr().err
+    assert caplog.text == ""  # no mismatch, no warning
+    tidy_console(trainer)  # idempotent
+    assert [type(cb) for cb in trainer.callback_handler.callbacks] == kinds
+
+
+@pytest.mark.slow
+def test_demo_console_is_clean_and_says_what_reproduces(tmp_path, capsys):
+    from emdlm.training.demo import run_demo
+
+    run_demo(tmp_path / "demo", [
+        "model.params.n_layer=1", "model.params.n_embd=32", "data.train.n=64", "data.eval.n=8",
+        "train.max_steps=4", "train.logging_steps=1", "train.tensorboard=false",
+    ])  # fmt: skip
+    captured = capsys.readouterr()
+    text = captured.out + captured.err
+    assert "{'loss'" not in text and "'grad_norm'" not in text  # no raw Trainer dicts
+    assert "train_runtime" not in text
+    assert text.count("stopped at step 4 after") == 2  # one summary line per run
+    assert re.search(r"\| metric +\| +ce \| +ntil \|", text)  # the final table
+    saved = (tmp_path / "demo" / "demo_results.md").read_text()
+    assert "torch threads" in saved and "same thread count" in saved

@@ -1,0 +1,265 @@
+"""Padding never leaks, and empty batches give an explicit 0 (issue 12, point 6).
+
+For every registered objective and every implementation path: NaN, an all −inf row or a +inf
+logit at IGNORED positions must give the same finite loss as clean logits, the same gradients on
+the counted positions, and an exact 0 gradient on the ignored ones (0·NaN = NaN: masks must be
+``where`` / fills, never multiplies). A time dimension of 0 and a batch of 0 give a loss of
+exactly 0 with a zero, finite gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from emdlm.functional._common import log_softmax_zero_ignored
+from emdlm.losses.ce import CrossEntropyLoss
+from emdlm.losses.emo import EMOLoss
+from emdlm.losses.emo_distill import EMODistillLoss, KLDistillLoss
+from emdlm.losses.mixce import MixCELoss
+from emdlm.losses.ntil import DigitEMDLoss, NTILLoss
+from emdlm.losses.tailr import TaiLrLoss
+from emdlm.objectives import _CLASSES as REGISTRY
+
+BAD_FILLS = ("nan", "-inf_row", "+inf")
+WIDTH = 12  # cost-embedding width for EMO
+
+
+def _seeded() -> torch.Generator:
+    return torch.Generator().manual_seed(3)
+
+
+def _emo_embedding(vocab: int) -> torch.Tensor:
+    return torch.randn(vocab, WIDTH, generator=torch.Generator().manual_seed(1))
+
+
+class _WithTeacher(nn.Module):
+    """A distillation loss called as ``fn(logits, labels)``: fixed random teacher logits of the
+    logits' shape and dtype (the same on every call, clean at every position)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.reduction = inner.reduction
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> Any:
+        gen = torch.Generator().manual_seed(5)
+        teacher = torch.randn(logits.shape, generator=gen).to(logits.dtype)
+        return self.inner(logits, labels, teacher)
+
+
+# objective name -> {path name: builder(tokenizer, vocab rows) -> loss module}
+BUILDERS: dict[str, dict[str, Callable[..., nn.Module]]] = {
+    "ce": {"default": lambda tok, v, **kw: CrossEntropyLoss(**kw)},
+    "emd": {
+        "fused": lambda tok, v, **kw: DigitEMDLoss(tok, implementation="fused", **kw),
+        "reference": lambda tok, v, **kw: DigitEMDLoss(tok, implementation="reference", **kw),
+    },
+    "ntil": {
+        "fused": lambda tok, v, **kw: NTILLoss(
+            tok, implementation="fused", generator=_seeded(), **kw
+        ),
+        "reference": lambda tok, v, **kw: NTILLoss(
+            tok, implementation="reference", generator=_seeded(), **kw
+        ),
+        "fused-official": lambda tok, v, **kw: NTILLoss(
+            tok, preset="official", implementation="fused", generator=_seeded(), **kw
+        ),
+    },
+    "emo": {
+        "chunked": lambda tok, v, **kw: EMOLoss(_emo_embedding(v), implementation="chunked", **kw),
+        "reference": lambda tok, v, **kw: EMOLoss(
+            _emo_embedding(v), implementation="reference", **kw
+        ),
+        "chunked-emo2": lambda tok, v, **kw: EMOLoss(
+            _emo_embedding(v), mode="emo2", implementation="chunked", chunk_size=5, **kw
+        ),
+    },
+    "tailr": {
+        "paper": lambda tok, v, **kw: TaiLrLoss(label_smoothing=0.1, **kw),
+        "emo_repo": lambda tok, v, **kw: TaiLrLoss(preset="emo_repo", mixing_ratio=0.5, **kw),
+    },
+    "mixce": {"default": lambda tok, v, **kw: MixCELoss(**kw)},
+    "emo_distill": {
+        "chunked": lambda tok, v, **kw: _WithTeacher(
+            EMODistillLoss(_emo_embedding(v), implementation="chunked", chunk_size=5, **kw)
+        ),
+        "reference": lambda tok, v, **kw: _WithTeacher(
+            EMODistillLoss(_emo_embedding(v), implementation="reference", **kw)
+        ),
+        "chunked-ce-emo1": lambda tok, v, **kw: _WithTeacher(
+            EMODistillLoss(_emo_embedding(v), base="ce", mode="emo1", temperature=2.0, **kw)
+        ),
+    },
+    "kl_distill": {
+        "default": lambda tok, v, **kw: _WithTeacher(KLDistillLoss(temperature=2.0, **kw)),
+    },
+}
+CASES = [(name, path) for name, paths in BUILDERS.items() for path in paths]
+
+
+def test_every_registered_objective_is_covered() -> None:
+    """A new objective in the registry must get its padding / empty-input cases here."""
+    assert set(BUILDERS) == set(REGISTRY)
+
+
+def _batch(tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels [3, 11] with numbers and ignored positions (prompt, right padding, a whole row)."""
+    rows = ["12+34=46.5", "7*8=-56", "x"]
+    labels = torch.full((3, 11), -100, dtype=torch.long)
+    for r, text in enumerate(rows):
+        ids = tokenizer.convert_tokens_to_ids(list(text))
+        labels[r, : len(ids)] = torch.tensor(ids)
+    labels[0, :5] = -100  # prompt "12+34" is not scored
+    labels[2] = -100  # an all-ignored row
+    vocab = len(tokenizer)
+    logits = torch.randn(3, 11, vocab, generator=torch.Generator().manual_seed(0))
+    return logits, labels
+
+
+def _dirty(logits: torch.Tensor, ignored: torch.Tensor, fill: str) -> torch.Tensor:
+    out = logits.clone()
+    if fill == "nan":
+        out[ignored] = float("nan")
+    elif fill == "-inf_row":
+        out[ignored] = float("-inf")
+    else:  # one +inf logit per ignored row: softmax gives inf/inf = NaN there
+        out[ignored, 3] = float("inf")
+    return out
+
+
+def _run(fn: nn.Module, logits: torch.Tensor, labels: torch.Tensor) -> tuple[Any, Any]:
+    x = logits.clone().requires_grad_(True)
+    out = fn(x, labels)
+    (2 * out.loss).backward()  # grad_output != 1
+    return out.loss.detach(), x.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fill", BAD_FILLS)
+@pytest.mark.parametrize(("name", "path"), CASES)
+def test_non_finite_logits_at_ignored_positions_do_not_leak(
+    char_tokenizer: Any, name: str, path: str, fill: str, dtype: torch.dtype
+) -> None:
+    logits, labels = _batch(char_tokenizer)
+    logits = logits.to(dtype)
+    ignored = labels == -100
+    build = BUILDERS[name][path]
+    vocab = logits.shape[-1]
+    clean_loss, clean_grad = _run(build(char_tokenizer, vocab), logits, labels)
+    loss, grad = _run(build(char_tokenizer, vocab), _dirty(logits, ignored, fill), labels)
+    assert torch.isfinite(clean_loss) and clean_loss > 0
+    # Rows are computed independently: padding must not change a single bit elsewhere (up to
+    # float32 summation order).
+    torch.testing.assert_close(loss, clean_loss, rtol=1e-6, atol=1e-7)
+    assert torch.isfinite(grad).all(), f"{name}/{path}: non-finite gradient with {fill} padding"
+    assert grad.dtype == dtype
+    torch.testing.assert_close(grad[~ignored], clean_grad[~ignored], rtol=1e-6, atol=1e-7)
+    assert torch.equal(grad[ignored], torch.zeros_like(grad[ignored]))
+    assert bool(clean_grad[~ignored].abs().sum() > 0)  # the counted rows do get a gradient
+
+
+@pytest.mark.parametrize("fill", BAD_FILLS)
+def test_fused_linear_emo_ignores_non_finite_hidden_at_padding(fill: str) -> None:
+    """EMOLoss.from_hidden: a NaN / inf hidden state at a padding position changes nothing."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, hidden_size = 23, 8
+    hidden = torch.randn(2, 7, hidden_size, generator=gen)
+    weight = torch.randn(vocab, hidden_size, generator=gen)
+    labels = torch.randint(0, vocab, (2, 7), generator=gen)
+    labels[0, :3] = -100
+    labels[1, 5:] = -100
+    ignored = labels == -100
+    fn = EMOLoss(_emo_embedding(vocab), chunk_size=4)
+
+    def run(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hx, wx = h.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        out = fn.from_hidden(hx, wx, labels)
+        (2 * out.loss).backward()
+        return out.loss.detach(), hx.grad, wx.grad
+
+    dirty = _dirty(hidden, ignored, fill)
+    clean_loss, clean_gh, clean_gw = run(hidden)
+    loss, gh, gw = run(dirty)
+    torch.testing.assert_close(loss, clean_loss)
+    assert torch.isfinite(gh).all() and torch.isfinite(gw).all()
+    torch.testing.assert_close(gw, clean_gw)
+    torch.testing.assert_close(gh[~ignored], clean_gh[~ignored])
+    assert torch.equal(gh[ignored], torch.zeros_like(gh[ignored]))
+
+
+@pytest.mark.parametrize("shape", [(2, 0), (0, 5), (0, 0)], ids=["T=0", "B=0", "B=T=0"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize(("name", "path"), CASES)
+def test_empty_batch_gives_explicit_zero(
+    char_tokenizer: Any, name: str, path: str, reduction: str, shape: tuple[int, int]
+) -> None:
+    vocab = len(char_tokenizer)
+    fn = BUILDERS[name][path](char_tokenizer, vocab, reduction=reduction)
+    x = torch.randn(*shape, vocab, requires_grad=True)
+    labels = torch.zeros(shape, dtype=torch.long)
+    out = fn(x, labels)
+    assert out.loss.dim() == 0 and out.loss.dtype == torch.float32
+    assert float(out.loss.detach()) == 0.0
+    out.loss.backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+    assert int(out.components["n_tokens"]) == 0
+
+
+@pytest.mark.parametrize(("name", "path"), CASES)
+def test_float64_logits_give_a_float64_loss(char_tokenizer: Any, name: str, path: str) -> None:
+    """Every objective keeps float64 (compute-dtype rule); CE used to return float32."""
+    logits, labels = _batch(char_tokenizer)
+    fn = BUILDERS[name][path](char_tokenizer, logits.shape[-1])
+    x = logits.double().requires_grad_(True)
+    out = fn(x, labels)
+    assert out.loss.dtype == torch.float64
+    out.loss.backward()
+    assert x.grad is not None and x.grad.dtype == torch.float64
+
+
+def test_cross_entropy_float64_matches_torch_in_float64(char_tokenizer: Any) -> None:
+    logits, labels = _batch(char_tokenizer)
+    x = logits.double()
+    got = CrossEntropyLoss()(x, labels).loss
+    want = torch.nn.functional.cross_entropy(x.reshape(-1, x.shape[-1]), labels.reshape(-1))
+    torch.testing.assert_close(got, want, rtol=1e-14, atol=0)
+
+
+def test_log_softmax_zero_ignored_gradient() -> None:
+    """The custom backward is torch's log-softmax backward with ignored rows set to 0."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 7, dtype=torch.float64, generator=gen)
+    valid = torch.tensor([True, False, True, True, False])
+    weights = torch.randn(5, 7, dtype=torch.float64, generator=gen)
+    a = x.clone().requires_grad_(True)
+    (log_softmax_zero_ignored(a, valid) * weights).sum().backward()
+    b = x.clone().requires_grad_(True)
+    (torch.log_softmax(b, -1) * weights).sum().backward()
+    assert a.grad is not None and b.grad is not None
+    torch.testing.assert_close(a.grad[valid], b.grad[valid], rtol=1e-14, atol=0)
+    assert torch.equal(a.grad[~valid], torch.zeros(2, 7, dtype=torch.float64))
+    # With every row counted it is log_softmax, gradient included (gradcheck in float64).
+    all_rows = torch.ones(5, dtype=torch.bool)
+    assert torch.autograd.gradcheck(
+        lambda t: log_softmax_zero_ignored(t, all_rows), (x.clone().requires_grad_(True),)
+    )
+    # Without autograd it is plain log_softmax.
+    torch.testing.assert_close(log_softmax_zero_ignored(x, valid), torch.log_softmax(x, -1))
+
+
+@pytest.mark.parametrize("name", ["emd", "ntil"])
+def test_numeric_losses_with_other_label_ranks(char_tokenizer: Any, name: str) -> None:
+    """1-D labels [0] and 3-D labels [B, C, 0] (T = 0) also give an explicit 0."""
+    vocab = len(char_tokenizer)
+    for shape in ((0,), (2, 3, 0)):
+        fn = BUILDERS[name]["fused"](char_tokenizer, vocab)
+        x = torch.randn(*shape, vocab, requires_grad=True)
+        out = fn(x, torch.zeros(shape, dtype=torch.long))
+        assert float(out.loss.detach()) == 0.0
+        out.loss.backward()
+        assert x.grad is not None and x.grad.shape == x.shape
