@@ -32,7 +32,9 @@ from emdlm.tasks.render import (
     add_clutter,
     add_noise,
     background,
+    cache_key,
     cached_rows,
+    check_common_params,
     contrasting_color,
     load_font,
     random_color,
@@ -212,8 +214,7 @@ def clock(
         test_fraction: share of the 720 dial times reserved for the test split, in (0, 1).
         cache_dir: folder for the PNGs (default: under ``$EMDLM_CACHE/images/clock``).
     """
-    if image_size < 32:
-        raise ValueError(f"image_size must be >= 32, got {image_size}")
+    check_common_params(image_size, 32, test_fraction)
     if not 0.0 <= jitter <= 0.5:
         raise ValueError(f"jitter must be in [0, 0.5], got {jitter}")
     if noise < 0 or clutter < 0:
@@ -222,8 +223,6 @@ def clock(
         raise ValueError(f"second_hand_prob must be in [0, 1], got {second_hand_prob}")
     if not 1 <= supersample <= 4:
         raise ValueError(f"supersample must be in 1..4, got {supersample}")
-    if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
     styles, shapes = tuple(dial_styles), tuple(hand_shapes)
     if not styles or set(styles) - set(DIAL_STYLES):
         raise ValueError(f"dial_styles must be a non-empty subset of {DIAL_STYLES}, got {styles}")
@@ -242,14 +241,7 @@ def clock(
         "second_hand_prob": second_hand_prob,
         "supersample": supersample,
     }
-    key = {
-        "task": "clock",
-        "v": 1,
-        "seed": seed,
-        "split": split,
-        "test_fraction": test_fraction,
-        **style,
-    }
+    key = cache_key("clock", seed, split, test_fraction, style)
     split_id = 0 if split == "train" else 1
 
     def make(k: int) -> tuple[Image.Image, dict[str, Any]]:

@@ -37,7 +37,15 @@ from PIL import Image, ImageDraw
 
 from emdlm.metrics import box_iou
 from emdlm.tasks import register_task
-from emdlm.tasks.render import COLORS, add_noise, background, cached_rows, unit_hash
+from emdlm.tasks.render import (
+    COLORS,
+    add_noise,
+    background,
+    cache_key,
+    cached_rows,
+    check_common_params,
+    unit_hash,
+)
 from emdlm.vision.boxes import check_box_format, format_box
 
 SHAPES = ("circle", "square", "triangle", "diamond")
@@ -225,8 +233,7 @@ def grounding(
         cache_dir: folder for the PNGs (default: under ``$EMDLM_CACHE/images/grounding``).
     """
     check_box_format(box_format)
-    if image_size < 48:
-        raise ValueError(f"image_size must be >= 48, got {image_size}")
+    check_common_params(image_size, 48, test_fraction)
     if not 1 <= min_objects <= max_objects <= 12:
         raise ValueError(
             f"need 1 <= min_objects <= max_objects <= 12, got {min_objects}, {max_objects}"
@@ -235,8 +242,6 @@ def grounding(
         raise ValueError(f"max_overlap must be in [0, 0.5], got {max_overlap}")
     if noise < 0:
         raise ValueError(f"noise must be >= 0, got {noise}")
-    if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
     params = {
         "image_size": image_size,
         "min_objects": min_objects,
@@ -245,14 +250,7 @@ def grounding(
         "noise": noise,
         "box_format": box_format,
     }
-    key = {
-        "task": "grounding",
-        "v": 1,
-        "seed": seed,
-        "split": split,
-        "test_fraction": test_fraction,
-        **params,
-    }
+    key = cache_key("grounding", seed, split, test_fraction, params)
     split_id = 0 if split == "train" else 1
     want_test = split == "test"
 

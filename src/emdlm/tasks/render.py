@@ -141,6 +141,30 @@ def add_noise(image: Image.Image, rng: np.random.Generator, sigma: float) -> Ima
     return Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8), image.mode)
 
 
+def check_common_params(image_size: int, min_image_size: int, test_fraction: float) -> None:
+    """ValueError for an image side below ``min_image_size`` or a test share outside (0, 1):
+    the checks every image task shares."""
+    if image_size < min_image_size:
+        raise ValueError(f"image_size must be >= {min_image_size}, got {image_size}")
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+
+
+def cache_key(
+    task: str, seed: int, split: str, test_fraction: float, params: dict[str, Any]
+) -> dict[str, Any]:
+    """What identifies a generated set in the image cache (:func:`cached_rows`): the task,
+    a format version, the seed, the split and every rendering parameter."""
+    return {
+        "task": task,
+        "v": 1,
+        "seed": seed,
+        "split": split,
+        "test_fraction": test_fraction,
+        **params,
+    }
+
+
 def stable_hash(obj: Any, length: int = 16) -> str:
     """Hex digest of ``obj``'s canonical JSON (sorted keys): the same on every run and machine."""
     text = json.dumps(obj, sort_keys=True, default=str)

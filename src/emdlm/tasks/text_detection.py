@@ -37,7 +37,9 @@ from emdlm.tasks.render import (
     add_clutter,
     add_noise,
     background,
+    cache_key,
     cached_rows,
+    check_common_params,
     contrasting_color,
     load_font,
     unit_hash,
@@ -150,14 +152,11 @@ def text_detection(
         cache_dir: folder for the PNGs (default: under ``$EMDLM_CACHE/images/text_detection``).
     """
     check_box_format(box_format)
-    if image_size < 48:
-        raise ValueError(f"image_size must be >= 48, got {image_size}")
+    check_common_params(image_size, 48, test_fraction)
     if not 1 <= min_words <= max_words <= 12:
         raise ValueError(f"need 1 <= min_words <= max_words <= 12, got {min_words}, {max_words}")
     if noise < 0 or clutter < 0:
         raise ValueError(f"noise and clutter must be >= 0, got {noise}, {clutter}")
-    if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
     params = {
         "image_size": image_size,
         "min_words": min_words,
@@ -166,14 +165,7 @@ def text_detection(
         "noise": noise,
         "box_format": box_format,
     }
-    key = {
-        "task": "text_detection",
-        "v": 1,
-        "seed": seed,
-        "split": split,
-        "test_fraction": test_fraction,
-        **params,
-    }
+    key = cache_key("text_detection", seed, split, test_fraction, params)
     split_id = 0 if split == "train" else 1
     want_test = split == "test"
 
