@@ -32,6 +32,7 @@ _EXPORTS: dict[str, str] = {
     "emo_distill_loss_chunked": "emdlm.ops.emo_dense_chunked",
     "compute_task_metrics": "emdlm.metrics",
     "evaluate_examples": "emdlm.evaluation",
+    "patch": "emdlm.integrations.patch",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])

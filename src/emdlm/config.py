@@ -153,6 +153,9 @@ class TrainConfig:
     # `accelerate launch --config_file configs/accelerate_fsdp.yaml` and leave this off
     fsdp: bool = False
     fsdp_config: dict[str, Any] = field(default_factory=dict)
+    # the loss from the final hidden states and the output embedding, chunked over rows: the
+    # [B, T, V] logits are never built while training (make_compute_loss_func(from_hidden=True))
+    fused_linear: bool = False
 
 
 @dataclass

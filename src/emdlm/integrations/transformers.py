@@ -89,19 +89,57 @@ class ComputeLoss:
         # A distillation loss (``needs_teacher``) reads the teacher's logits of the current
         # forward from here; :func:`with_teacher` sets them before every call.
         self.teacher_logits: torch.Tensor | None = None
+        # from-hidden (make_compute_loss_func(..., from_hidden=True, model=m)): the model
+        # whose output embedding the loss applies; set by enable_from_hidden.
+        self.model: nn.Module | None = None
+
+    def enable_from_hidden(self, model: nn.Module) -> None:
+        """Switch to the from-hidden path for ``model`` (installs its forward wrapper).
+
+        While training, ``model``'s forward (the instance's, not the class's) runs only the
+        backbone and returns the final hidden state; this ComputeLoss then applies the output
+        embedding with ``loss_fn.from_hidden`` (no [B, T, V] logits). The forward still goes
+        through DDP / accelerate wrappers, so gradient sync and accumulation are unchanged.
+        Evaluation (no gradients) keeps the logits path.
+        """
+        from emdlm.integrations.patch import FromHiddenForward, install_forward, output_head
+
+        if getattr(self.loss_fn, "needs_teacher", False):
+            raise ValueError(
+                f"from_hidden: {type(self.loss_fn).__name__} distils from the teacher's logits "
+                "and has no from-hidden path; set from_hidden=False (train.fused_linear: false)"
+            )
+        if not callable(getattr(self.loss_fn, "from_hidden", None)):
+            raise ValueError(
+                f"from_hidden: {type(self.loss_fn).__name__} has no from_hidden method"
+            )
+        output_head(model)  # a head from_hidden cannot use is refused now, not mid-training
+        install_forward(model, lambda orig: FromHiddenForward(model, orig, "hidden"))
+        self.model = model
 
     def __call__(
         self,
         outputs: Any,
         labels: torch.Tensor,
         num_items_in_batch: torch.Tensor | int | None = None,
+        *,
+        shifted: bool = False,
     ) -> torch.Tensor:
+        """Σ l_t / N for one micro-batch; ``shifted``: ``labels`` are already aligned with the
+        logits (transformers' ``shift_labels``), so no shift here."""
         if labels is None:
             raise ValueError("compute_loss_func got labels=None: the batch has no 'labels'")
         require_sum_reduction(self.loss_fn, self.who)  # an attribute read: may have changed
+        if isinstance(outputs, Mapping) and outputs.get("emdlm_hidden") is not None:
+            return self._call_from_hidden(outputs["emdlm_hidden"], labels, num_items_in_batch)
         logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
-        shift_logits = logits[:, :-1, :]  # [B, T-1, V]: position t predicts token t+1
-        shift_labels = labels[:, 1:].to(logits.device)  # [B, T-1]
+        if shifted:
+            if getattr(self.loss_fn, "needs_teacher", False):
+                raise ValueError("pre-shifted labels are not supported for a distillation loss")
+            shift_logits, shift_labels = logits, labels.to(logits.device)
+        else:
+            shift_logits = logits[:, :-1, :]  # [B, T-1, V]: position t predicts token t+1
+            shift_labels = labels[:, 1:].to(logits.device)  # [B, T-1]
         if getattr(self.loss_fn, "needs_teacher", False):
             out = self.loss_fn(shift_logits, shift_labels, self._take_teacher_logits(logits))
         else:
@@ -119,6 +157,20 @@ class ComputeLoss:
         if torch.is_grad_enabled():
             self._record(out.loss.detach(), out.components, count)
         return loss
+
+    def _call_from_hidden(
+        self, hidden: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any
+    ) -> torch.Tensor:
+        """The from-hidden path: the head of ``self.model`` applied chunk by chunk
+        (``loss_fn.from_hidden``), divided by ``num_items_in_batch`` as the logits path."""
+        from emdlm.integrations.patch import hidden_loss, scaled_loss
+
+        if self.model is None:
+            raise RuntimeError("a from-hidden output reached a ComputeLoss without a model")
+        out, count = hidden_loss(self.loss_fn, self.model, hidden, labels, self.ignore_index)
+        if torch.is_grad_enabled():
+            self._record(out.loss.detach(), out.components, count)
+        return scaled_loss(out.loss, count, num_items_in_batch)
 
     def _take_teacher_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The teacher's shifted logits [B, T-1, V] for this call (used once, then cleared)."""
@@ -304,10 +356,29 @@ def with_teacher(base: type, teacher: nn.Module, compute_loss: ComputeLoss) -> t
     return TeacherTrainer
 
 
-def make_compute_loss_func(loss_fn: nn.Module, ignore_index: int = IGNORE_INDEX) -> ComputeLoss:
+def make_compute_loss_func(
+    loss_fn: nn.Module, ignore_index: int = IGNORE_INDEX, *, from_hidden: bool = False,
+    model: nn.Module | None = None,
+) -> ComputeLoss:
     """``Trainer(compute_loss_func=make_compute_loss_func(loss_fn))``: shifts the labels and
-    divides the summed loss by ``num_items_in_batch`` (exact gradient accumulation)."""
-    return ComputeLoss(loss_fn, ignore_index=ignore_index)
+    divides the summed loss by ``num_items_in_batch`` (exact gradient accumulation).
+
+    With ``from_hidden=True`` pass the model given to the Trainer (``model=``): its instance
+    forward is wrapped (:meth:`ComputeLoss.enable_from_hidden`) so that training runs the
+    backbone only and the loss applies the output embedding chunk by chunk; same loss and
+    gradients as the logits path, without the [B, T, V] logits.
+    """
+    compute_loss = ComputeLoss(loss_fn, ignore_index=ignore_index)
+    if from_hidden:
+        if model is None:
+            raise ValueError(
+                "make_compute_loss_func(..., from_hidden=True) needs model=<the model given to "
+                "the Trainer>: the loss applies its output embedding"
+            )
+        compute_loss.enable_from_hidden(model)
+    elif model is not None:
+        raise ValueError("make_compute_loss_func: model= is only used with from_hidden=True")
+    return compute_loss
 
 
 __all__ = [

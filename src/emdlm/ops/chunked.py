@@ -46,6 +46,7 @@ import torch
 
 from emdlm._output import LossOutput
 from emdlm.functional._common import IGNORE_INDEX, Reduction, check_reduction, compute_dtype
+from emdlm.ops._compile import eager_under_compile
 from emdlm.ops._handover import hand_over_gradients
 from emdlm.ops.fused_linear_emo import _check_linear_inputs
 
@@ -358,6 +359,7 @@ class ChunkedLinearLossFunction(torch.autograd.Function):
         return (*out, None, None, None, None, None)
 
 
+@eager_under_compile
 def chunked_linear_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -57,6 +57,7 @@ from emdlm.ops._chunking import (
     row_chunks,
     scratch,
 )
+from emdlm.ops._compile import eager_under_compile
 from emdlm.ops._handover import hand_over_gradients
 
 
@@ -179,6 +180,7 @@ class EMOChunkedFunction(torch.autograd.Function):
         )
 
 
+@eager_under_compile
 def emo_loss_chunked(
     logits: torch.Tensor,
     labels: torch.Tensor,

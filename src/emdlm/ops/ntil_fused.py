@@ -36,6 +36,7 @@ from emdlm.functional.ntil import (
     ntil_terms,
 )
 from emdlm.numbers import NumberSpans
+from emdlm.ops._compile import eager_under_compile
 from emdlm.ops._handover import hand_over_gradients
 
 #: Elements per chunk (64 MiB of float32): float32 logits are written straight into the buffer,
@@ -194,6 +195,7 @@ class NTILFusedFunction(torch.autograd.Function):
         return grad_logits, None, None, None, None, None, None, None, None
 
 
+@eager_under_compile
 def ntil_fused(
     logits: torch.Tensor,
     labels: torch.Tensor,

@@ -477,7 +477,10 @@ def train(run: PreparedRun, callbacks: list[Any] | None = None) -> dict[str, Any
         if run.vlm is not None:  # before training, so eval of a checkpoint-N finds it here
             run.vlm.image_processor.save_pretrained(str(out))
             record_outputs(out, ["preprocessor_config.json"])
-    compute_loss = make_compute_loss_func(run.loss_fn)
+    compute_loss = make_compute_loss_func(
+        run.loss_fn, from_hidden=cfg.train.fused_linear,
+        model=run.model if cfg.train.fused_linear else None,
+    )
     logger = _step_logger(compute_loss, out, cfg.train.tensorboard)
     stopper = _GracefulStop()
     args = run.training_args

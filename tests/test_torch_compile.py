@@ -1,0 +1,163 @@
+"""Training through ``torch.compile(model)`` gives the eager losses and weights (issue 11, item 3).
+
+CE and NTIL on the logits path: a compiled tiny Llama and an eager copy take the same 2 SGD steps.
+The loss runs eagerly outside the compiled module (as ``transformers.Trainer`` with
+``torch_compile=True`` does). The full sweep (every objective, both paths, graph breaks) is
+``benchmarks/compile_check.py``; findings in ``docs/results/torch_compile_cpu.md``.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from emdlm.losses.ce import CrossEntropyLoss
+from emdlm.losses.ntil import NTILLoss
+from emdlm.numbers import NumberVocab
+
+TOKENS = [str(d) for d in range(10)] + [f"Ġ{d}" for d in range(10)] + ["a", "b", ".", "=", "x"]
+V = len(TOKENS) + 3
+
+
+def _no_dynamo() -> str | None:
+    """None if Dynamo supports this Python and platform, else the reason to skip."""
+    import torch._dynamo
+
+    if torch._dynamo.is_dynamo_supported():
+        return None
+    return "torch.compile (Dynamo) is not supported on this Python/platform"
+
+
+_NO_DYNAMO = _no_dynamo()
+pytestmark = pytest.mark.skipif(_NO_DYNAMO is not None, reason=_NO_DYNAMO or "")
+# inductor compiles CPU kernels with a C++ compiler; the "eager" backend needs none
+needs_inductor = pytest.mark.skipif(
+    not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
+    reason="no C++ compiler for torch.compile's inductor backend",
+)
+
+
+def tiny_model() -> nn.Module:
+    """A 1-layer Llama (hidden 32, untied head), eval mode (no dropout), float32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[nn.Module, nn.Module, nn.Module]:
+    """(eager model, model to compile, its compiled wrapper): compiled once for the module;
+    each test resets both models' weights in place, which needs no recompilation."""
+    eager = tiny_model()
+    model = copy.deepcopy(eager)
+    return eager, model, torch.compile(model)
+
+
+def batches() -> list[torch.Tensor]:
+    """Two [2, 12] batches, about half digit tokens (numbers for NTIL)."""
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(2):
+        digits = torch.randint(0, 20, (2, 12), generator=gen)
+        other = torch.randint(20, len(TOKENS), (2, 12), generator=gen)
+        out.append(torch.where(torch.rand(2, 12, generator=gen) < 0.5, digits, other))
+    return out
+
+
+def train(runner: nn.Module, params: nn.Module, loss_fn: nn.Module) -> list[float]:
+    """Two SGD steps of ``loss_fn(runner(ids).logits[:, :-1], ids[:, 1:])``; the losses."""
+    opt = torch.optim.SGD(params.parameters(), lr=0.5)
+    losses = []
+    for ids in batches():
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(runner(input_ids=ids).logits[:, :-1], ids[:, 1:]).loss
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses
+
+
+LOSSES: dict[str, Callable[[], nn.Module]] = {
+    "ce": CrossEntropyLoss,
+    # argmax values: deterministic, so eager and compiled runs score the same predictions
+    "ntil": lambda: NTILLoss(NumberVocab.from_token_strings(TOKENS, V), value_mode="argmax"),
+}
+
+
+@needs_inductor
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_compiled_model_trains_like_eager(
+    name: str, models: tuple[nn.Module, nn.Module, nn.Module]
+) -> None:
+    eager, model, compiled = models
+    start = tiny_model().state_dict()
+    with torch.no_grad():  # in place: the compiled graph keeps its parameters
+        eager.load_state_dict(start)
+        model.load_state_dict(start)
+    eager_losses = train(eager, eager, LOSSES[name]())
+    compiled_losses = train(compiled, model, LOSSES[name]())
+    torch.testing.assert_close(compiled_losses, eager_losses, rtol=1e-5, atol=1e-5)
+    moved = 0.0
+    for (key, p), q in zip(eager.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+        moved = max(moved, float((p - start[key]).abs().max()))
+    assert moved > 1e-3  # the comparison is not between two untouched models
+
+
+def _ntil() -> nn.Module:
+    return LOSSES["ntil"]()
+
+
+def _emo(model: nn.Module) -> nn.Module:
+    from emdlm.losses.emo import EMOLoss
+
+    return EMOLoss.from_model(model)
+
+
+# One case per chunked kernel that Dynamo cannot trace (emdlm.ops._compile.eager_under_compile):
+# ntil_fused (NTIL logits), emo_loss_chunked (EMO logits), chunked_linear_loss (from hidden).
+STEP_CASES = {
+    "ntil_logits": (lambda m: _ntil(), "logits"),
+    "emo_logits": (_emo, "logits"),
+    "ce_from_hidden": (lambda m: CrossEntropyLoss(), "from_hidden"),
+}
+
+
+@pytest.mark.parametrize("case", list(STEP_CASES))
+def test_loss_inside_compiled_step_runs_eagerly(case: str) -> None:
+    """Forward + loss compiled as one function (as when a patched model's forward returns the
+    loss): the kernels run as a graph break and the gradients equal eager. Dynamo's "eager"
+    backend traces exactly as inductor does (where the kernels used to fail) without codegen."""
+    make, path = STEP_CASES[case]
+    eager = tiny_model()
+    model = copy.deepcopy(eager)
+
+    def step(m: nn.Module, loss_fn: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        if path == "logits":
+            return loss_fn(m(input_ids=ids).logits[:, :-1], ids[:, 1:]).loss
+        hidden = m.model(input_ids=ids)[0][:, :-1]
+        return loss_fn.from_hidden(hidden, m.lm_head.weight, ids[:, 1:]).loss
+
+    ids = batches()[0]
+    ref = step(eager, make(eager), ids)
+    ref.backward()
+    torch._dynamo.reset()
+    out = torch.compile(step, backend="eager")(model, make(model), ids)
+    out.backward()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for (key, p), q in zip(eager.named_parameters(), model.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None, key
+        torch.testing.assert_close(
+            q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}"
+        )
