@@ -16,6 +16,7 @@ from torch import nn
 from emdlm._output import LossOutput
 from emdlm.functional._common import IGNORE_INDEX, Reduction, check_reduction
 from emdlm.functional.emo import EMOMode, check_emo_options, emo_loss, normalize_cost_embedding
+from emdlm.ops._chunking import check_chunk_size
 
 Implementation = Literal["chunked", "reference"]
 
@@ -42,6 +43,16 @@ def cost_embedding_from(model: nn.Module) -> torch.Tensor:
         )
     return weight.detach().to(torch.float32, copy=True)
 
+
+
+def check_implementation(implementation: str | None, chunk_size: int) -> None:
+    """ValueError unless ``implementation`` is "chunked", "reference" or None (chosen per call)
+    and ``chunk_size`` is a positive int: the options of the chunked EMO modules."""
+    if implementation not in (None, "chunked", "reference"):
+        raise ValueError(
+            f"implementation must be 'chunked', 'reference' or None, got {implementation!r}"
+        )
+    check_chunk_size(chunk_size)
 
 class EMOLoss(nn.Module):
     """EMO mixed with MLE: per token 0.5·(CE + sg(CE/DEMD)·DEMD) by default (EMO Eq. 19).
@@ -92,12 +103,7 @@ class EMOLoss(nn.Module):
         super().__init__()
         check_emo_options(mode, mu, max_ratio)
         check_reduction(reduction)
-        if implementation not in (None, "chunked", "reference"):
-            raise ValueError(
-                f"implementation must be 'chunked', 'reference' or None, got {implementation!r}"
-            )
-        if not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        check_implementation(implementation, chunk_size)
         self.mode = mode
         self.mu = mu
         self.ignore_index = ignore_index

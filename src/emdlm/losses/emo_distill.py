@@ -23,7 +23,7 @@ from emdlm.functional.emo_dense import (
     emo_distill_loss,
     kl_distill_loss,
 )
-from emdlm.losses.emo import cost_embedding_from
+from emdlm.losses.emo import check_implementation, cost_embedding_from
 
 Implementation = Literal["chunked", "reference"]
 
@@ -75,12 +75,7 @@ class EMODistillLoss(nn.Module):
         super().__init__()
         check_distill_options(base, mode, mu, max_ratio, temperature)
         check_reduction(reduction)
-        if implementation not in (None, "chunked", "reference"):
-            raise ValueError(
-                f"implementation must be 'chunked', 'reference' or None, got {implementation!r}"
-            )
-        if not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        check_implementation(implementation, chunk_size)
         self.base = base
         self.mode = mode
         self.mu = mu
