@@ -10,9 +10,10 @@ lists are concatenated. This avoids BPE merges across the prompt/completion boun
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,51 @@ class _StopOnStrings:
 # ----------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def generation_session(
+    model: Any,
+    *,
+    max_new_tokens: int,
+    do_sample: bool,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    pad_token_id: int | None,
+    eos_token_id: int | None,
+) -> Iterator[Any]:
+    """The ``GenerationConfig`` for one evaluation call, with the model in eval mode and a blank
+    ``model.generation_config`` meanwhile (both restored after).
+
+    transformers fills every unset generation field from the model's own generation_config, so a
+    checkpoint's defaults (top_k, repetition penalty, min length...) would otherwise change what
+    is evaluated. Sampling is unbiased apart from ``temperature`` / ``top_p``: top_k=0 disables
+    top-k filtering; the torch RNG is seeded with ``seed`` once per call.
+    """
+    from transformers import GenerationConfig
+
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": 0} if do_sample else {}
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=do_sample,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
+        **sampling,
+    )
+    if do_sample:
+        torch.manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    saved = getattr(model, "generation_config", None)
+    try:
+        if saved is not None:
+            model.generation_config = GenerationConfig()
+        yield config
+    finally:
+        if saved is not None:
+            model.generation_config = saved
+        model.train(was_training)
+
+
 @torch.no_grad()
 def generate_answers(
     model: Any,
@@ -125,7 +171,7 @@ def generate_answers(
 
     Raises ValueError if a prompt plus ``max_new_tokens`` exceeds the model's context length.
     """
-    from transformers import GenerationConfig, StoppingCriteriaList
+    from transformers import StoppingCriteriaList
 
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -133,29 +179,13 @@ def generate_answers(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     device = _model_device(model)
     pad_id = _pad_id(tokenizer)
-    eos_id = getattr(tokenizer, "eos_token_id", None)
     limit = _max_positions(model)
-    was_training = model.training
-    model.eval()
-    # An explicit config, and (below) a blank model.generation_config during the call:
-    # transformers fills every unset field from the model's own generation_config, so a
-    # checkpoint's defaults (top_k, repetition penalty, min length...) would otherwise change
-    # what is evaluated. top_k=0 disables top-k filtering.
-    sampling = {"temperature": temperature, "top_p": top_p, "top_k": 0} if do_sample else {}
-    gen_config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=do_sample,
-        pad_token_id=pad_id,
-        eos_token_id=eos_id,
-        **sampling,
-    )
-    if do_sample:
-        torch.manual_seed(seed)
     answers: list[str] = []
-    saved_generation_config = getattr(model, "generation_config", None)
-    try:
-        if saved_generation_config is not None:
-            model.generation_config = GenerationConfig()
+    with generation_session(
+        model, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+        top_p=top_p, seed=seed, pad_token_id=pad_id,
+        eos_token_id=getattr(tokenizer, "eos_token_id", None),
+    ) as gen_config:  # fmt: skip
         for start in range(0, len(prompts), batch_size):
             encoded = [
                 _encode(tokenizer, p, special=True) for p in prompts[start : start + batch_size]
@@ -182,10 +212,6 @@ def generate_answers(
             )  # [b, L + new]
             texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
             answers.extend(_cut_at_stop(t, stop_at) for t in texts)
-    finally:
-        if saved_generation_config is not None:
-            model.generation_config = saved_generation_config
-        model.train(was_training)
     return answers
 
 

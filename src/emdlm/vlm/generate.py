@@ -36,45 +36,35 @@ def generate_vlm_answers(
     stop_at: Sequence[str] = ("\n",),
 ) -> list[str]:
     """One answer per row (dicts with the image and "prompt")."""
-    from transformers import GenerationConfig, StoppingCriteriaList
+    from transformers import StoppingCriteriaList
 
-    from emdlm.evaluation import _cut_at_stop, _model_device, _StopOnStrings
+    from emdlm.evaluation import _cut_at_stop, _model_device, _StopOnStrings, generation_session
 
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"max_new_tokens and batch_size must be >= 1, got {max_new_tokens}, "
                          f"{batch_size}")
     tokenizer = collator.tokenizer
-    was_generation, collator.generation = collator.generation, True
-    sampling = {"temperature": temperature, "top_p": top_p, "top_k": 0} if do_sample else {}
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=collator.pad_id,
-        eos_token_id=tokenizer.eos_token_id, **sampling,
-    )
-    if do_sample:
-        torch.manual_seed(seed)
     device = _model_device(model)
-    was_training = model.training
-    model.eval()
-    saved = getattr(model, "generation_config", None)
+    was_generation, collator.generation = collator.generation, True
     answers: list[str] = []
     try:
-        if saved is not None:
-            model.generation_config = GenerationConfig()
-        for start in range(0, len(rows), batch_size):
-            batch = _on(collator(list(rows[start : start + batch_size])), device)
-            width = batch["input_ids"].shape[1]
-            criteria = [_StopOnStrings(tokenizer, width, stop_at)] if any(stop_at) else []
-            out = model.generate(
-                **batch, generation_config=config,
-                stopping_criteria=StoppingCriteriaList(criteria),
-            )  # [b, width + new]
-            texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-            answers.extend(_cut_at_stop(t, stop_at) for t in texts)
+        with generation_session(
+            model, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+            top_p=top_p, seed=seed, pad_token_id=collator.pad_id,
+            eos_token_id=tokenizer.eos_token_id,
+        ) as config:  # fmt: skip
+            for start in range(0, len(rows), batch_size):
+                batch = _on(collator(list(rows[start : start + batch_size])), device)
+                width = batch["input_ids"].shape[1]
+                criteria = [_StopOnStrings(tokenizer, width, stop_at)] if any(stop_at) else []
+                out = model.generate(
+                    **batch, generation_config=config,
+                    stopping_criteria=StoppingCriteriaList(criteria),
+                )  # [b, width + new]
+                texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+                answers.extend(_cut_at_stop(t, stop_at) for t in texts)
     finally:
         collator.generation = was_generation
-        if saved is not None:
-            model.generation_config = saved
-        model.train(was_training)
     return answers
 
 
