@@ -1,7 +1,9 @@
 """One training step of a tiny VLM on clock images: CE+NTIL against CE, and the tokenizer's cost.
 
-Run: ``python benchmarks/bench_vlm.py`` (tiny-qwen2-vl, char and qwen tokenizers, batch 16,
-clock images at 128 px -> 16 image tokens, 10 timed steps per objective after 2 untimed).
+Run: ``python benchmarks/bench_vlm.py`` (the tiny VLM of ``clock_ce.yaml``: tiny-qwen2-vl at
+112 px -> 16 image tokens; char and qwen tokenizers, batch 16, the config's clock images, 10
+timed steps per objective after 2 untimed). ``--model default`` times the builder's smaller
+default tiny-qwen2-vl instead.
 
 A step is what ``emdlm train`` does per optimizer step: the collator (image processor + template),
 the model's forward, the loss through ``make_compute_loss_func`` (as the Trainer calls it),
@@ -23,8 +25,10 @@ from typing import Any
 import torch
 
 
-def _parts(tokenizer_name: str, rows: list[dict[str, Any]], batch: int) -> tuple[Any, ...]:
-    from emdlm.config import ModelConfig, ObjectiveConfig
+def _parts(
+    tokenizer_name: str, rows: list[dict[str, Any]], batch: int, model_cfg: Any
+) -> tuple[Any, ...]:
+    from emdlm.config import ObjectiveConfig
     from emdlm.integrations.transformers import make_compute_loss_func
     from emdlm.models import load_tokenizer, model_vocab_size
     from emdlm.objectives import build_objective
@@ -33,7 +37,7 @@ def _parts(tokenizer_name: str, rows: list[dict[str, Any]], batch: int) -> tuple
 
     tok = prepare_vlm_tokenizer(load_tokenizer(tokenizer_name), "qwen2_vl")
     torch.manual_seed(0)
-    built = build_vlm(ModelConfig(name="tiny-qwen2-vl"), tok)
+    built = build_vlm(model_cfg, tok)
     model = built.model
     collator = VLMCollator(tok, built.image_processor, built.spec, model.config)
     losses = {
@@ -63,18 +67,24 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--tokenizers", default="char,qwen")
+    parser.add_argument("--model", choices=("clock_ce", "default"), default="clock_ce")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from emdlm.config import ModelConfig, load_config
     from emdlm.tasks import generate_task
 
+    cfg = load_config("clock_ce")
+    model_cfg = cfg.model if args.model == "clock_ce" else ModelConfig(name="tiny-qwen2-vl")
+    params = dict(cfg.data.train.params) if cfg.data.train is not None else {}
     with tempfile.TemporaryDirectory() as cache:
         rows = generate_task("clock", n=max(64, args.batch), split="train", seed=0,
-                             cache_dir=cache)
-        print(f"torch threads {torch.get_num_threads()}, batch {args.batch}")
+                             cache_dir=cache, **params)
+        print(f"torch threads {torch.get_num_threads()}, batch {args.batch}, model "
+              f"{model_cfg.name} {dict(model_cfg.params)}")
         print("| tokenizer | V | T | CE step s | CE+NTIL step s | ratio | collator img/s |")
         print("|---|---|---|---|---|---|---|")
         for name in args.tokenizers.split(","):
-            model, collator, losses, batch = _parts(name, rows, args.batch)
+            model, collator, losses, batch = _parts(name, rows, args.batch, model_cfg)
             opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
             times: dict[str, list[float]] = {k: [] for k in losses}
             for rep in range(args.reps + 2):

@@ -126,8 +126,7 @@ def _small_model_folder(folder):
         ("bad_cost_file", "cost embedding file not found"),
         ("missing_tokenizer", "tokenizer folder not found"),
         ("unknown_task", "unknown task"),
-        pytest.param("fsdp_on_cpu", "train.fsdp needs GPUs", marks=pytest.mark.skipif(
-            __import__("torch").cuda.is_available(), reason="CPU-only check")),
+        ("fsdp_on_cpu", "train.fsdp=true shards the model over processes, but this run has 1"),
     ],
 )
 def test_bad_input_fails_before_writing(tmp_path, case, message):

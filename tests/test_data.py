@@ -129,6 +129,28 @@ def test_arithmetic_task_is_seeded_correct_and_disjoint():
     assert all(not ex["completion"].startswith("-") for ex in no_neg)
 
 
+def test_arithmetic_dev_split_is_disjoint_and_leaves_old_splits_unchanged():
+    kw = {"max_digits": 2, "dev_fraction": 0.2}
+    train = generate_task("arithmetic", n=3000, seed=1, **kw)
+    dev = generate_task("arithmetic", n=400, split="dev", seed=1, **kw)
+    test = generate_task("arithmetic", n=400, split="test", seed=1, **kw)
+    prompts = [{ex["prompt"] for ex in rows} for rows in (train, dev, test)]
+    assert len(prompts[1]) > 100  # 2-digit space: the dev set has many distinct problems
+    assert not prompts[0] & prompts[1] and not prompts[1] & prompts[2]
+    assert not prompts[0] & prompts[2]
+    assert all(ex["completion"] == str(eval(ex["prompt"][:-1])) for ex in dev)
+    # the test split does not depend on dev_fraction; without it the train split is as before
+    assert test == generate_task("arithmetic", n=400, split="test", seed=1, max_digits=2)
+    plain = generate_task("arithmetic", n=3000, seed=1, max_digits=2)
+    assert prompts[1] & {ex["prompt"] for ex in plain}  # dev problems are train problems then
+    with pytest.raises(ValueError, match="dev_fraction > 0"):
+        generate_task("arithmetic", n=5, split="dev")
+    with pytest.raises(ValueError, match="dev_fraction must be in"):
+        generate_task("arithmetic", n=5, dev_fraction=0.95)
+    with pytest.raises(ValueError, match="has splits train, dev, test"):
+        generate_task("arithmetic", n=5, split="valid")
+
+
 def test_test_split_hash_is_seed_independent():
     import numpy as np
 

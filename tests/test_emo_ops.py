@@ -12,9 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from emdlm.functional.emo import emo_loss as functional_emo_loss
-from emdlm.ops.emo_chunked import EMOChunkedFunction, demd_chunked, emo_loss_chunked
+from emdlm.ops.emo_chunked import demd_chunked, emo_loss_chunked
 from emdlm.ops.fused_linear_emo import (
-    FusedLinearEMOFunction,
     fused_linear_cross_entropy,
     fused_linear_emo_loss,
 )
@@ -210,18 +209,9 @@ def test_gradcheck_float64(mu):
     x = logits.clone().requires_grad_(True)
 
     def f(z):
-        return EMOChunkedFunction.apply(
-            z,
-            labels,
-            e_hat,
-            "static",
-            mu,
-            -100,
-            "mean",
-            3,
-            None,
-            False,  # repeatable backward
-        )[0]
+        return emo_loss_chunked(
+            z, labels, e_hat, mode="static", mu=mu, chunk_size=3, inplace_backward=False
+        ).loss  # inplace_backward=False: a repeatable backward
 
     assert torch.autograd.gradcheck(f, (x,), eps=1e-6, atol=1e-8)
 
@@ -408,9 +398,9 @@ def test_fused_gradcheck_float64():
     e_hat = F.normalize(torch.randn(9, 4, generator=g, dtype=torch.float64), dim=-1)
 
     def f(h, w, b):
-        return FusedLinearEMOFunction.apply(
-            h, w, b, labels, e_hat, "static", 1.5, -100, "mean", 4, None, False
-        )[0]
+        return fused_linear_emo_loss(
+            h, w, labels, e_hat, b, mode="static", mu=1.5, chunk_size=4, inplace_backward=False
+        ).loss
 
     assert torch.autograd.gradcheck(f, (hidden, weight, bias), eps=1e-6, atol=1e-8)
 

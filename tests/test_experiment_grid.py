@@ -122,4 +122,6 @@ def test_packaged_experiments_expand(path, tmp_path):
     exp = load_experiment(path.stem, [f"output_dir={tmp_path}"])
     cells = expand_grid(exp)  # builds and validates every cell's run config
     assert len(cells) == len(exp.variants) * len(exp.seeds) * len(exp.tasks)
-    assert exp.baseline in exp.variants and len(exp.seeds) >= 5
+    # comparison grids need 5+ paired seeds; a dev-split tuning grid (name *_dev) may use fewer
+    min_seeds = 2 if exp.name.endswith("_dev") else 5
+    assert exp.baseline in exp.variants and len(exp.seeds) >= min_seeds

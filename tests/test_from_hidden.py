@@ -17,12 +17,18 @@ from torch import nn
 import emdlm.ops.from_hidden
 from emdlm.functional.emo import emo_loss
 from emdlm.losses.ce import CrossEntropyLoss
+from emdlm.losses.emo import EMOLoss
 from emdlm.losses.mixce import MixCELoss
 from emdlm.losses.ntil import DigitEMDLoss, NTILLoss
 from emdlm.losses.tailr import TaiLrLoss
 from emdlm.numbers import NumberVocab
-from emdlm.ops.chunked import HeadOptions, chunked_linear_loss, default_chunk_rows
-from emdlm.ops.from_hidden import WeightedCEObjective, emo_from_hidden
+from emdlm.ops.chunked import (
+    HeadOptions,
+    chunked_linear_loss,
+    chunked_logits_loss,
+    default_chunk_rows,
+)
+from emdlm.ops.from_hidden import WeightedCEObjective, emo_from_hidden, mixce_weights
 from emdlm.ops.fused_linear_emo import fused_linear_emo_loss
 
 TOKENS = (
@@ -49,6 +55,9 @@ def make_labels(b: int, t: int, seed: int) -> torch.Tensor:
 
 LossFactory = Callable[[str], nn.Module]
 
+# EMO's cost embedding (d' = 6 != H); the logits path of EMOLoss is its plain-autograd reference.
+E_RAW = torch.randn(V, 6, generator=torch.Generator().manual_seed(11))
+
 OBJECTIVES: dict[str, LossFactory] = {
     "ce": lambda r: CrossEntropyLoss(reduction=r),
     "tailr": lambda r: TaiLrLoss(gamma=0.3, min_weight=0.1, label_smoothing=0.1, reduction=r),
@@ -61,6 +70,12 @@ OBJECTIVES: dict[str, LossFactory] = {
     ),
     "ntil_official_token": lambda r: NTILLoss(
         VOCAB, preset="official", value_mode="expected", averaging="token", reduction=r
+    ),
+    "emo": lambda r: EMOLoss(E_RAW, reduction=r, implementation="reference"),
+    "emo_capped": lambda r: EMOLoss(E_RAW, reduction=r, implementation="reference", max_ratio=3.0),
+    "emo2": lambda r: EMOLoss(E_RAW, mode="emo2", reduction=r, implementation="reference"),
+    "emo_static": lambda r: EMOLoss(
+        E_RAW, mode="static", mu=0.7, reduction=r, implementation="reference"
     ),
 }
 
@@ -145,7 +160,7 @@ def test_chunk_sizes_ntil(chunk_size: int | None) -> None:
     assert_same(got, want, rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("name", ["ce", "tailr", "mixce", "ntil_argmax", "digit_emd"])
+@pytest.mark.parametrize("name", ["ce", "tailr", "mixce", "ntil_argmax", "digit_emd", "emo"])
 def test_bf16_inputs(name: str) -> None:
     got, want, _, _ = both_paths(name, "mean", dtype=torch.bfloat16)
     assert got[1].dtype == torch.bfloat16 and got[2].dtype == torch.bfloat16
@@ -154,7 +169,7 @@ def test_bf16_inputs(name: str) -> None:
     assert_same(got, want, rtol=2e-2, atol=1e-2, scaled=True)
 
 
-@pytest.mark.parametrize("name", ["ce", "tailr", "ntil_argmax"])
+@pytest.mark.parametrize("name", ["ce", "tailr", "ntil_argmax", "emo", "emo_static"])
 def test_softcap_and_logit_scale(name: str) -> None:
     got, want, _, _ = both_paths(name, "mean", scale=0.8, cap=3.0)
     assert_same(got, want, rtol=2e-5, atol=2e-6)
@@ -162,7 +177,7 @@ def test_softcap_and_logit_scale(name: str) -> None:
     assert not torch.allclose(got[0], plain[0])  # the cap changes the loss
 
 
-@pytest.mark.parametrize("name", ["ce", "ntil_argmax", "tailr"])
+@pytest.mark.parametrize("name", ["ce", "ntil_argmax", "tailr", "emo"])
 def test_all_ignored_and_nan_padding(name: str) -> None:
     hidden, weight, bias = inputs(torch.float32)
     labels = make_labels(3, 11, seed=3)
@@ -216,8 +231,14 @@ def test_gradcheck_engine_float64(monkeypatch: pytest.MonkeyPatch) -> None:
         options = HeadOptions(chunk_size=3, logit_scale=1.5, reduction="sum")
         return chunked_linear_loss(h, w, b, labels, objective, options, inplace_backward=False).loss
 
+    emo_fn = EMOLoss(E_RAW, mode="static", mu=0.7)  # no stop-gradient: a true derivative
+
+    def emo(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return emo_fn.from_hidden(h, w, labels, b, chunk_size=3, logit_scale=1.5, softcap=4.0).loss
+
     assert torch.autograd.gradcheck(ntil, (hidden, weight, bias))
     assert torch.autograd.gradcheck(tailr, (hidden, weight, bias))
+    assert torch.autograd.gradcheck(emo, (hidden, weight, bias))
 
 
 def test_default_chunk_saves_memory_at_qwen_vocab() -> None:
@@ -281,3 +302,78 @@ def test_emo_through_engine_equals_fused_and_logits(
     assert comps[0].keys() == comps[1].keys()
     for k in comps[0]:
         assert comps[0][k] == pytest.approx(comps[1][k], rel=1e-4, abs=1e-5), k
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", ["ce", "mixce"])
+def test_logits_driver_runs_the_same_objectives(name: str, reduction: str) -> None:
+    """The engine's logits driver with the CE-family objectives equals the modules on the full
+    logits: a sliced [B, T-1, V] view (read chunk by chunk, chunks ending mid-row), NaN logits
+    at ignored positions, grad_output = 2."""
+    gen = torch.Generator().manual_seed(4)
+    base = torch.randn(3, 12, V, generator=gen) * 2
+    labels = make_labels(3, 11, seed=5)
+    base[:, :-1][labels == -100] = float("nan")  # padding garbage: must change nothing
+    results = []
+    for path in ("driver", "module"):
+        x = base.clone().requires_grad_()
+        logits = x[:, :-1]
+        module = OBJECTIVES[name](reduction)
+        if path == "driver":
+            objective = module.hidden_objective()
+            options = HeadOptions(reduction=reduction, chunk_size=4)
+            out = chunked_logits_loss(logits, labels, objective, options)
+        else:
+            safe = torch.where(labels[..., None] == -100, 0.0, logits)
+            out = module(safe, labels)
+        (2 * out.loss).backward()
+        results.append((out.loss.detach(), x.grad))
+    (loss, grad), (ref_loss, ref_grad) = results
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
+    assert bool((grad[:, :-1][labels == -100] == 0).all()) and bool((grad[:, -1] == 0).all())
+
+
+def test_logits_driver_refuses_head_options() -> None:
+    logits = torch.randn(2, 5, V)
+    labels = make_labels(2, 5, seed=1)
+    with pytest.raises(ValueError, match="softcap"):
+        chunked_logits_loss(logits, labels, WeightedCEObjective(), HeadOptions(softcap=3.0))
+
+
+class _UnscaledCE(WeightedCEObjective):
+    """MixCE that leaves grad_scale to the driver (``ChunkOut.scaled = False``), in every chunk
+    or only in the first one (the drivers must scale exactly those)."""
+
+    def __init__(self, first_only: bool) -> None:
+        super().__init__(mixce_weights(0.3))
+        self.first_only = first_only
+
+    def chunk(self, z, out, labels, valid, start, grad_scale):  # type: ignore[no-untyped-def]
+        if grad_scale is None or (self.first_only and start > 0):
+            return super().chunk(z, out, labels, valid, start, grad_scale)
+        res = super().chunk(z, out, labels, valid, start, torch.ones_like(grad_scale))
+        res.scaled = False
+        return res
+
+
+@pytest.mark.parametrize("first_only", [False, True])
+def test_drivers_apply_the_scale_an_objective_left_out(first_only: bool) -> None:
+    hidden, weight, bias = inputs(torch.float32)
+    labels = make_labels(3, 11, seed=3)
+    results = []
+    for unscaled in (True, False):
+
+        def objective(u: bool = unscaled) -> WeightedCEObjective:
+            return _UnscaledCE(first_only) if u else WeightedCEObjective(mixce_weights(0.3))
+
+        h, w, b = (x.clone().requires_grad_() for x in (hidden, weight, bias))
+        options = HeadOptions(chunk_size=4, logit_scale=1.3)
+        out = chunked_linear_loss(h, w, b, labels, objective(), options)
+        (2 * out.loss).backward()
+        z = (1.3 * (hidden @ weight.T + bias)).requires_grad_()
+        out_z = chunked_logits_loss(z, labels, objective(), HeadOptions(chunk_size=4))
+        (2 * out_z.loss).backward()
+        results.append((out.loss.detach(), h.grad, w.grad, b.grad, out_z.loss.detach(), z.grad))
+    for got, want in zip(results[0], results[1], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)

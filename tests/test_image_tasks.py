@@ -97,6 +97,57 @@ def test_clock_answers_and_disjoint_splits(tmp_path: Path) -> None:
     assert hand_angles(12, 0) == (0.0, 0.0)
 
 
+def test_clock_minute_step_keeps_each_times_split(tmp_path: Path) -> None:
+    """minute_step=5: only five-minute marks, each time in the split it has with step 1."""
+    train5, test5 = split_times("train", 0.2, 5), split_times("test", 0.2, 5)
+    assert len(train5) + len(test5) == 144 and all(m % 5 == 0 for _, m in train5 + test5)
+    assert set(train5) <= set(split_times("train", 0.2)) and set(test5) <= set(
+        split_times("test", 0.2)
+    )
+    rows = generate_task("clock", n=30, minute_step=15, cache_dir=tmp_path, image_size=48)
+    assert {int(r["completion"].split("_")[1]) for r in rows} <= {0, 15, 30, 45}
+    for bad in (0, 7, 2.5):
+        with pytest.raises(ValueError, match="minute_step"):
+            generate_task("clock", n=1, minute_step=bad, cache_dir=tmp_path)
+
+
+def test_clock_plain_palette_has_fixed_colours(tmp_path: Path) -> None:
+    """palette="plain": every face is white on grey with a red minute hand whatever the rng
+    (only sizes and tick counts vary); "random" colours differ; unknown palettes are errors."""
+    from emdlm.tasks.clock import PLAIN
+
+    kw = {"jitter": 0.0, "noise": 0.0, "clutter": 0, "dial_styles": ("ticks",),
+          "hand_shapes": ("line",), "image_size": 64}
+    a = np.asarray(render_clock(np.random.default_rng(1), 3, 0, palette="plain", **kw))
+    b = np.asarray(render_clock(np.random.default_rng(2), 3, 0, palette="plain", **kw))
+    for img in (a, b):
+        assert tuple(img[1, 1]) == PLAIN["background"] and tuple(img[40, 20]) == PLAIN["face"]
+        r, g, _ = (int(v) for v in img[18, 32])  # the minute hand at 12, above the centre
+        assert r > 150 and g < 90
+    c = np.asarray(render_clock(np.random.default_rng(2), 3, 0, **kw))
+    assert tuple(c[1, 1]) != PLAIN["background"]
+    wide = np.asarray(render_clock(np.random.default_rng(1), 3, 0, palette="plain",
+                                   hand_width=3.0, **kw))
+    red = (a[..., 0] > 150) & (a[..., 1] < 90)
+    red_wide = (wide[..., 0] > 150) & (wide[..., 1] < 90)
+    assert red_wide.sum() > 1.5 * red.sum()
+    with pytest.raises(ValueError, match="palette"):
+        generate_task("clock", n=1, palette="pastel", cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="hand_width"):
+        generate_task("clock", n=1, hand_width=0.0, cache_dir=tmp_path)
+
+
+def test_clock_reading_accuracy_splits_hour_and_minutes() -> None:
+    from emdlm.tasks.clock import reading_accuracy
+
+    got = reading_accuracy(["2_55", "12_00", "x", "3_15"], ["2_50", "12_05", "1_00", "4_15"])
+    assert got == {"hour_accuracy": 0.5, "minute_accuracy": 0.25}  # "x": wrong on both
+    with pytest.raises(ValueError, match="H_MM"):
+        reading_accuracy(["1_00"], ["one"])
+    with pytest.raises(ValueError, match="predictions"):
+        reading_accuracy(["1_00"], [])
+
+
 def test_clock_bad_parameters(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="image_size"):
         generate_task("clock", n=1, image_size=8, cache_dir=tmp_path)

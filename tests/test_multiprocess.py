@@ -93,6 +93,9 @@ def test_readme_command_trains_on_two_processes(tmp_path, one_process, command):
     log_two = [json.loads(x) for x in (two / "train_log.jsonl").read_text().splitlines()]
     log_one = [json.loads(x) for x in (one_process / "train_log.jsonl").read_text().splitlines()]
     assert len(log_two) == len(log_one) == 3  # rank 0 logs once per step
+    # the run's train_loss is the mean step loss of all processes, as on one process
+    one_summary = json.loads((one_process / "train_summary.json").read_text())
+    assert summary["train_loss"] == pytest.approx(one_summary["train_loss"], rel=1e-5)
     for a, b in zip(log_two, log_one, strict=True):
         assert a["n_scored"] == b["n_scored"]  # the same 8 examples per step
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)

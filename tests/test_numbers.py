@@ -3,6 +3,8 @@ tokenizers, equality with a plain-Python scanner on random rows, properties and 
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import warnings
 from fractions import Fraction
 from typing import Any
@@ -573,3 +575,161 @@ def test_loss_span_option_thousands_separator(char_tokenizer: Any, cls_name: str
     assert numbers(preset="official", thousands_separator=",") == 2
     with pytest.raises(ValueError, match="thousands_separator"):
         cls(char_tokenizer, thousands_separator=".")
+
+
+# ----------------------------------------------------------------------------- task answers
+# Every built-in task's REAL answers (generate_task), read through the training pipeline
+# (build_dataset -> DataCollator -> labels) with the span options NTILLoss uses by default, on
+# every named tokenizer: the numbers (values and count per answer) must be the ones a reader
+# sees. Image sizes are small: only the answers matter here.
+TASK_ANSWERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "clock": ("clock", {"image_size": 32}),
+    "grounding-qwen2vl": ("grounding", {"image_size": 48}),
+    "grounding-llava": ("grounding", {"image_size": 48, "box_format": "llava"}),
+    "text_detection-qwen2vl": ("text_detection", {"max_words": 4}),
+    "text_detection-llava": ("text_detection", {"max_words": 4, "box_format": "llava"}),
+    "arithmetic": ("arithmetic", {}),
+}
+NAMED_TOKENIZERS = ("char", "gpt2", "qwen", "llama3-like")
+_READ_NUMBER = re.compile(r"(?<![\d.])-?\d+(?:\.\d+)?")  # what a reader sees: -12, 0.125, 55
+
+
+@pytest.fixture(scope="module")
+def task_rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    from emdlm.tasks import generate_task
+
+    cache = tmp_path_factory.mktemp("images")
+    rows = {}
+    for key, (task, params) in TASK_ANSWERS.items():
+        extra = {} if task == "arithmetic" else {"cache_dir": str(cache)}
+        rows[key] = generate_task(task, n=12, split="train", seed=5, **params, **extra)
+    return rows
+
+
+def _answer_numbers(tokenizer: Any, rows: list[dict[str, Any]]) -> list[list[float]]:
+    """Numbers found in each row's labels, as NTILLoss(tokenizer) reads them by default."""
+    from emdlm.data import DataCollator, build_dataset
+    from emdlm.losses.ntil import NTILLoss
+
+    items = list(build_dataset(rows, tokenizer, max_length=512))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    batch = DataCollator(pad)(items)
+    vocab = NumberVocab.from_tokenizer(tokenizer)
+    options = NTILLoss(vocab).span_options
+    spans = find_number_spans(batch["labels"], vocab, **options)
+    found: list[list[float]] = [[] for _ in rows]
+    for row, value in zip(spans.number_row.tolist(), spans.gold_value.tolist(), strict=True):
+        found[row].append(value)
+    return found
+
+
+@pytest.mark.parametrize("tok_name", NAMED_TOKENIZERS)
+def test_task_answers_read_as_their_numbers(
+    tok_name: str, task_rows: dict[str, list[dict[str, Any]]], request: pytest.FixtureRequest
+) -> None:
+    prefix = {"char": "char", "gpt2": "gpt2", "qwen": "qwen", "llama3-like": "llama3"}[tok_name]
+    tokenizer = request.getfixturevalue(f"{prefix}_tokenizer")
+    for key, rows in task_rows.items():
+        expected = [[float(x) for x in _READ_NUMBER.findall(r["completion"])] for r in rows]
+        assert all(expected), key  # every answer has numbers
+        got = _answer_numbers(tokenizer, rows)
+        for row, want, have in zip(rows, expected, got, strict=True):
+            assert have == want, (tok_name, key, row["completion"])
+
+
+def test_task_answers_expected_shapes(task_rows: dict[str, list[dict[str, Any]]]) -> None:
+    # The reference reading above is itself pinned: 2 numbers per time, 4 per box.
+    for row in task_rows["clock"]:
+        assert len(_READ_NUMBER.findall(row["completion"])) == 2
+    for key in ("grounding-qwen2vl", "grounding-llava"):
+        assert all(len(_READ_NUMBER.findall(r["completion"])) == 4 for r in task_rows[key])
+    for key in ("text_detection-qwen2vl", "text_detection-llava"):
+        counts = [len(_READ_NUMBER.findall(r["completion"])) for r in task_rows[key]]
+        assert all(c % 4 == 0 for c in counts) and max(counts) > 4  # several boxes
+    llava = task_rows["grounding-llava"][0]["completion"]
+    assert re.fullmatch(r"\[\d\.\d{3}(, \d\.\d{3}){3}\]", llava)  # 3-decimal fractions
+
+
+def test_char_tokenizer_has_no_brackets(char_tokenizer: Any) -> None:
+    # A limit of the char tokenizer, not of the span finder: '[' and ']' of LLaVA boxes become
+    # <unk> (the numbers between them still read right, test above), so a char-tokenizer model
+    # cannot write LLaVA brackets.
+    ids = char_tokenizer("[0.5]", add_special_tokens=False)["input_ids"]
+    unk = char_tokenizer.unk_token_id
+    assert ids[0] == unk and ids[-1] == unk and unk not in ids[1:-1]
+
+
+def test_thousands_separator_misreads_grid_boxes(gpt2_tokenizer: Any, gpt2_vocab: Any) -> None:
+    # Why thousands_separator stays off for box answers: "(123,456)" becomes one number.
+    ids = torch.tensor([gpt2_tokenizer("(123,456),(7,890)", add_special_tokens=False)["input_ids"]])
+    plain = find_number_spans(ids, gpt2_vocab, **PAPER)
+    joined = find_number_spans(ids, gpt2_vocab, **PAPER, thousands_separator=",")
+    assert plain.gold_value.tolist() == [123.0, 456.0, 7.0, 890.0]
+    assert joined.gold_value.tolist() == [123456.0, 7890.0]
+
+
+@pytest.mark.parametrize(
+    ("tok_name", "expected"),
+    [
+        # digit tokenizers: every digit is scored, decimals are not joined
+        ("char", [[0, 750, 0, 458, 0, 875, 0, 583], [750, 458, 875, 583], [2, 55]]),
+        ("qwen", [[0, 750, 0, 458, 0, 875, 0, 583], [750, 458, 875, 583], [2, 55]]),
+        # multi-digit tokenizers: only the lone single-digit tokens ('0', '2'); 'Ġ0', '750',
+        # '55' are not among the ten digit ids, so most of a box / time is never scored
+        ("gpt2", [[0], [], [2]]),
+        ("llama3-like", [[0, 0, 0, 0], [], [2]]),
+    ],
+)
+def test_official_preset_on_task_answers(
+    tok_name: str, expected: list[list[int]], request: pytest.FixtureRequest
+) -> None:
+    # A limit of preset="official" (xfey/NTIL scores only the ten tokens '0'..'9'), pinned:
+    # on GPT-2 / LLaMA-3-like tokenizers use the "stable" or "paper" preset for these tasks.
+    prefix = {"char": "char", "gpt2": "gpt2", "qwen": "qwen", "llama3-like": "llama3"}[tok_name]
+    tokenizer = request.getfixturevalue(f"{prefix}_tokenizer")
+    vocab = request.getfixturevalue(f"{prefix}_vocab")
+    answers = ["[0.750, 0.458, 0.875, 0.583]", "(750,458),(875,583)", "2_55"]
+    for text, want in zip(answers, expected, strict=True):
+        ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+        got = find_number_spans(ids, vocab, **OFFICIAL).gold_value.tolist()
+        assert got == [float(x) for x in want], (tok_name, text)
+
+
+# ----------------------------------------------------------------------------- number_mask
+def test_number_mask_drops_whole_numbers(char_tokenizer: Any, char_vocab: Any) -> None:
+    text = "a 123 b 4.5 c 67"
+    ids = torch.tensor([char_tokenizer(text, add_special_tokens=False)["input_ids"]])
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[0, text.index("123") + 1] = False  # the '2' of 123: the whole number goes, not "1","3"
+    mask[0, text.index("5")] = False  # the fraction digit of 4.5: 4.5 goes, no "4" is left
+    spans = find_number_spans(ids, char_vocab, **PAPER, number_mask=mask)
+    assert spans.gold_value.tolist() == [67.0]
+    assert spans.n_tokens == 2 and spans.place.tolist() == [1, 0]
+    full = find_number_spans(ids, char_vocab, **PAPER)
+    assert full.gold_value.tolist() == [123.0, 4.5, 67.0]
+    all_true = find_number_spans(ids, char_vocab, **PAPER, number_mask=torch.ones_like(mask))
+    for field in dataclasses.fields(NumberSpans):
+        assert torch.equal(getattr(all_true, field.name), getattr(full, field.name)), field.name
+    none = find_number_spans(ids, char_vocab, **PAPER, number_mask=torch.zeros_like(mask))
+    assert none.n_numbers == 0 and none.n_tokens == 0
+
+
+def test_number_mask_rows_and_1d(char_tokenizer: Any, char_vocab: Any) -> None:
+    rows = torch.tensor(
+        [char_tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("12 3", "45 6")]
+    )
+    mask = torch.tensor([[True, True, True, False], [False, True, True, True]])
+    spans = find_number_spans(rows, char_vocab, number_mask=mask)
+    assert spans.gold_value.tolist() == [12.0, 6.0] and spans.number_row.tolist() == [0, 1]
+    one = find_number_spans(rows[1], char_vocab, number_mask=mask[1])
+    assert one.gold_value.tolist() == [6.0]
+
+
+def test_number_mask_errors(char_vocab: Any) -> None:
+    labels = torch.tensor([[15, 16, 17]])
+    with pytest.raises(ValueError, match=r"number_mask shape \(1, 2\).*\(1, 3\)"):
+        find_number_spans(labels, char_vocab, number_mask=torch.ones(1, 2, dtype=torch.bool))
+    with pytest.raises(TypeError, match=r"dtype torch\.bool"):
+        find_number_spans(labels, char_vocab, number_mask=torch.ones(1, 3, dtype=torch.long))
+    with pytest.raises(TypeError, match=r"bool torch\.Tensor"):
+        find_number_spans(labels, char_vocab, number_mask=[[True, True, True]])

@@ -86,7 +86,9 @@ def test_text_chunks_cover_their_documents_in_order() -> None:
 
 def test_dev_split_is_refused_by_tasks_without_one() -> None:
     with pytest.raises(ValueError, match="has splits train, test"):
-        generate_task("arithmetic", n=3, split="dev")
+        generate_task("math_arithmetic", n=3, split="dev")
+    with pytest.raises(ValueError, match="needs dev_fraction > 0"):
+        generate_task("arithmetic", n=3, split="dev")  # has a dev split, but only when asked
     with pytest.raises(ValueError, match="unknown corpus 'books'"):
         generate_task("english_text", n=3, corpora="books")
     with pytest.raises(ValueError, match="prefix_words must be a positive integer"):

@@ -126,11 +126,13 @@ def _emo(model: nn.Module) -> nn.Module:
 
 
 # One case per chunked kernel that Dynamo cannot trace (emdlm.ops._compile.eager_under_compile):
-# ntil_fused (NTIL logits), emo_loss_chunked (EMO logits), chunked_linear_loss (from hidden).
+# ntil_fused (NTIL logits), emo_loss_chunked (EMO logits), chunked_linear_loss (from hidden),
+# all users of the engine in emdlm.ops.chunked.
 STEP_CASES = {
     "ntil_logits": (lambda m: _ntil(), "logits"),
     "emo_logits": (_emo, "logits"),
     "ce_from_hidden": (lambda m: CrossEntropyLoss(), "from_hidden"),
+    "emo_from_hidden": (_emo, "from_hidden"),
 }
 
 

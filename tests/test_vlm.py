@@ -363,8 +363,26 @@ def test_demo_clock_runs_ce_and_ntil_side_by_side(tmp_path: Path) -> None:
     assert set(rows) == {"ce", "ntil"}
     for row in rows.values():
         assert row["n"] == 4 and row["steps"] == 2 and "time_gap_mean_worst" in row
+        assert 0 <= row["hour_accuracy"] <= 1 and 0 <= row["minute_accuracy"] <= 1
     text = "\n".join(lines)
     assert "analog clock" in text and "contact_sheet.png" in text
     assert (tmp_path / "demo" / "ntil" / "eval" / "contact_sheet.png").is_file()
     with pytest.raises(ConfigError, match="--task"):
         run_demo(tmp_path / "x", task="clocks")
+
+
+def test_clock_configs_differ_only_in_objective_and_output() -> None:
+    """clock_ce / clock_ntil: the same model, data, optimiser and steps (a fair comparison),
+    on the plain five-minute clocks that the tiny VLM learns to read (see clock_ce.yaml)."""
+    from emdlm.config import load_config_dict
+
+    ce, ntil = load_config_dict("clock_ce"), load_config_dict("clock_ntil")
+    assert ce["objective"]["name"] == "ce" and ntil["objective"]["name"] == "ntil"
+    rest = {k for k in ce if k not in ("objective", "output_dir")}
+    assert rest == {k for k in ntil if k not in ("objective", "output_dir")}
+    assert all(ce[k] == ntil[k] for k in rest)
+    params = ce["data"]["train"]["params"]
+    assert params == ce["data"]["eval"]["params"]
+    assert params["minute_step"] == 5 and params["palette"] == "plain"
+    load_config("clock_ce")  # both validate
+    load_config("clock_ntil")

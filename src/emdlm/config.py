@@ -103,6 +103,9 @@ class DataConfig:
     # leaves it no target token (it is removed: "dropped"): "warn" (counted and logged) or "error"
     on_truncate: str = "warn"
     on_drop: str = "warn"
+    # which numbers NTIL / digit EMD score (a row's "number_scope" field overrides it): "all",
+    # "answer" (the task's answer pattern), "answer:<task>" or "regex:<pattern>" (emdlm.data)
+    number_scope: str = "all"
 
 
 @dataclass
@@ -149,7 +152,10 @@ class TrainConfig:
     bf16: bool = False
     fp16: bool = False
     torch_threads: int | None = None
-    # FSDP through transformers.TrainingArguments(fsdp=True, fsdp_config=...); or launch with
+    # FSDP2 applied by emdlm (emdlm.integrations.sharding) on CPU (gloo) or GPUs (NCCL); launch
+    # with `torchrun --nproc_per_node N` (N >= 2). fsdp_config keys:
+    # transformer_layer_cls_to_wrap (list of class names; default the model's _no_split_modules)
+    # and reshard_after_forward (default true). accelerate's own FSDP (GPUs only): launch with
     # `accelerate launch --config_file configs/accelerate_fsdp.yaml` and leave this off
     fsdp: bool = False
     fsdp_config: dict[str, Any] = field(default_factory=dict)

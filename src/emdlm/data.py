@@ -4,6 +4,21 @@ Sources (see :class:`emdlm.config.DataSourceConfig`): a JSONL file (each line an
 string fields "prompt" and "completion", or "text"), a folder written by
 ``datasets.Dataset.save_to_disk`` (same fields), or a registered task generator.
 
+Number scope (which numbers the numeric objectives NTIL / digit EMD score; ntloss issue #65):
+``data.number_scope`` (default for every row) or a row's own ``"number_scope"`` field is one of
+
+* ``"all"`` (default): every number of the target; no ``number_mask`` is built;
+* ``"answer"``: only the numbers inside the task's answer pattern (a box, a time, a list of
+  boxes: :data:`ANSWER_PATTERNS`, keyed by the row's ``"task"`` field or the data source's
+  task); ``"answer:<task>"`` names the task explicitly (e.g. for a JSONL file of clock rows);
+* ``"regex:<pattern>"``: only the numbers inside matches of the Python regex over the
+  completion (the text, for text rows).
+
+A token is in scope when every non-space character of it lies inside a match (tokenizer offset
+mapping); the items then carry ``number_mask`` (aligned with ``labels``, False on the prompt and
+the EOS), the collator pads it, and the numeric losses score a number only if all its tokens
+are in it. CE is untouched.
+
 Tokenization: prompt/completion examples become ``prompt_ids + completion_ids + [eos]`` (prompt
 encoded with the tokenizer's special tokens, completion without: the convention of
 :mod:`emdlm.evaluation`) with the prompt's labels set to -100, so only the completion (and its
@@ -18,19 +33,146 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from emdlm.config import ConfigError, DataSourceConfig
 
 IGNORE_INDEX = -100
 CUT_POLICIES = ("warn", "error")  # data.on_truncate / data.on_drop
-_BASE_KEYS = ("input_ids", "labels", "attention_mask")
+_BASE_KEYS = ("input_ids", "labels", "attention_mask", "number_mask")
+
+_QWEN_BOX = r"\(\s*\d+\s*,\s*\d+\s*\)\s*,\s*\(\s*\d+\s*,\s*\d+\s*\)"  # (x1,y1),(x2,y2)
+_LLAVA_BOX = r"\[\s*\d*\.?\d+(?:\s*,\s*\d*\.?\d+){3}\s*\]"  # [x1, y1, x2, y2]
+#: The answer pattern of each task for ``number_scope="answer"``: the numbers inside its
+#: matches are scored. Boxes in both formats of :mod:`emdlm.vision.boxes` (text_detection's
+#: list of boxes is one match per box); the clock's "H_MM".
+ANSWER_PATTERNS: dict[str, re.Pattern[str]] = {
+    "clock": re.compile(r"\b\d{1,2}_\d{2}\b"),
+    "grounding": re.compile(f"{_QWEN_BOX}|{_LLAVA_BOX}"),
+    "text_detection": re.compile(f"{_QWEN_BOX}|{_LLAVA_BOX}"),
+}
+NUMBER_SCOPE_KEY = "number_scope"  # the row field
+
+
+def register_answer_pattern(task: str, pattern: str | re.Pattern[str]) -> None:
+    """Make ``number_scope="answer"`` work for ``task``: only numbers inside ``pattern``'s
+    matches are scored (a second registration replaces the first)."""
+    ANSWER_PATTERNS[task] = re.compile(pattern) if isinstance(pattern, str) else pattern
+
+
+def scope_pattern(scope: Any, task: str | None, where: str) -> re.Pattern[str] | None:
+    """The regex of a number scope (None for "all"); ConfigError naming ``where`` otherwise.
+
+    ``scope``: "all", "answer" (``task``'s pattern), "answer:<task>" or "regex:<pattern>".
+    """
+    if not isinstance(scope, str):
+        raise ConfigError(f"{where}: number_scope must be a string, got {type(scope).__name__}")
+    if scope == "all":
+        return None
+    if scope.startswith("regex:"):
+        try:
+            return re.compile(scope[len("regex:") :])
+        except re.error as err:
+            raise ConfigError(
+                f"{where}: number_scope {scope!r} is not a valid regex ({err})"
+            ) from None
+    if scope == "answer" or scope.startswith("answer:"):
+        name = scope[len("answer:") :] if scope.startswith("answer:") else task
+        if not name:
+            raise ConfigError(
+                f"{where}: number_scope='answer' needs the task (a row field 'task', a data "
+                f"source with `task:`, or 'answer:<task>'); tasks with an answer pattern: "
+                f"{', '.join(sorted(ANSWER_PATTERNS))}"
+            )
+        if name not in ANSWER_PATTERNS:
+            raise ConfigError(
+                f"{where}: task {name!r} has no answer pattern for number_scope='answer' (known: "
+                f"{', '.join(sorted(ANSWER_PATTERNS))}); use 'regex:<pattern>' or "
+                "emdlm.data.register_answer_pattern"
+            )
+        return ANSWER_PATTERNS[name]
+    raise ConfigError(
+        f"{where}: number_scope must be 'all', 'answer', 'answer:<task>' or 'regex:<pattern>', "
+        f"got {scope!r}"
+    )
+
+
+def in_scope_tokens(
+    text: str, offsets: Sequence[Sequence[int]], pattern: re.Pattern[str] | None
+) -> list[bool]:
+    """Per token of ``text`` (character ``offsets`` [start, end)): is it inside the scope?
+
+    True when the token is not empty and every non-space character of it lies inside a match of
+    ``pattern`` (every non-empty token for None). Spaces are neutral because byte-level
+    tokenizers put the leading space into the token ('Ġ12' covers " 12"). Vectorized with a
+    prefix sum of the out-of-scope characters.
+    """
+    if not offsets:
+        return []
+    span = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    start, end = span[:, 0], span[:, 1]
+    inside = np.zeros(len(text) + 1, dtype=np.int64)  # +1 at each match start, -1 at its end
+    if pattern is None:
+        inside[0], inside[len(text)] = 1, -1
+    else:
+        for m in pattern.finditer(text):  # per match, not per token
+            inside[m.start()] += 1
+            inside[m.end()] -= 1
+    covered = np.cumsum(inside[:-1]) > 0  # [chars]
+    spaces = np.fromiter((c.isspace() for c in text), dtype=bool, count=len(text))
+    out = np.concatenate([[0], np.cumsum(~covered & ~spaces)])  # [chars + 1]
+    end = np.clip(end, 0, len(text))
+    start = np.clip(start, 0, end)
+    return ((end > start) & (out[end] - out[start] == 0)).tolist()
+
+
+def piece_masks(
+    tokenizer: Any,
+    texts: Sequence[str],
+    scopes: Sequence[re.Pattern[str] | None],
+    *,
+    add_special_tokens: bool,
+) -> tuple[list[list[int]], list[list[bool]]]:
+    """Tokenize ``texts`` (one batched call) and give each token's number scope.
+
+    Returns (input_ids, masks). ConfigError when the tokenizer has no offset mapping (a slow
+    tokenizer: the token-to-character alignment a scope needs is unknown).
+    """
+    if not getattr(tokenizer, "is_fast", False):
+        raise ConfigError(
+            f"number_scope other than 'all' needs a fast tokenizer (offset mapping); "
+            f"{type(tokenizer).__name__} has none"
+        )
+    enc = tokenizer(
+        list(texts), add_special_tokens=add_special_tokens, return_offsets_mapping=True
+    )
+    masks = [
+        in_scope_tokens(text, offsets, scope)
+        for text, offsets, scope in zip(texts, enc["offset_mapping"], scopes, strict=True)
+    ]
+    return [list(ids) for ids in enc["input_ids"]], masks
+
+
+def row_scopes(
+    rows: Sequence[dict[str, Any]], default: str, task: str | None, source: str
+) -> list[re.Pattern[str] | None] | None:
+    """The scope regex of every row (row field over ``default``), or None when all are "all"."""
+    scopes = [
+        scope_pattern(
+            row.get(NUMBER_SCOPE_KEY, default), row.get("task", task),
+            f"{source}: example {i}" if NUMBER_SCOPE_KEY in row else f"{source}: data.number_scope",
+        )
+        for i, row in enumerate(rows)
+    ]
+    return None if all(s is None for s in scopes) else scopes
 
 
 def _check_row(row: Any, where: str) -> dict[str, Any]:
@@ -143,10 +285,23 @@ def tokenize_example(
     max_length: int,
     add_eos: bool = True,
     extra_keys: Sequence[str] = (),
+    number_scope: str = "all",
+    task: str | None = None,
 ) -> dict[str, Any] | None:
     """input_ids / labels (prompt masked with -100) for one example, or None if truncation
-    left no completion token."""
+    left no completion token; with a number scope other than "all" (the example's own
+    ``"number_scope"`` over ``number_scope``; module docstring) also ``number_mask``."""
     eos = [tokenizer.eos_token_id] if add_eos else []
+    scope = scope_pattern(
+        example.get(NUMBER_SCOPE_KEY, number_scope), example.get("task", task), "example"
+    )
+    target = example["completion"] if "completion" in example else example["text"]
+    mask: list[bool] = []
+    if scope is not None:
+        _, masks = piece_masks(
+            tokenizer, [target], [scope], add_special_tokens="completion" not in example
+        )
+        mask = masks[0] + [False] * len(eos)
     if "completion" in example:
         # same convention as emdlm.evaluation: the prompt with the tokenizer's special tokens
         # (a BOS where it adds one), the completion without, concatenated as id lists
@@ -154,6 +309,7 @@ def tokenize_example(
         completion = tokenizer(example["completion"], add_special_tokens=False)["input_ids"] + eos
         ids = (prompt + completion)[:max_length]
         labels = ([IGNORE_INDEX] * len(prompt) + completion)[:max_length]
+        mask = [False] * len(prompt) + mask
     else:
         ids = (tokenizer(example["text"])["input_ids"] + eos)[:max_length]
         labels = list(ids)
@@ -161,6 +317,8 @@ def tokenize_example(
     if sum(lab != IGNORE_INDEX for lab in labels[1:]) == 0:
         return None
     item: dict[str, Any] = {"input_ids": ids, "labels": labels}
+    if scope is not None:
+        item["number_mask"] = mask[:max_length]
     for key in extra_keys:
         if key not in example:
             raise ConfigError(f"extra key {key!r} missing from an example")
@@ -237,30 +395,54 @@ def build_dataset(
     source: str = "data",
     on_truncate: str = "warn",
     on_drop: str = "warn",
+    number_scope: str = "all",
+    task: str | None = None,
 ) -> TokenizedDataset:
     """Tokenize all examples (batched calls into the tokenizer; same result as
-    :func:`tokenize_example` per example).
+    :func:`tokenize_example` per example, plus ``number_mask`` when a scope is set).
 
     Examples longer than ``max_length`` are cut, and dropped when no target token is left;
     both are counted (``dataset.cuts``) and printed once as :meth:`CutCounts.message`, or are a
     ConfigError when ``on_truncate`` / ``on_drop`` is "error". ConfigError as well if no
-    example is left."""
+    example is left.
+
+    ``number_scope`` is the rows' default scope and ``task`` the source's task (for "answer"),
+    see the module docstring: when any row's scope is not "all", every item gets
+    ``number_mask`` (list of bool aligned with ``labels``)."""
     rows = list(examples)
+    scopes = row_scopes(rows, number_scope, task, source)
     pc = [i for i, ex in enumerate(rows) if "completion" in ex]
     tx = [i for i, ex in enumerate(rows) if "completion" not in ex]
     eos = [tokenizer.eos_token_id] if add_eos else []
     ids_of: dict[int, tuple[list[int], list[int]]] = {}
+    mask_of: dict[int, list[bool]] = {}
     full_length: dict[int, int] = {}  # before truncation
     if pc:
         prompts = tokenizer([rows[i]["prompt"] for i in pc])["input_ids"]
-        comps = tokenizer([rows[i]["completion"] for i in pc], add_special_tokens=False)
-        for i, p, c in zip(pc, prompts, comps["input_ids"], strict=True):
+        texts = [rows[i]["completion"] for i in pc]
+        if scopes is None:
+            comps = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        else:
+            comps, masks = piece_masks(
+                tokenizer, texts, [scopes[i] for i in pc], add_special_tokens=False
+            )
+            for i, p, m in zip(pc, prompts, masks, strict=True):
+                mask_of[i] = ([False] * len(p) + m + [False] * len(eos))[:max_length]
+        for i, p, c in zip(pc, prompts, comps, strict=True):
             c = list(c) + eos
             full_length[i] = len(p) + len(c)
             ids_of[i] = ((list(p) + c)[:max_length], ([IGNORE_INDEX] * len(p) + c)[:max_length])
     if tx:
-        texts = tokenizer([rows[i]["text"] for i in tx])["input_ids"]
-        for i, t in zip(tx, texts, strict=True):
+        texts = [rows[i]["text"] for i in tx]
+        if scopes is None:
+            encoded = tokenizer(texts)["input_ids"]
+        else:
+            encoded, masks = piece_masks(
+                tokenizer, texts, [scopes[i] for i in tx], add_special_tokens=True
+            )
+            for i, m in zip(tx, masks, strict=True):
+                mask_of[i] = (m + [False] * len(eos))[:max_length]
+        for i, t in zip(tx, encoded, strict=True):
             full_length[i] = len(t) + len(eos)
             ids = (list(t) + eos)[:max_length]
             ids_of[i] = (ids, list(ids))
@@ -273,6 +455,8 @@ def build_dataset(
             continue
         truncated += full_length[i] > max_length
         item: dict[str, Any] = {"input_ids": ids, "labels": labels}
+        if scopes is not None:
+            item["number_mask"] = mask_of[i]
         for key in extra_keys:
             if key not in ex:
                 raise ConfigError(f"{source}: example {i} has no extra key {key!r}")
@@ -288,9 +472,36 @@ def build_dataset(
     return TokenizedDataset(items, cuts)
 
 
+def pad_number_mask(
+    features: Sequence[dict[str, Any]], lengths: Sequence[int], width: int, *, left: bool = False
+) -> torch.Tensor:
+    """[B, width] bool ``number_mask`` of the batch: each item's mask, False on padding.
+
+    Raises ConfigError when only some items carry a mask, or a mask's length is not its
+    item's."""
+    out = torch.zeros((len(features), width), dtype=torch.bool)
+    for i, (f, length) in enumerate(zip(features, lengths, strict=True)):
+        if "number_mask" not in f:
+            raise ConfigError(
+                f"batch item {i} has no number_mask while others do: build every example with "
+                "the same data pipeline (build_dataset / the VLM collator give all or none)"
+            )
+        mask = torch.as_tensor(f["number_mask"], dtype=torch.bool)
+        if mask.numel() != length:
+            raise ConfigError(
+                f"batch item {i}: number_mask has {mask.numel()} entries for {length} tokens"
+            )
+        span = slice(width - length, width) if left else slice(0, length)
+        out[i, span] = mask
+    return out
+
+
 class DataCollator:
     """Right-pads input_ids (pad id), labels (-100) and builds attention_mask; any other key
-    whose values are tensors is stacked and passed through (e.g. "pixel_values").
+    whose values are tensors is stacked and passed through (e.g. "pixel_values"). Items with a
+    ``number_mask`` (a number scope, module docstring) give a [B, T] bool ``number_mask``,
+    False on padding, for the numeric losses (the Trainer glue takes it out of the model's
+    inputs: :func:`emdlm.integrations.transformers.with_number_mask`).
 
     Position 0's label is set to -100: after the causal shift it is never a target, and this
     makes "count labels != -100" equal with or without the shift (so transformers'
@@ -319,6 +530,8 @@ class DataCollator:
         batch: dict[str, torch.Tensor] = {
             "input_ids": input_ids, "labels": labels, "attention_mask": attention,
         }
+        if any("number_mask" in f for f in features):
+            batch["number_mask"] = pad_number_mask(features, lengths, width)
         for key in features[0]:
             if key in _BASE_KEYS:
                 continue

@@ -33,6 +33,12 @@ Span rules (:func:`find_number_spans`), used by NTIL (Sec. 3.2 of the paper; xfe
   ("5 - 3": 'Ġ-','Ġ3' is subtraction) or the minus token directly follows a number token of the
   vocabulary ("3-5" is subtraction; this check uses all number tokens, also with ``digits_only``).
   Only the number's first run can be signed; the '-' itself is never scored.
+* ``number_mask`` ([B, T] bool, aligned with the labels; None: every token): which tokens may
+  be scored as numbers. Numbers are found on the labels as above (the mask never splits or joins
+  a number), then a number is kept only if ALL its number tokens are in the mask; the tokens of
+  a dropped number, and every token outside the mask, are non-number tokens to the objectives.
+  Used to leave option labels, years or reference numbers out of the numeric terms (ntloss
+  issue #65); CE is not affected (the losses score CE on every counted label).
 
 Shape notation: V vocab rows, C number classes, K widest class, B batch, T time,
 M number tokens in the batch, S numbers in the batch.
@@ -457,6 +463,46 @@ def _thousands_joins(
     )
 
 
+def check_number_mask(number_mask: Any, labels: torch.Tensor) -> None:
+    """Raise a clear error unless ``number_mask`` is a bool tensor of the labels' shape."""
+    if not isinstance(number_mask, torch.Tensor):
+        raise TypeError(
+            f"number_mask must be a bool torch.Tensor shaped like the labels, got "
+            f"{type(number_mask).__name__}"
+        )
+    if number_mask.dtype != torch.bool:
+        raise TypeError(
+            f"number_mask must have dtype torch.bool (True = may be scored as a number), got "
+            f"{number_mask.dtype}"
+        )
+    if tuple(number_mask.shape) != tuple(labels.shape):
+        raise ValueError(
+            f"number_mask shape {tuple(number_mask.shape)} does not match the labels' "
+            f"{tuple(labels.shape)}: it must be aligned with the labels (shifted like them)"
+        )
+
+
+def _keep_masked_numbers(
+    num: torch.Tensor, num_start: torch.Tensor, number_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num, num_start) [B, T] without the numbers that have a token outside ``number_mask``.
+
+    Each number token gets its number's index (cumsum of starts over the flattened batch); a
+    scatter marks the numbers with a token outside the mask, and a gather drops all their tokens.
+    No host sync.
+    """
+    flat_num = num.reshape(-1)
+    number_of = torch.cumsum(num_start.reshape(-1), 0) - 1  # [B*T], valid at number tokens
+    outside = flat_num & ~number_mask.reshape(-1)  # [B*T] number tokens out of scope
+    dump = flat_num.numel()  # slot for the non-number positions
+    target = torch.where(flat_num, number_of, torch.full_like(number_of, dump))
+    n_out = torch.zeros(dump + 1, dtype=torch.long, device=num.device)
+    n_out = n_out.index_add(0, target, outside.long())  # [B*T + 1] tokens out, per number
+    keep = flat_num & (_take(n_out, target) == 0)  # [B*T]
+    keep = keep.view(num.shape)
+    return num & keep, num_start & keep
+
+
 def find_number_spans(
     labels: torch.Tensor,
     vocab: NumberVocab,
@@ -466,6 +512,7 @@ def find_number_spans(
     digits_only: bool = False,
     ignore_index: int = -100,
     thousands_separator: str | None = None,
+    number_mask: torch.Tensor | None = None,
 ) -> NumberSpans:
     """Find every gold number in a batch of labels (rules in the module docstring).
 
@@ -488,20 +535,28 @@ def find_number_spans(
         ignore_index: label value that is never scored.
         thousands_separator: None (default: a separator ends a number) or one of
             :data:`GROUP_SEPARATORS`, e.g. "," to read "1,234" as 1234.
+        number_mask: None, or a bool tensor of the labels' shape: True where a token may be
+            scored as a number. A number is kept only if all its number tokens are True; the
+            others are left out entirely (module docstring).
 
     Raises:
         ValueError: labels of the wrong rank, a label outside [0, V) other than ignore_index,
-            or an unknown thousands_separator.
+            an unknown thousands_separator, or a number_mask whose shape is not the labels'.
+        TypeError: non-integer labels or a number_mask that is not a bool tensor.
     """
     if thousands_separator is not None and thousands_separator not in GROUP_SEPARATORS:
         raise ValueError(
             f"thousands_separator must be None or one of {GROUP_SEPARATORS}, got "
             f"{thousands_separator!r}"
         )
+    if number_mask is not None:
+        check_number_mask(number_mask, labels)
     if labels.dim() == 1:
         labels = labels.unsqueeze(0)
     if labels.dim() != 2:
         raise ValueError(f"labels must have shape [B, T] or [T], got {tuple(labels.shape)}")
+    if number_mask is not None:
+        number_mask = number_mask.to(labels.device).reshape(labels.shape)
     if labels.dtype.is_floating_point or labels.dtype == torch.bool:
         raise TypeError(f"labels must be an integer tensor, got dtype {labels.dtype}")
     device = labels.device
@@ -570,6 +625,9 @@ def find_number_spans(
         negative = negative | (lead_fraction & _shift_right(sign_ok, False))
     else:
         negative = torch.zeros_like(num)
+
+    if number_mask is not None:
+        num, num_start = _keep_masked_numbers(num, num_start, number_mask)
 
     # The single host sync: output sizes (and the label-range check).
     n_tok, n_num, n_bad = torch.stack([num.sum(), num_start.sum(), bad.sum()]).tolist()

@@ -396,13 +396,23 @@ def resolve_spans(
     digits_only: bool,
     ignore_index: int = IGNORE_INDEX,
     thousands_separator: str | None = None,
+    number_mask: torch.Tensor | None = None,
 ) -> NumberSpans:
-    """Find the number spans of labels viewed as [B, T] (1-D labels are one row)."""
-    from emdlm.numbers import find_number_spans  # provided by emdlm.numbers
+    """Find the number spans of labels viewed as [B, T] (1-D labels are one row).
+
+    ``number_mask`` (bool, the labels' shape; None = every token): a number is scored only if
+    all its tokens are True; tokens outside the mask are non-number tokens to NTIL / digit EMD
+    (:func:`emdlm.numbers.find_number_spans`). CE is not affected: :func:`ntil_loss` scores CE
+    on every counted label whatever the spans.
+    """
+    from emdlm.numbers import check_number_mask, find_number_spans
 
     # Explicit row count: reshape(-1, 0) fails for a time dimension of 0.
     n_rows = math.prod(labels.shape[:-1]) if labels.dim() > 1 else 1
     rows = labels.reshape(n_rows, labels.shape[-1])
+    if number_mask is not None:
+        check_number_mask(number_mask, labels)  # before the reshape: the error shows the shapes
+        number_mask = number_mask.reshape(rows.shape)
     return find_number_spans(
         rows.long(),
         vocab,
@@ -411,6 +421,7 @@ def resolve_spans(
         digits_only=digits_only,
         ignore_index=ignore_index,
         thousands_separator=thousands_separator,
+        number_mask=number_mask,
     )
 
 
@@ -442,7 +453,8 @@ def ntil_loss(
             NTIL in float64).
         labels: [..., T] integer, aligned with the logits (no shift), ``ignore_index`` skipped.
         vocab: the vocabulary's :class:`NumberVocab` (on the logits' device, V rows).
-        spans: :class:`NumberSpans` of ``labels`` viewed as [B, T].
+        spans: :class:`NumberSpans` of ``labels`` viewed as [B, T] (:func:`resolve_spans`; its
+            ``number_mask`` leaves numbers out of the NTIL terms, CE stays on every label).
         settings: the knobs.
         noise: [M, K] standard Gumbel noise (value_mode "gumbel"); drawn with ``generator``
             when None.

@@ -68,6 +68,7 @@ class OutputHead:
     bias: torch.Tensor | None
     logit_scale: float | None
     softcap: float | None
+    module: nn.Module | None = None  # the head (its in/out features check a gathered weight)
 
 
 def output_head(model: nn.Module) -> OutputHead:
@@ -113,6 +114,7 @@ def output_head(model: nn.Module) -> OutputHead:
         bias=getattr(head, "bias", None),
         logit_scale=None if scale is None or float(scale) == 1.0 else float(scale),
         softcap=None if softcap is None else float(softcap),
+        module=head,
     )
 
 
@@ -168,21 +170,28 @@ def scaled_loss(
 def hidden_loss(
     loss_fn: nn.Module, model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor | None,
     ignore_index: int = IGNORE_INDEX, shift_labels: torch.Tensor | None = None,
+    number_mask: torch.Tensor | None = None,
 ) -> tuple[Any, torch.Tensor]:
     """Summed from-hidden loss of unshifted ``labels`` [B, T] on ``hidden`` [B, T, H].
 
     Position t predicts token t+1, as the logits path's shift; ``shift_labels`` (already
     aligned with ``hidden``, as transformers passes them under context parallelism) are scored
-    without shifting. Returns (LossOutput, count).
+    without shifting. Under FSDP2 / DeepSpeed ZeRO-3 the head's weight is gathered for the
+    loss (:func:`~emdlm.integrations.sharding.gathered_head`; this is the one place every
+    from-hidden entry point reads it) and checked to be the full matrix. Returns
+    (LossOutput, count).
     """
+    from emdlm.integrations.sharding import check_head_weight, gathered_head
+
     head = output_head(model)
+    if number_mask is not None and shift_labels is None:  # aligned with labels: shift it too
+        number_mask = number_mask[:, 1:]
     if shift_labels is not None:
         shift_hidden, shift_labels = hidden, shift_labels.to(hidden.device)
     elif labels is not None:
         shift_hidden, shift_labels = hidden[:, :-1, :], labels[:, 1:].to(hidden.device)
     else:
         raise ValueError("from_hidden loss: neither labels nor shift_labels were given")
-    weight = head.weight
     # only the transforms the model has: a loss whose from_hidden lacks one is refused by name
     extra = {k: v for k, v in (("logit_scale", head.logit_scale), ("softcap", head.softcap))
              if v is not None}
@@ -193,9 +202,13 @@ def hidden_loss(
             f"the model's logits use {missing} (from its config), which "
             f"{type(loss_fn).__name__}.from_hidden does not take: use the logits path"
         )
-    out = loss_fn.from_hidden(
-        shift_hidden.to(weight.dtype), weight, shift_labels, head.bias, **extra
-    )
+    if number_mask is not None:  # ComputeLoss passes it only to losses that take it
+        extra["number_mask"] = number_mask
+    with gathered_head(head.weight, head.bias) as (weight, bias):
+        check_head_weight(weight, bias, head.module, hidden.shape[-1])
+        out = loss_fn.from_hidden(
+            shift_hidden.to(weight.dtype), weight, shift_labels, bias, **extra
+        )
     return out, (shift_labels != ignore_index).sum()
 
 

@@ -32,6 +32,7 @@ the Trainer's logs::
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -92,6 +93,10 @@ class ComputeLoss:
         # from-hidden (make_compute_loss_func(..., from_hidden=True, model=m)): the model
         # whose output embedding the loss applies; set by enable_from_hidden.
         self.model: nn.Module | None = None
+        # The current batch's number_mask [B, T] (data.number_scope), set by with_number_mask
+        # before the forward and used by the next call only.
+        self.number_mask: torch.Tensor | None = None
+        self._warned_mask = False
 
     def enable_from_hidden(self, model: nn.Module) -> None:
         """Switch to the from-hidden path for ``model`` (installs its forward wrapper).
@@ -117,6 +122,27 @@ class ComputeLoss:
         install_forward(model, lambda orig: FromHiddenForward(model, orig, "hidden"))
         self.model = model
 
+    def _mask_kwargs(self, number_mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """``{"number_mask": m}`` for a loss that takes it (``takes_number_mask``), else {}.
+
+        A mask given to a loss that scores no numbers (CE, EMO, ...) is dropped with a
+        UserWarning, once per ComputeLoss: the same data (with its number scope) can then feed
+        a CE baseline and a numeric objective alike.
+        """
+        if number_mask is None:
+            return {}
+        if getattr(self.loss_fn, "takes_number_mask", False):
+            return {"number_mask": number_mask}
+        if not self._warned_mask:
+            self._warned_mask = True
+            warnings.warn(
+                f"the batch has a number_mask (data.number_scope) but {type(self.loss_fn).__name__}"
+                " scores no numbers: the mask is ignored (only NTIL / digit EMD use it)",
+                UserWarning,
+                stacklevel=3,
+            )
+        return {}
+
     def __call__(
         self,
         outputs: Any,
@@ -124,14 +150,25 @@ class ComputeLoss:
         num_items_in_batch: torch.Tensor | int | None = None,
         *,
         shifted: bool = False,
+        number_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Σ l_t / N for one micro-batch; ``shifted``: ``labels`` are already aligned with the
-        logits (transformers' ``shift_labels``), so no shift here."""
+        logits (transformers' ``shift_labels``), so no shift here.
+
+        ``number_mask`` ([B, T] bool aligned with ``labels``, shifted with them; default: the
+        one :func:`with_number_mask` took out of the batch): which tokens the numeric losses
+        may score as numbers. Passed to losses with ``takes_number_mask``; others ignore it
+        (one warning)."""
+        if number_mask is None:
+            number_mask, self.number_mask = self.number_mask, None  # used by one call only
         if labels is None:
             raise ValueError("compute_loss_func got labels=None: the batch has no 'labels'")
         require_sum_reduction(self.loss_fn, self.who)  # an attribute read: may have changed
+        mask_kw = self._mask_kwargs(number_mask)
         if isinstance(outputs, Mapping) and outputs.get("emdlm_hidden") is not None:
-            return self._call_from_hidden(outputs["emdlm_hidden"], labels, num_items_in_batch)
+            return self._call_from_hidden(
+                outputs["emdlm_hidden"], labels, num_items_in_batch, **mask_kw
+            )
         logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
         if shifted:
             if getattr(self.loss_fn, "needs_teacher", False):
@@ -140,10 +177,12 @@ class ComputeLoss:
         else:
             shift_logits = logits[:, :-1, :]  # [B, T-1, V]: position t predicts token t+1
             shift_labels = labels[:, 1:].to(logits.device)  # [B, T-1]
+            if mask_kw:
+                mask_kw["number_mask"] = mask_kw["number_mask"][:, 1:]  # shifted like labels
         if getattr(self.loss_fn, "needs_teacher", False):
             out = self.loss_fn(shift_logits, shift_labels, self._take_teacher_logits(logits))
         else:
-            out = self.loss_fn(shift_logits, shift_labels)
+            out = self.loss_fn(shift_logits, shift_labels, **mask_kw)
         count = (shift_labels != self.ignore_index).sum()
         if num_items_in_batch is None:
             denom: torch.Tensor | int = count.clamp_min(1)
@@ -159,7 +198,8 @@ class ComputeLoss:
         return loss
 
     def _call_from_hidden(
-        self, hidden: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any
+        self, hidden: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any,
+        number_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The from-hidden path: the head of ``self.model`` applied chunk by chunk
         (``loss_fn.from_hidden``), divided by ``num_items_in_batch`` as the logits path."""
@@ -167,7 +207,9 @@ class ComputeLoss:
 
         if self.model is None:
             raise RuntimeError("a from-hidden output reached a ComputeLoss without a model")
-        out, count = hidden_loss(self.loss_fn, self.model, hidden, labels, self.ignore_index)
+        out, count = hidden_loss(
+            self.loss_fn, self.model, hidden, labels, self.ignore_index, number_mask=number_mask
+        )
         if torch.is_grad_enabled():
             self._record(out.loss.detach(), out.components, count)
         return scaled_loss(out.loss, count, num_items_in_batch)
@@ -356,6 +398,43 @@ def with_teacher(base: type, teacher: nn.Module, compute_loss: ComputeLoss) -> t
     return TeacherTrainer
 
 
+def with_number_mask(base: type, compute_loss: ComputeLoss) -> type:
+    """A subclass of Trainer class ``base`` that hands each batch's ``number_mask`` to the loss.
+
+    The collators put ``number_mask`` ([B, T] bool, aligned with the labels) into batches when
+    a number scope is set (``data.number_scope``, :mod:`emdlm.data`). The model must not get
+    it, so ``compute_loss`` takes it out of the inputs and gives it to ``compute_loss`` (the
+    :class:`ComputeLoss` of the Trainer) for this forward; ComputeLoss shifts it like the
+    labels and passes it to a numeric loss (NTIL, digit EMD). Apply it last (outermost), so
+    that a teacher (:func:`with_teacher`) never sees the mask either. Batches without a mask
+    pass through unchanged.
+    """
+    if not isinstance(compute_loss, ComputeLoss):
+        raise TypeError(
+            f"with_number_mask needs the ComputeLoss given to the Trainer, got "
+            f"{type(compute_loss).__name__}"
+        )
+
+    class NumberMaskTrainer(base):  # type: ignore[misc, valid-type]
+        def compute_loss(
+            self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
+            num_items_in_batch: Any = None,
+        ) -> Any:
+            if "number_mask" in inputs:
+                inputs = dict(inputs)
+                compute_loss.number_mask = inputs.pop("number_mask")
+            try:
+                return super().compute_loss(
+                    model, inputs, return_outputs=return_outputs,
+                    num_items_in_batch=num_items_in_batch,
+                )
+            finally:
+                compute_loss.number_mask = None  # never reused by another batch
+
+    NumberMaskTrainer.__name__ = f"NumberMask{base.__name__}"
+    return NumberMaskTrainer
+
+
 def make_compute_loss_func(
     loss_fn: nn.Module, ignore_index: int = IGNORE_INDEX, *, from_hidden: bool = False,
     model: nn.Module | None = None,
@@ -383,5 +462,5 @@ def make_compute_loss_func(
 
 __all__ = [
     "ComputeLoss", "LossComponentsCallback", "make_compute_loss_func", "require_sum_reduction",
-    "teacher_logits_for", "with_teacher",
+    "teacher_logits_for", "with_number_mask", "with_teacher",
 ]

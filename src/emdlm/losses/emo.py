@@ -3,7 +3,8 @@
 The formulas, their sources and the official codes' behaviour are documented in
 :mod:`emdlm.functional.emo` (the reference). This module stores the row-normalized cost
 embedding once and picks an implementation: the chunked fast path
-(:func:`emdlm.ops.emo_chunked.emo_loss_chunked`, tested equal to the reference) or the reference.
+(:func:`emdlm.ops.emo_chunked.emo_loss_chunked`, tested equal to the reference) or the reference;
+``from_hidden`` runs the same per-chunk objective from hidden states (:mod:`emdlm.ops.chunked`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from emdlm.functional.emo import EMOMode, check_emo_options, emo_loss, normalize
 from emdlm.ops._chunking import check_chunk_size
 
 Implementation = Literal["chunked", "reference"]
+
+#: Positions per chunk of the chunked logits path when the module is given no ``chunk_size``.
+LOGITS_CHUNK_SIZE = 1024
 
 
 def cost_embedding_from(model: nn.Module) -> torch.Tensor:
@@ -44,15 +48,17 @@ def cost_embedding_from(model: nn.Module) -> torch.Tensor:
     return weight.detach().to(torch.float32, copy=True)
 
 
-
-def check_implementation(implementation: str | None, chunk_size: int) -> None:
+def check_implementation(implementation: str | None, chunk_size: int | None) -> None:
     """ValueError unless ``implementation`` is "chunked", "reference" or None (chosen per call)
-    and ``chunk_size`` is a positive int: the options of the chunked EMO modules."""
+    and ``chunk_size`` is a positive int or None (each path's default): the options of the
+    chunked EMO modules."""
     if implementation not in (None, "chunked", "reference"):
         raise ValueError(
             f"implementation must be 'chunked', 'reference' or None, got {implementation!r}"
         )
-    check_chunk_size(chunk_size)
+    if chunk_size is not None:
+        check_chunk_size(chunk_size)
+
 
 class EMOLoss(nn.Module):
     """EMO mixed with MLE: per token 0.5·(CE + sg(CE/DEMD)·DEMD) by default (EMO Eq. 19).
@@ -71,7 +77,9 @@ class EMOLoss(nn.Module):
             global token count).
         implementation: "chunked" (fast path, less memory) or "reference"; ``None`` picks
             "chunked" when the logits require grad and "reference" otherwise.
-        chunk_size: positions per chunk for the chunked path.
+        chunk_size: positions per chunk of both chunked paths; None (default): 1024 on logits
+            (:data:`LOGITS_CHUNK_SIZE`), 2^26 / V rows from hidden states
+            (:mod:`emdlm.ops.chunked`), a scratch of fixed size whatever the vocabulary.
         max_ratio: cap on the emo1 ratio sg(CE/DEMD); 3.0 reproduces the ``emoloss`` package
             (v0.0.3); ``None`` (default) is the paper / DRSY/EMO (no cap).
 
@@ -97,7 +105,7 @@ class EMOLoss(nn.Module):
         ignore_index: int = IGNORE_INDEX,
         reduction: Reduction = "mean",
         implementation: Implementation | None = None,
-        chunk_size: int = 1024,
+        chunk_size: int | None = None,
         max_ratio: float | None = None,
     ) -> None:
         super().__init__()
@@ -141,7 +149,7 @@ class EMOLoss(nn.Module):
                 mu=self.mu,
                 ignore_index=self.ignore_index,
                 reduction=self.reduction,
-                chunk_size=self.chunk_size,
+                chunk_size=self.chunk_size or LOGITS_CHUNK_SIZE,
                 max_ratio=self.max_ratio,
             )
         return emo_loss(
@@ -161,27 +169,45 @@ class EMOLoss(nn.Module):
         lm_head_weight: torch.Tensor,
         labels: torch.Tensor,
         lm_head_bias: torch.Tensor | None = None,
+        *,
+        logit_scale: float | None = None,
+        softcap: float | None = None,
+        chunk_size: int | None = None,
     ) -> LossOutput:
         """The same loss from hidden states, never materializing the full [N, V] logits.
 
-        Calls :func:`emdlm.ops.fused_linear_emo.fused_linear_emo_loss` (chunks over positions,
-        as Liger-Kernel's fused linear cross-entropy): gradients flow to ``hidden``, the head
-        weight and bias. ``hidden`` [..., H] and ``labels`` [...] must already be aligned.
-        """
-        from emdlm.ops.fused_linear_emo import fused_linear_emo_loss
+        Runs :class:`emdlm.ops.from_hidden.EMOObjective` through the chunked-loss engine
+        (:func:`emdlm.ops.chunked.chunked_linear_loss`, chunks over positions as Liger-Kernel's
+        fused linear cross-entropy): value and gradients (hidden, weight, bias) equal those of
+        ``self(cap·tanh(s·(hidden @ W.T + b)/cap), labels)``.
 
-        return fused_linear_emo_loss(
+        Args:
+            hidden: [..., H] final hidden states, aligned with ``labels`` (no shift inside).
+            lm_head_weight: [V, H] output embedding, same dtype as ``hidden``.
+            labels: [...] integer labels.
+            lm_head_bias: optional [V] head bias.
+            logit_scale: s, logits s·(hWᵀ + b) (model families with a logit scale).
+            softcap: cap, logits cap·tanh(z/cap) (Gemma-2's final logit soft-capping).
+            chunk_size: rows per chunk; default the module's ``chunk_size``, else 2^26 / V rows
+                (:mod:`emdlm.ops.chunked`), so the scratch stays a fixed size whatever the
+                vocabulary.
+        """
+        from emdlm.ops.from_hidden import emo_from_hidden
+
+        return emo_from_hidden(
             hidden,
             lm_head_weight,
             labels,
             self.cost_embedding_normalized,
-            bias=lm_head_bias,
+            lm_head_bias,
             mode=self.mode,
             mu=self.mu,
+            max_ratio=self.max_ratio,
             ignore_index=self.ignore_index,
             reduction=self.reduction,
-            chunk_size=self.chunk_size,
-            max_ratio=self.max_ratio,
+            chunk_size=chunk_size or self.chunk_size,
+            logit_scale=logit_scale,
+            softcap=softcap,
         )
 
     def extra_repr(self) -> str:

@@ -176,7 +176,10 @@ class NTILLoss(nn.Module):
     detached 0-d tensors "ce", "emd" (averaged W·EMD before emd_weight), "relative",
     "magnitude", "ntil" (before mixing), "mix_coef" (λ·sg(CE/NTIL) or λ), "n_numbers",
     "n_digit_tokens" (number tokens), "n_tokens" (counted labels). With no number in the batch
-    every NTIL component is an explicit 0 and the loss equals CE.
+    every NTIL component is an explicit 0 and the loss equals CE. ``number_mask=`` (bool,
+    aligned with the labels, in ``forward`` and ``from_hidden``) says which tokens may be scored
+    as numbers: a number counts only if all its tokens are in the mask (ntloss issue #65: leave
+    option labels or years out); CE stays on every counted label.
 
     Example:
         >>> loss_fn = NTILLoss(tokenizer)                          # doctest: +SKIP
@@ -185,6 +188,10 @@ class NTILLoss(nn.Module):
 
     Shape notation: B batch, T time, V vocabulary rows.
     """
+
+    #: ``forward`` / ``from_hidden`` take ``number_mask=`` (the Trainer glue passes a batch's
+    #: mask only to losses that say so).
+    takes_number_mask = True
 
     def __init__(
         self,
@@ -312,13 +319,22 @@ class NTILLoss(nn.Module):
         labels: torch.Tensor,
         *,
         generator: torch.Generator | None = None,
+        number_mask: torch.Tensor | None = None,
     ) -> LossOutput:
+        """The loss of ``logits`` [..., T, V] against ``labels`` [..., T] (class docstring).
+
+        ``number_mask`` (bool, the labels' shape; None = every token): True where a token may
+        be scored as a number. A number enters the numeric terms only if ALL its number tokens
+        are True; tokens outside the mask are non-number tokens there. CE is computed on every
+        counted label either way. ``generator`` draws this call's Gumbel noise.
+        """
         settings = self.settings
         check_logits_labels(logits, labels, settings.ignore_index)
         vocab = self._vocab_for(logits)
         labels = labels.to(logits.device)
         spans = resolve_spans(
-            labels, vocab, ignore_index=settings.ignore_index, **self.span_options
+            labels, vocab, ignore_index=settings.ignore_index, number_mask=number_mask,
+            **self.span_options,
         )
         candidates = class_candidates(vocab, spans)
         noise = sample_noise(candidates, settings, generator or self.generator)
@@ -351,6 +367,7 @@ class NTILLoss(nn.Module):
         logit_scale: float | None = None,
         softcap: float | None = None,
         chunk_size: int | None = None,
+        number_mask: torch.Tensor | None = None,
     ) -> LossOutput:
         """The same loss from hidden states, never materializing the [N, V] logits.
 
@@ -369,6 +386,8 @@ class NTILLoss(nn.Module):
             logit_scale: s, logits s·(hWᵀ + b) (model families with a logit scale).
             softcap: cap, logits cap·tanh(z/cap) (Gemma-2's final logit soft-capping).
             chunk_size: rows per chunk (default: 2^26 / V rows, :mod:`emdlm.ops.chunked`).
+            number_mask: bool, the labels' shape: which tokens may be scored as numbers (as in
+                ``forward``; CE stays on every counted label).
         """
         from emdlm.ops.from_hidden import NTILObjective, loss_from_hidden
 
@@ -384,7 +403,8 @@ class NTILLoss(nn.Module):
         vocab = self._vocab_for(stand_in)
         labels = labels.to(hidden.device)
         spans = resolve_spans(
-            labels, vocab, ignore_index=settings.ignore_index, **self.span_options
+            labels, vocab, ignore_index=settings.ignore_index, number_mask=number_mask,
+            **self.span_options,
         )
         candidates = class_candidates(vocab, spans)
         noise = sample_noise(candidates, settings, generator or self.generator)

@@ -1,4 +1,4 @@
-"""Shared per-chunk kernels of the chunked / fused EMO paths.
+"""EMO's per-chunk kernel (the chunked-loss engine's EMO objective) and shared chunk helpers.
 
 One chunk is ``n`` positions with their ``[n, V]`` logits. For each chunk we compute, in float32
 (float64 when the logits are float64):
@@ -33,7 +33,6 @@ from emdlm.functional._common import check_reduction
 from emdlm.functional.emo import check_emo_options
 
 EMOMode = Literal["emo1", "emo2", "static"]
-ChunkMode = Literal["emo1", "emo2", "static", "ce"]
 MODES: tuple[str, ...] = ("emo1", "emo2", "static")
 
 # The official codes' guard: sg(CE / (DEMD + 1e-10)) and sg(DEMD / (CE + 1e-10)), with DEMD clamped
@@ -105,10 +104,10 @@ def mode_coefficients(
     ce: torch.Tensor,
     demd: torch.Tensor,
     valid: torch.Tensor,
-    mode: ChunkMode,
+    mode: EMOMode,
     mu: float,
     max_ratio: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Detached per-token coefficients (a, b) of CE and DEMD, and the per-token loss value.
 
     Same values as ``emdlm.functional.emo.mix_emo``:
@@ -116,12 +115,9 @@ def mode_coefficients(
       clamped at ``max_ratio`` when given (the emoloss package uses 3.0).
     - emo2 (emoloss mode 2): L = DEMD + r·CE, r = sg(DEMD / (CE + 1e-10)).
     - static: L = CE + mu·DEMD.
-    - ce: L = CE (b is None: no DEMD needed).
     Ignored tokens get a = b = L = 0.
     """
     zero = torch.zeros((), dtype=ce.dtype, device=ce.device)
-    if mode == "ce":
-        return valid.to(ce.dtype), None, torch.where(valid, ce, zero)
     if mode == "emo1":
         # DEMD is clamped at 0 (as mix_emo does): a rounding just below 0 must not be
         # multiplied by a ratio of ~CE/1e-10; the clamp's gradient is 0 there.
@@ -155,59 +151,55 @@ def emo_chunk(
     z: torch.Tensor,
     labels: torch.Tensor,
     ignore_index: int,
-    cost: torch.Tensor | None,
-    mode: ChunkMode,
+    cost: torch.Tensor,
+    mode: EMOMode,
     mu: float,
     grad_scale: torch.Tensor | None,
     sums: ChunkSums,
     q_out: torch.Tensor,
-    s_buf: torch.Tensor | None,
+    s_buf: torch.Tensor,
     *,
     max_ratio: float | None = None,
     demd_out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Process one chunk: add its sums to ``sums``; return d(loss)/dz in ``q_out`` if asked.
 
-    The caller owns every [n, V] buffer, so a call allocates nothing of size V (on CPU a fresh
-    large tensor costs page faults comparable to an elementwise pass; reusing buffers across
-    chunks avoids them). Passes over [n, V]: log-softmax, exp, the S matmul, q⊙s, its row sum,
-    and two for the gradient.
+    The per-chunk function of :class:`emdlm.ops.from_hidden.EMOObjective` (the chunked-loss
+    engine's EMO). The caller owns every [n, V] buffer, so a call allocates nothing of size V
+    (on CPU a fresh large tensor costs page faults comparable to an elementwise pass; reusing
+    buffers across chunks avoids them). Passes over [n, V]: log-softmax, exp, the S matmul,
+    q⊙s, its row sum, and two for the gradient. Gradient rows of ignored labels are left to the
+    caller (the engine's drivers zero them: q may be NaN there, from a NaN / ±inf logit at a
+    padding position).
 
     Args:
         z: [n, V] logits of the chunk, any float dtype, any strides; read only.
         labels: [n] int64 labels (``ignore_index`` marks positions that are not scored).
-        cost: [V, d'] Ê already cast to the matmul dtype (None for mode "ce").
+        cost: [V, d'] Ê already cast to the matmul dtype.
         grad_scale: 0-d tensor multiplying the gradient (1/count for "mean", 1 for "sum"); None
             computes values only.
         q_out: [n, V] contiguous, compute dtype: receives q, then the gradient (for float32
             logits this can be the chunk's slice of the final gradient buffer).
-        s_buf: [n, V] contiguous, compute dtype scratch, needed unless mode is "ce" and ``z`` has
-            the compute dtype. It may alias ``z`` (``z`` is consumed before ``s_buf`` is written).
+        s_buf: [n, V] contiguous, compute dtype scratch. It may alias ``z`` (``z`` is consumed
+            before ``s_buf`` is written).
         demd_out: optional [n] tensor that receives the per-token DEMD (0 where ignored).
     """
     cdtype = q_out.dtype
     valid = labels != ignore_index  # [n]
     y = torch.where(valid, labels, 0)[:, None]  # [n, 1] safe gather index
     if z.dtype != cdtype:  # stage a float32 copy (CPU log-softmax cannot upcast on the fly)
-        assert s_buf is not None
         z = s_buf.copy_(z)
     torch.ops.aten._log_softmax.out(z, 1, False, out=q_out)  # log q, [n, V]
     ce = -q_out.gather(1, y).squeeze(1)  # [n] CE_t = -log q_t(y_t)
     q = q_out.exp_()  # [n, V]
 
-    p = qs = None
-    if mode == "ce":
-        demd = torch.zeros_like(ce)
-    else:
-        assert cost is not None and s_buf is not None
-        gold = cost[y.squeeze(1)]  # [n, d'] ê_{y_t}
-        if cost.dtype == cdtype:
-            s = torch.mm(gold, cost.T, out=s_buf)  # [n, V] S_{y_t v} = ê_{y_t} · ê_v
-        else:
-            s = s_buf.copy_(gold @ cost.T)  # reduced-precision matmul, then upcast
-        p = s.mul_(q)  # [n, V] q ⊙ s (s is not needed on its own again)
-        qs = p.sum(dim=1)  # [n] Σ_v q_v s_v
-        demd = 1.0 - qs  # [n] EMO Eq. 14 with a one-hot target
+    gold = cost[y.squeeze(1)]  # [n, d'] ê_{y_t}
+    # [n, V] S_{y_t v} = ê_{y_t} · ê_v; a reduced-precision Ê is multiplied, then upcast.
+    exact = cost.dtype == cdtype
+    s = torch.mm(gold, cost.T, out=s_buf) if exact else s_buf.copy_(gold @ cost.T)
+    p = s.mul_(q)  # [n, V] q ⊙ s (s is not needed on its own again)
+    qs = p.sum(dim=1)  # [n] Σ_v q_v s_v
+    demd = 1.0 - qs  # [n] EMO Eq. 14 with a one-hot target
     a, b, value = mode_coefficients(ce, demd, valid, mode, mu, max_ratio)
     sums.loss += value.sum()
     sums.ce += torch.where(valid, ce, 0.0).sum()
@@ -219,20 +211,9 @@ def emo_chunk(
 
     # g = q ⊙ (a + b·(q·s) - b·s) - a·onehot(y) = c·q - b·(q ⊙ s) - a·onehot(y), c = a + b·(q·s)
     a = a * grad_scale
-    if p is None:  # CE only: g = a·(q - onehot)
-        g = q.mul_(a[:, None])
-    else:
-        b = b * grad_scale  # type: ignore[operator]
-        g = q.mul_((a + b * qs)[:, None]).addcmul_(p, -b[:, None])
-    g = g.scatter_add_(1, y, -a[:, None])
-    # a = b = 0 on ignored rows, but q may be NaN there (a NaN / ±inf logit at a padding
-    # position) and 0·NaN = NaN: fill, do not multiply. The [n, 1] mask broadcasts in place.
-    return g.masked_fill_(~valid[:, None], 0.0)
-
-
-def scratch(rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One [rows, V] buffer, reused by every chunk of a call."""
-    return torch.empty((rows, vocab), dtype=dtype, device=device)
+    b = b * grad_scale
+    g = q.mul_((a + b * qs)[:, None]).addcmul_(p, -b[:, None])
+    return g.scatter_add_(1, y, -a[:, None])
 
 
 def row_blocks(x: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:

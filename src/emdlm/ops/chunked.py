@@ -1,39 +1,60 @@
-"""One chunked-loss engine: any objective from hidden states, no [N, V] logits ever alive.
+"""One chunked-loss engine: every objective, from hidden states or from given logits.
 
-Per chunk of rows c (the scheme of Liger-Kernel's chunked-loss base class and of
-:mod:`emdlm.ops.fused_linear_emo`), in forward:
+An objective is a :class:`ChunkObjective`: a per-chunk function (loss and gradient of a few
+rows' logits) plus an optional after-pass term. Two drivers run it (the scheme of
+Liger-Kernel's chunked-loss base class):
 
-    r_c = h_c Wᵀ + b                        [n, V]  head output, input dtype (as the unfused head)
-    z_c = cap·tanh(s·r_c / cap)             [n, V]  compute dtype; scale s and soft-cap optional
-    (L_c, g_c) = objective.chunk(z_c, y_c)          summed loss, g_c = dL_c/dz_c (0 on ignored rows)
-    g'_c = k · g_c · s·(1 − (z_c/cap)²)             k = 1/n_counted ("mean") or 1 ("sum")
-    grad_h_c = g'_c W,   grad_W += g'_cᵀ h_c,   grad_b += Σ_rows g'_c
+* :func:`chunked_linear_loss`, from hidden states (no [N, V] tensor ever alive). Per chunk c:
+
+      r_c = h_c Wᵀ + b                        [n, V]  head output, input dtype (as the unfused head)
+      z_c = cap·tanh(s·r_c / cap)             [n, V]  compute dtype; scale s and soft-cap optional
+      (L_c, g_c) = objective.chunk(z_c, y_c, k·s)     summed loss, g_c = k·s·dL_c/dz_c
+      g'_c = g_c · (1 − (z_c/cap)²)                   k = 1/n_counted ("mean") or 1 ("sum")
+      grad_h_c = g'_c W,   grad_W += g'_cᵀ h_c,   grad_b += Σ_rows g'_c
+
+* :func:`chunked_logits_loss`, from given logits (any strides, read chunk by chunk): z_c is a
+  chunk of the logits, g_c = k·dL_c/dz_c is written into one [N, V] gradient buffer (logits'
+  dtype; for float32 logits the objective works in it directly). An objective that would need
+  a pass of its own to apply k (plain CE: g = softmax − onehot) leaves it to backward, where it
+  joins grad_output in the one pass that scales the buffer.
 
 After the pass the objective may add a term that depends only on a few logits it kept
 (NTIL: the [M, K] class-candidate logits of the number positions) and on the pass's sums
 (the global CE mean): ``objective.finish`` returns its loss and its sparse gradient
 G[m, k] = dL/dz[rows[m], ids[m, k]], which is added without a second pass over the vocabulary:
 
-    grad_h[rows[m]] += Σ_k G'[m, k]·W[ids[m, k]],   grad_W[ids[m, k]] += G'[m, k]·h[rows[m]],
-    grad_b[ids[m, k]] += G'[m, k]                    (G' = k·G·s·(1 − (z/cap)²))
+    from hidden:  grad_h[rows[m]] += Σ_k G'[m, k]·W[ids[m, k]],
+                  grad_W[ids[m, k]] += G'[m, k]·h[rows[m]],  grad_b[ids[m, k]] += G'[m, k]
+                  (G' = k·G·s·(1 − (z/cap)²))
+    from logits:  grad[rows[m], ids[m, k]] += k·G[m, k]
 
-The loss is k·(Σ_c L_c + L_finish). backward multiplies the kept gradients by grad_output and
-hands them over (:mod:`emdlm.ops._handover`), so the graph is back-propagated once unless
-``inplace_backward=False``.
+The loss is k·(Σ_c L_c + L_finish). Gradients are computed in forward; backward multiplies them
+by grad_output and hands them over (:mod:`emdlm.ops._handover`), so the graph is
+back-propagated once unless ``inplace_backward=False``. Rows of ignored labels get exactly 0
+(the drivers zero them, so a NaN / inf at a padding position never leaks).
 
-Memory beyond the inputs and their gradients: one [n, V] buffer of the head output (input
-dtype; the CE family computes its softmax and gradient in it, in place), one float32 copy of it
-for half-precision inputs, one more with a soft-cap, EMO's q buffer, and a float32 [V, H]
-accumulator for grad_W when the weight is bf16/fp16 (grad_W accumulated in half precision would
-be rounded once per chunk). Default chunk: ``DEFAULT_CHUNK_ELEMENTS // V`` rows (2^26 elements =
-256 MiB of float32 per buffer; 441 rows at V = 151936, 2097 at V = 32000). At N = 4096,
-V = 151936 the float32 logits are 2.49 GB and one buffer is 10.8 % of them (≤ 1/8).
+Users: CE, TaiLr, MixCE (:class:`emdlm.ops.from_hidden.WeightedCEObjective`), NTIL and digit
+EMD (``NTILObjective``) and EMO (``EMOObjective``) from hidden states (every loss's
+``from_hidden``, :func:`emdlm.ops.fused_linear_emo.fused_linear_emo_loss`,
+``fused_linear_cross_entropy``); EMO (:func:`emdlm.ops.emo_chunked.emo_loss_chunked`,
+``demd_chunked``), NTIL (:func:`emdlm.ops.ntil_fused.ntil_fused`) and EMO distillation
+(:func:`emdlm.ops.emo_dense_chunked.emo_distill_loss_chunked`) from logits.
+
+Memory of the hidden driver beyond the inputs and their gradients: one [n, V] buffer of the head
+output (input dtype; the CE family computes its softmax and gradient in it, in place), one
+float32 copy of it for half-precision inputs, one more with a soft-cap, EMO's q buffer, and a
+float32 [V, H] accumulator for grad_W when the weight is bf16/fp16 (grad_W accumulated in half
+precision would be rounded once per chunk). Default chunk: ``DEFAULT_CHUNK_ELEMENTS // V`` rows
+(2^26 elements = 256 MiB of float32 per buffer; 441 rows at V = 151936, 2097 at V = 32000). At
+N = 4096, V = 151936 the float32 logits are 2.49 GB and one buffer is 10.8 % of them (≤ 1/8).
 Why not smaller: every chunk adds g_cᵀ h_c to the whole [V, H] grad_W, a pass over 545 MB at
 Qwen's vocabulary, so small chunks are memory-bound on CPU (N = 1024, V = 151936, 2 threads,
 fwd+bwd vs the full-logits CE: 1.32x at 110 rows, 1.21x at 220, 0.97x at 512; see
 docs/results/bench_from_hidden_cpu.md). Pass ``chunk_size`` to trade time for memory.
+Memory of the logits driver: the [N, V] gradient buffer (it replaces what plain autograd keeps)
+plus one float32 [n, V] staging buffer for half-precision logits and the objective's scratch.
 
-Shape notation: N rows (all leading dims of hidden), n rows in a chunk, H hidden size,
+Shape notation: N rows (all leading dims of hidden / logits), n rows in a chunk, H hidden size,
 V vocabulary, M kept positions, K kept logits per position.
 """
 
@@ -45,10 +66,16 @@ from typing import Any
 import torch
 
 from emdlm._output import LossOutput
-from emdlm.functional._common import IGNORE_INDEX, Reduction, check_reduction, compute_dtype
+from emdlm.functional._common import (
+    IGNORE_INDEX,
+    Reduction,
+    check_logits_labels,
+    check_reduction,
+    compute_dtype,
+)
+from emdlm.ops._chunking import row_chunks
 from emdlm.ops._compile import eager_under_compile
 from emdlm.ops._handover import hand_over_gradients
-from emdlm.ops.fused_linear_emo import _check_linear_inputs
 
 #: Elements (V x rows) of one chunk buffer by default: 256 MiB of float32 (module docstring).
 DEFAULT_CHUNK_ELEMENTS = 1 << 26
@@ -65,14 +92,19 @@ class ChunkOut:
 
     Attributes:
         loss: 0-d summed loss of the chunk's counted rows (compute dtype, no reduction).
-        grad: [n, V] d(loss)/d(z_c) in the compute dtype, exactly 0 on ignored rows (may be
-            z_c's own storage, overwritten); None when no gradient was asked for.
+        grad: [n, V] grad_scale·d(loss)/d(z_c) in the compute dtype, or None when no gradient
+            was asked for. It may be ``out`` (preferred: no copy) or the objective's own
+            buffer. Rows of ignored labels may hold anything: the drivers zero them.
         stats: [S] sums the objective wants back in ``finish`` (compute dtype).
+        scaled: False when ``grad`` is d(loss)/d(z_c) without grad_scale (where applying it
+            would cost the objective a pass of its own): the driver applies it, the logits
+            driver together with grad_output in backward.
     """
 
     loss: torch.Tensor
     grad: torch.Tensor | None
     stats: torch.Tensor
+    scaled: bool = True
 
 
 @dataclass
@@ -82,7 +114,7 @@ class SparseLogitGrad:
     Attributes:
         rows: [M] long flattened positions.
         ids: [M, K] long vocabulary ids (padding columns must carry grad 0).
-        grad: [M, K] d(term)/dz, unreduced (sum units, as ``ChunkOut.grad``).
+        grad: [M, K] d(term)/dz, unreduced (sum units, as ``ChunkOut.loss``).
         logits: [M, K] the (scaled, capped) logits z at those places (for the soft-cap chain).
     """
 
@@ -108,7 +140,8 @@ class Finish:
 
 
 class ChunkObjective:
-    """Base of the per-chunk functions plugged into :func:`chunked_linear_loss`.
+    """Base of the per-chunk functions plugged into :func:`chunked_linear_loss` and
+    :func:`chunked_logits_loss`.
 
     Subclasses implement :meth:`chunk`; :meth:`begin` and :meth:`finish` are optional hooks.
     An objective instance serves one call (it may keep state between chunks).
@@ -117,19 +150,29 @@ class ChunkObjective:
     #: Number of summed statistics returned per chunk (length of ``ChunkOut.stats``).
     n_stats: int = 1
 
-    def begin(self, n_rows: int, chunk_rows: int) -> None:
-        """Called once before the first chunk (N rows, ``chunk_rows`` per chunk)."""
+    def begin(self, starts: list[int], n_rows: int) -> None:
+        """Called once before the first chunk: the first row of every chunk, N rows in all."""
 
     def chunk(
         self,
         z: torch.Tensor,
+        out: torch.Tensor,
         labels: torch.Tensor,
         valid: torch.Tensor,
         start: int,
-        want_grad: bool,
+        grad_scale: torch.Tensor | None,
     ) -> ChunkOut:
-        """Loss and gradient of rows [start, start + n): z [n, V] (owned, may be overwritten),
-        labels [n] long, valid [n] bool."""
+        """Loss and scaled gradient of rows [start, start + n).
+
+        Args:
+            z: [n, V] logits of the chunk, read only, any float dtype and strides; it may be
+                ``out`` itself (from hidden states), then it may be overwritten.
+            out: [n, V] contiguous compute-dtype buffer the objective owns for this chunk.
+            labels: [n] long labels; valid: [n] bool, False where ignored.
+            start: first flattened row of the chunk.
+            grad_scale: 0-d multiplier of the returned gradient (k·s); None = values only.
+                An objective may leave it to the driver (``ChunkOut.scaled = False``).
+        """
         raise NotImplementedError
 
     def finish(self, stats: torch.Tensor, count: torch.Tensor, want_grad: bool) -> Finish:
@@ -145,8 +188,10 @@ class HeadOptions:
         ignore_index: label value that is not scored.
         reduction: "mean" over counted labels or "sum".
         chunk_size: rows per chunk (None: :func:`default_chunk_rows`).
-        logit_scale: s, z = s·(hWᵀ + b) (e.g. Cohere's ``logit_scale``); None = 1.
+        logit_scale: s, z = s·(hWᵀ + b) (e.g. Cohere's ``logit_scale``); None = 1. From hidden
+            states only.
         softcap: cap, z = cap·tanh(z / cap) (Gemma-2's ``final_logit_softcapping``); None = off.
+            From hidden states only.
     """
 
     ignore_index: int = IGNORE_INDEX
@@ -167,6 +212,86 @@ def check_head_options(options: HeadOptions) -> None:
         value = getattr(options, name)
         if value is not None and not (0 < float(value) < float("inf")):
             raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}")
+
+
+def check_linear_inputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None,
+    ignore_index: int,
+) -> None:
+    """Clear errors for a head ``hidden [..., H] @ weight [V, H]ᵀ + bias [V]`` and its labels."""
+    if not torch.is_floating_point(hidden) or not torch.is_floating_point(weight):
+        raise TypeError(
+            f"hidden and weight must be floating point, got {hidden.dtype} and {weight.dtype}"
+        )
+    if weight.dim() != 2 or hidden.dim() < 1 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight must have shape [V, H] with H = hidden.shape[-1]; got hidden "
+            f"{tuple(hidden.shape)} and weight {tuple(weight.shape)}"
+        )
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) dtypes differ")
+    if bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != weight.dtype):
+        raise ValueError(
+            f"bias must have shape [V] = {tuple(weight.shape[:1])} and dtype {weight.dtype}, "
+            f"got {tuple(bias.shape)} {bias.dtype}"
+        )
+    # Shape / range checks of the labels against a zero-stride stand-in for the logits.
+    stand_in = hidden.new_zeros(()).expand(*hidden.shape[:-1], weight.shape[0])
+    check_logits_labels(stand_in, labels, ignore_index)
+
+
+@dataclass
+class _Pass:
+    """What both drivers set up the same way: flat labels, the count and the reduction."""
+
+    labels: torch.Tensor  # [N] long
+    valid: torch.Tensor  # [N] bool
+    count: torch.Tensor  # 0-d long, counted labels
+    scale: torch.Tensor  # 0-d compute dtype: k = 1/count ("mean") or 1 ("sum")
+
+    @classmethod
+    def of(cls, labels: torch.Tensor, options: HeadOptions, cdtype: torch.dtype) -> _Pass:
+        """Flatten ``labels`` [...] and count them (no host sync)."""
+        flat = labels.reshape(-1).long()
+        valid = flat != options.ignore_index
+        count = valid.sum()
+        if options.reduction == "mean":
+            scale = 1.0 / count.clamp_min(1).to(cdtype)
+        else:
+            scale = torch.ones((), dtype=cdtype, device=labels.device)
+        return cls(labels=flat, valid=valid, count=count, scale=scale)
+
+    def ignored_between(self, bounds: list[int]) -> list[torch.Tensor]:
+        """Ignored rows of each chunk [bounds[i], bounds[i+1]), chunk-local (two host syncs)."""
+        ignored = (~self.valid).nonzero().squeeze(1)  # [I] sorted
+        edges = torch.tensor(bounds, device=ignored.device)
+        cut = torch.searchsorted(ignored, edges).tolist()
+        return [ignored[cut[i] : cut[i + 1]] - bounds[i] for i in range(len(bounds) - 1)]
+
+
+def _finish_loss(loss_sum: torch.Tensor, fin: Finish, run: _Pass) -> torch.Tensor:
+    """k·(Σ_c L_c + L_finish), summed in float64."""
+    return (loss_sum.double() + fin.extra_loss.double()) * run.scale.double()
+
+
+def _pack(fin: Finish, names: list[tuple[str, torch.dtype]], like: torch.Tensor) -> torch.Tensor:
+    """Components as one float64 vector (one non-differentiable Function output)."""
+    names.extend((k, v.dtype) for k, v in fin.components.items())
+    values = [v.detach().double().reshape(()) for v in fin.components.values()]
+    return torch.stack(values) if values else like.new_zeros(0, dtype=torch.float64)
+
+
+def _unpack(names: list[tuple[str, torch.dtype]], packed: torch.Tensor) -> dict[str, Any]:
+    """Inverse of :func:`_pack`: the components with their own dtypes."""
+    return {k: v.to(dt) for (k, dt), v in zip(names, packed.unbind(0), strict=True)}
+
+
+# ----------------------------------------------------------------------------------------------
+# From hidden states
+# ----------------------------------------------------------------------------------------------
 
 
 def _head_chunk(
@@ -191,18 +316,6 @@ def _head_chunk(
         torch.tanh(torch.div(z, cap, out=tanh_buf), out=tanh_buf)
         torch.mul(tanh_buf, cap, out=z)
     return z
-
-
-def _chain_head(
-    g: torch.Tensor, scale: torch.Tensor, tanh: torch.Tensor | None, options: HeadOptions
-) -> torch.Tensor:
-    """g · k · s · (1 − tanh²) in place: the gradient w.r.t. the raw head output."""
-    g.mul_(scale)
-    if options.logit_scale is not None:
-        g.mul_(options.logit_scale)
-    if tanh is not None:
-        g.mul_(tanh.square_().neg_().add_(1.0))
-    return g
 
 
 def _add_sparse(
@@ -251,28 +364,28 @@ def _engine_forward(
     options: HeadOptions,
     need: tuple[bool, bool, bool],
 ) -> tuple[torch.Tensor, Finish, tuple[Any, Any, Any]]:
-    """The chunk loop. Returns the reduced loss, the objective's Finish and the gradients."""
+    """The chunk loop from hidden states. Returns the reduced loss, the objective's Finish and
+    the gradients (hidden, weight, bias), None where not needed."""
     need_h, need_w, need_b = need
     want_grad = need_h or need_w or need_b
     h2 = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
-    flat_labels = labels.reshape(-1).long()  # [N]
-    valid = flat_labels != options.ignore_index  # [N]
     cdtype = compute_dtype(hidden.dtype)
-    count = valid.sum()
-    scale = (
-        1.0 / count.clamp_min(1).to(cdtype)
-        if options.reduction == "mean"
-        else torch.ones((), dtype=cdtype, device=hidden.device)
-    )
+    run = _Pass.of(labels, options, cdtype)
     n_rows, vocab = h2.shape[0], weight.shape[0]
     chunk = options.chunk_size or default_chunk_rows(vocab)
     rows = max(1, min(chunk, n_rows))
+    starts = list(range(0, n_rows, chunk))
     acc_dtype = weight.dtype if weight.dtype in (torch.float32, torch.float64) else torch.float32
     grad_h = torch.zeros_like(h2) if need_h else None
     grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
     grad_b = (
         torch.zeros(weight.shape[:1], dtype=acc_dtype, device=weight.device) if need_b else None
     )
+    # k·s folded into the objective's gradient (a multiplier it applies anyway): no extra pass.
+    grad_scale = None
+    if want_grad:
+        grad_scale = run.scale * (options.logit_scale or 1.0)
+    ignored = run.ignored_between([*starts, n_rows]) if want_grad else []
     # Buffers reused by every chunk: the head output (input dtype), its compute-dtype copy
     # (half precision only) and tanh (soft-cap only).
     raw_buf = torch.empty((rows, vocab), dtype=hidden.dtype, device=hidden.device)
@@ -280,23 +393,27 @@ def _engine_forward(
     tanh_buf = None if options.softcap is None else torch.empty_like(raw_buf, dtype=cdtype)
     loss_sum = torch.zeros((), dtype=cdtype, device=hidden.device)
     stats = torch.zeros(objective.n_stats, dtype=cdtype, device=hidden.device)
-    objective.begin(n_rows, chunk)
-    for lo in range(0, n_rows, chunk):
+    objective.begin(starts, n_rows)
+    for i, lo in enumerate(starts):
         hi = min(lo + chunk, n_rows)
         n = hi - lo
-        valid_c = valid[lo:hi]
+        valid_c = run.valid[lo:hi]
         # Ignored rows' hidden states are zeroed ([n, H], small): a NaN / inf there (padding)
         # then never reaches z, tanh or gᵀh, and their exact-0 gradient stays 0.
         h_c = torch.where(valid_c[:, None], h2[lo:hi], 0.0)  # [n, H]
         tanh_c = None if tanh_buf is None else tanh_buf[:n]
         staged = None if staged_buf is None else staged_buf[:n]
         z = _head_chunk(h_c, weight, bias, raw_buf[:n], staged, tanh_c, options)
-        out = objective.chunk(z, flat_labels[lo:hi], valid_c, lo, want_grad)
+        out = objective.chunk(z, z, run.labels[lo:hi], valid_c, lo, grad_scale)
         loss_sum = loss_sum + out.loss
         stats = stats + out.stats
         if out.grad is None:
             continue
-        g = _chain_head(out.grad, scale, tanh_c, options)
+        g = out.grad.index_fill_(0, ignored[i], 0.0)  # [n, V] k·s·dL/dz
+        if not out.scaled:
+            g.mul_(grad_scale)
+        if tanh_c is not None:  # d(cap·tanh(r/cap))/dr = 1 − tanh²
+            g.mul_(tanh_c.square_().neg_().add_(1.0))
         g_d = g if g.dtype == hidden.dtype else raw_buf[:n].copy_(g)  # as the head's backward
         if grad_h is not None:
             torch.mm(g_d, weight, out=grad_h[lo:hi])
@@ -307,10 +424,10 @@ def _engine_forward(
                 grad_w.add_(g_d.T @ h_c)
         if grad_b is not None:
             grad_b.add_(g.sum(0))
-    fin = objective.finish(stats, count, want_grad)
-    total = (loss_sum.double() + fin.extra_loss.double()) * scale.double()
+    fin = objective.finish(stats, run.count, want_grad)
+    total = _finish_loss(loss_sum, fin, run)
     if want_grad and fin.sparse is not None:
-        _add_sparse(fin.sparse, h2, weight, scale, options, (grad_h, grad_w, grad_b))
+        _add_sparse(fin.sparse, h2, weight, run.scale, options, (grad_h, grad_w, grad_b))
     grads = (
         None if grad_h is None else grad_h.view(hidden.shape),
         None if grad_w is None else grad_w.to(weight.dtype),
@@ -346,9 +463,7 @@ class ChunkedLinearLossFunction(torch.autograd.Function):
         )
         ctx.grads = grads
         ctx.inplace_backward = inplace_backward
-        names.extend((k, v.dtype) for k, v in fin.components.items())
-        values = [v.detach().double().reshape(()) for v in fin.components.values()]
-        packed = torch.stack(values) if values else loss.new_zeros(0, dtype=torch.float64)
+        packed = _pack(fin, names, loss)
         ctx.mark_non_differentiable(packed)
         return loss, packed
 
@@ -388,7 +503,7 @@ def chunked_linear_loss(
     """
     options = options or HeadOptions()
     check_head_options(options)
-    _check_linear_inputs(hidden, weight, labels, bias, options.ignore_index, 1)
+    check_linear_inputs(hidden, weight, labels, bias, options.ignore_index)
     labels = labels.to(hidden.device)
     wants_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
@@ -399,7 +514,7 @@ def chunked_linear_loss(
             hidden, weight, bias, labels, objective, options, inplace_backward, names
         )
         # Components travel packed as float64 (one non-differentiable output); restore dtypes.
-        components = {k: v.to(dt) for (k, dt), v in zip(names, packed.unbind(0), strict=True)}
+        components = _unpack(names, packed)
     else:
         with torch.no_grad():
             loss, fin, _ = _engine_forward(
@@ -409,14 +524,163 @@ def chunked_linear_loss(
     return LossOutput(loss=loss, components=components)
 
 
+# ----------------------------------------------------------------------------------------------
+# From given logits
+# ----------------------------------------------------------------------------------------------
+
+
+def _logits_forward(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    objective: ChunkObjective,
+    options: HeadOptions,
+    want_grad: bool,
+) -> tuple[torch.Tensor, Finish, torch.Tensor | None, torch.Tensor | None]:
+    """The chunk loop over given logits. Returns the reduced loss, the objective's Finish, the
+    [N, V] gradient buffer (logits' dtype) or None, and the multiplier k still to apply to the
+    buffer in backward (None when every chunk's gradient came scaled)."""
+    vocab = logits.shape[-1]
+    device = logits.device
+    cdtype = compute_dtype(logits.dtype)
+    run = _Pass.of(labels, options, cdtype)
+    n_rows = run.labels.numel()
+    chunk = options.chunk_size or default_chunk_rows(vocab)
+    chunks = list(row_chunks(logits, chunk))  # views: a sliced [B, T-1, V] is never copied
+    grad = torch.empty((n_rows, vocab), dtype=logits.dtype, device=device) if want_grad else None
+    # The objective works in the gradient buffer itself when it has the compute dtype;
+    # otherwise in one staging buffer, cast into the buffer after each chunk.
+    direct = grad is not None and grad.dtype == cdtype
+    rows = max((hi - lo for lo, hi, _ in chunks), default=1)
+    staged = None if direct else torch.empty((rows, vocab), dtype=cdtype, device=device)
+    grad_scale = run.scale if want_grad else None
+    loss_sum = torch.zeros((), dtype=cdtype, device=device)
+    stats = torch.zeros(objective.n_stats, dtype=cdtype, device=device)
+    unscaled: list[tuple[int, int]] = []  # chunks whose gradient still lacks k
+    objective.begin([lo for lo, _, _ in chunks], n_rows)
+    for lo, hi, z in chunks:
+        out = grad[lo:hi] if direct else staged[: hi - lo]  # type: ignore[index]
+        res = objective.chunk(z, out, run.labels[lo:hi], run.valid[lo:hi], lo, grad_scale)
+        loss_sum = loss_sum + res.loss
+        stats = stats + res.stats
+        if grad is None or res.grad is None:
+            continue
+        if res.grad.data_ptr() != grad[lo].data_ptr():
+            grad[lo:hi].copy_(res.grad)
+        if not res.scaled:
+            unscaled.append((lo, hi))
+    fin = objective.finish(stats, run.count, want_grad)
+    total = _finish_loss(loss_sum, fin, run)
+    later = None
+    if grad is not None:
+        # k is applied in backward with grad_output (one pass) when no chunk applied it.
+        if unscaled and len(unscaled) == len(chunks):
+            later = run.scale
+        else:
+            for lo, hi in unscaled:
+                grad[lo:hi].mul_(run.scale.to(grad.dtype))
+        (ignored,) = run.ignored_between([0, n_rows])
+        grad.index_fill_(0, ignored, 0.0)  # exact 0 there, whatever the logits held
+        sparse = fin.sparse
+        if sparse is not None and sparse.rows.numel():
+            rows_mk = sparse.rows[:, None].expand_as(sparse.ids)  # [M, K]
+            g = sparse.grad.double()
+            if later is None:
+                g = g * run.scale.double()
+            grad.index_put_((rows_mk, sparse.ids), g.to(grad.dtype), accumulate=True)
+    return total.to(cdtype), fin, grad, later
+
+
+class ChunkedLogitsLossFunction(torch.autograd.Function):
+    """(logits) -> (loss, packed components); the [N, V] gradient computed in forward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        objective: ChunkObjective,
+        options: HeadOptions,
+        inplace_backward: bool,
+        names: list[tuple[str, torch.dtype]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, fin, grad, later = _logits_forward(logits, labels, objective, options, True)
+        ctx.grads = (grad.view(logits.shape),)  # type: ignore[union-attr]
+        ctx.later = later
+        ctx.inplace_backward = inplace_backward
+        packed = _pack(fin, names, loss)
+        ctx.mark_non_differentiable(packed)
+        return loss, packed
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
+        factor = grad_loss if ctx.later is None else grad_loss * ctx.later
+        # One host sync per batch when in place: a factor of 1 skips a pass over [N, V].
+        skip = ctx.inplace_backward and bool(factor == 1)
+        (grad,) = hand_over_gradients(
+            ctx, "grads", None if skip else factor, "ChunkedLogitsLossFunction"
+        )
+        # logits, then: labels, objective, options, inplace_backward, names
+        return grad, None, None, None, None, None
+
+
+@eager_under_compile
+def chunked_logits_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    objective: ChunkObjective,
+    options: HeadOptions | None = None,
+    *,
+    inplace_backward: bool = True,
+) -> LossOutput:
+    """Loss of given logits, chunk by chunk, with one [N, V] gradient buffer.
+
+    Args:
+        logits: [..., V] any float dtype and strides (a sliced view such as ``logits[:, :-1]``
+            is read chunk by chunk, never copied whole); the objective runs in float32 (float64
+            for float64 logits).
+        labels: [...] labels aligned with the logits (no shift inside).
+        objective: the per-chunk function (:class:`ChunkObjective`), fresh for this call.
+        options: :class:`HeadOptions` (reduction, ignore_index, chunk size; no scale / cap:
+            the logits are taken as given).
+        inplace_backward: scale the gradient buffer in place in backward and hand it over
+            (one backward only); False keeps it for another backward (e.g. gradcheck).
+
+    Returns:
+        LossOutput with the loss (0-d, compute dtype) and the objective's components.
+    """
+    options = options or HeadOptions()
+    check_head_options(options)
+    if options.logit_scale is not None or options.softcap is not None:
+        raise ValueError(
+            "logit_scale / softcap apply to the head from hidden states (chunked_linear_loss); "
+            "given logits are scored as they are"
+        )
+    check_logits_labels(logits, labels, options.ignore_index)
+    labels = labels.to(logits.device)
+    if torch.is_grad_enabled() and logits.requires_grad:
+        names: list[tuple[str, torch.dtype]] = []
+        loss, packed = ChunkedLogitsLossFunction.apply(
+            logits, labels, objective, options, inplace_backward, names
+        )
+        components = _unpack(names, packed)
+    else:
+        with torch.no_grad():
+            loss, fin, _, _ = _logits_forward(logits, labels, objective, options, False)
+        components = {k: v.detach() for k, v in fin.components.items()}
+    return LossOutput(loss=loss, components=components)
+
+
 __all__ = [
     "DEFAULT_CHUNK_ELEMENTS",
     "ChunkObjective",
     "ChunkOut",
     "ChunkedLinearLossFunction",
+    "ChunkedLogitsLossFunction",
     "Finish",
     "HeadOptions",
     "SparseLogitGrad",
+    "check_linear_inputs",
     "chunked_linear_loss",
+    "chunked_logits_loss",
     "default_chunk_rows",
 ]

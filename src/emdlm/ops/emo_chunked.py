@@ -1,4 +1,4 @@
-"""Chunked EMO (CE + DEMD) on given logits: one custom autograd Function, O(chunk·V) scratch.
+"""Chunked EMO (CE + DEMD) on given logits: a user of the chunked-loss engine.
 
 Per position t (EMO, ICLR 2024, Eq. 14 and Eq. 19; GUIDE §1.4):
 
@@ -14,7 +14,8 @@ guard, CE / (max(DEMD, 0) + 1e-10) and DEMD / (CE + 1e-10): finite everywhere, a
 value is 0 (DEMD = 0, or CE = 0) adds 0 to the loss. Same semantics as the reference
 ``emdlm.functional.emo.emo_loss`` (including its ``max_ratio`` cap of emo1's ratio).
 
-Design (why this shape):
+Design (why this shape): the per-chunk function is :class:`emdlm.ops.from_hidden.EMOObjective`
+(the one EMO from hidden states uses), run by :func:`emdlm.ops.chunked.chunked_logits_loss`:
 - The gradient w.r.t. the logits is written into one buffer during forward, chunk by chunk,
   the way Liger-Kernel's fused cross-entropy does: ``a·(q - onehot) - b·q ⊙ (s - q·s)`` with
   s = S_{y,:} and detached per-token coefficients (a, b) from the mode. S is then computed once and
@@ -35,8 +36,6 @@ Shape notation: N positions (all leading dims of the logits), V vocabulary, d' c
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from emdlm._output import LossOutput
@@ -47,18 +46,15 @@ from emdlm.functional._common import (
     compute_dtype,
 )
 from emdlm.ops._chunking import (
-    ChunkSums,
     EMOMode,
     check_chunk_size,
     check_cost_embedding,
     check_mode,
-    emo_chunk,
     prepare_cost,
-    row_chunks,
-    scratch,
 )
 from emdlm.ops._compile import eager_under_compile
-from emdlm.ops._handover import hand_over_gradients
+from emdlm.ops.chunked import HeadOptions, chunked_logits_loss
+from emdlm.ops.from_hidden import EMOObjective
 
 
 def _check_inputs(
@@ -76,108 +72,6 @@ def _check_inputs(
     check_chunk_size(chunk_size)
     check_logits_labels(logits, labels, ignore_index)
     check_cost_embedding(cost_embedding, logits.shape[-1], logits.device)
-
-
-def _emo_chunked_forward(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    cost: torch.Tensor,
-    mode: str,
-    mu: float,
-    ignore_index: int,
-    reduction: str,
-    chunk_size: int,
-    max_ratio: float | None,
-    with_grad: bool,
-    demd_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Loop over position chunks. Returns loss, mean CE, mean DEMD, count, grad buffer [N, V].
-
-    Memory: the gradient buffer (logits' dtype) plus one [chunk, V] compute-dtype scratch for S;
-    a second scratch for q only when the buffer cannot hold q (non-float32 logits, or no grad).
-    """
-    vocab = logits.shape[-1]
-    device = logits.device
-    flat_labels = labels.reshape(-1).long()  # [N]
-    n_rows = flat_labels.numel()
-    cdtype = compute_dtype(logits.dtype)
-    count = (flat_labels != ignore_index).sum()  # 0-d, stays on device
-    denom = count.clamp_min(1).to(cdtype)
-    scale = 1.0 / denom if reduction == "mean" else torch.ones_like(denom)
-    grad = torch.empty((n_rows, vocab), dtype=logits.dtype, device=device) if with_grad else None
-    rows = min(chunk_size, n_rows)
-    s_buf = scratch(rows, vocab, cdtype, device)
-    q_buf = (
-        None if grad is not None and grad.dtype == cdtype else scratch(rows, vocab, cdtype, device)
-    )
-    sums = ChunkSums.zeros(device, cdtype)
-    for start, end, z in row_chunks(logits, chunk_size):
-        n = end - start
-        g = emo_chunk(
-            z,
-            flat_labels[start:end],
-            ignore_index,
-            cost,
-            mode,  # type: ignore[arg-type]
-            mu,
-            scale if with_grad else None,
-            sums,
-            grad[start:end] if q_buf is None else q_buf[:n],  # type: ignore[index]
-            s_buf[:n],
-            max_ratio=max_ratio,
-            demd_out=None if demd_out is None else demd_out[start:end],
-        )
-        if grad is not None and q_buf is not None:
-            grad[start:end].copy_(g)  # cast the float32 gradient to the logits' dtype
-    loss = sums.loss * scale
-    return loss, sums.ce / denom, sums.demd / denom, count, grad
-
-
-class EMOChunkedFunction(torch.autograd.Function):
-    """Autograd Function: (loss, mean CE, mean DEMD, count); a gradient for the logits only."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        logits: torch.Tensor,
-        labels: torch.Tensor,
-        cost: torch.Tensor,
-        mode: str,
-        mu: float,
-        ignore_index: int,
-        reduction: str,
-        chunk_size: int,
-        max_ratio: float | None,
-        inplace_backward: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        ctx.inplace_backward = inplace_backward
-        loss, ce, demd, count, grad = _emo_chunked_forward(
-            logits, labels, cost, mode, mu, ignore_index, reduction, chunk_size, max_ratio, True
-        )
-        ctx.grad_buffer = (grad,)  # [N, V] d(loss)/d(logits) for grad_output = 1
-        ctx.logits_shape = logits.shape
-        ctx.mark_non_differentiable(ce, demd, count)
-        return loss, ce, demd, count
-
-    @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
-        # One host sync per batch when in place: grad_output == 1 skips a pass over [N, V].
-        skip = ctx.inplace_backward and bool(grad_loss == 1)
-        (grad,) = hand_over_gradients(
-            ctx, "grad_buffer", None if skip else grad_loss, "EMOChunkedFunction"
-        )
-        return (
-            grad.view(ctx.logits_shape),
-            None,  # labels
-            None,  # cost
-            None,  # mode
-            None,  # mu
-            None,  # ignore_index
-            None,  # reduction
-            None,  # chunk_size
-            None,  # max_ratio
-            None,  # inplace_backward
-        )
 
 
 @eager_under_compile
@@ -233,24 +127,11 @@ def emo_loss_chunked(
         logits, labels, cost_embedding, mode, reduction, ignore_index, chunk_size, mu, max_ratio
     )
     cost = prepare_cost(cost_embedding, cost_dtype, compute_dtype(logits.dtype))
-    if torch.is_grad_enabled() and logits.requires_grad:
-        loss, ce, demd, count = EMOChunkedFunction.apply(
-            logits,
-            labels,
-            cost,
-            mode,
-            mu,
-            ignore_index,
-            reduction,
-            chunk_size,
-            max_ratio,
-            inplace_backward,
-        )
-    else:  # values only: no gradient buffer
-        loss, ce, demd, count, _ = _emo_chunked_forward(
-            logits, labels, cost, mode, mu, ignore_index, reduction, chunk_size, max_ratio, False
-        )
-    return LossOutput(loss=loss, components={"ce": ce, "demd": demd, "n_tokens": count})
+    options = HeadOptions(ignore_index=ignore_index, reduction=reduction, chunk_size=chunk_size)
+    objective = EMOObjective(cost, mode, mu, max_ratio)
+    return chunked_logits_loss(
+        logits, labels, objective, options, inplace_backward=inplace_backward
+    )
 
 
 @torch.no_grad()
@@ -271,7 +152,7 @@ def demd_chunked(
     cdtype = compute_dtype(logits.dtype)
     cost = prepare_cost(cost_embedding, cost_dtype, cdtype)
     out = torch.zeros(labels.numel(), dtype=cdtype, device=logits.device)
-    _emo_chunked_forward(
-        logits, labels, cost, "static", 1.0, ignore_index, "sum", chunk_size, None, False, out
-    )
+    objective = EMOObjective(cost, "static", 1.0, None, demd_out=out)
+    options = HeadOptions(ignore_index=ignore_index, reduction="sum", chunk_size=chunk_size)
+    chunked_logits_loss(logits, labels, objective, options)
     return out.view(labels.shape)

@@ -1,4 +1,4 @@
-"""Chunked EMO distillation (dense target): one custom autograd Function, O(chunk·V) scratch.
+"""Chunked EMO distillation (dense target): a user of the chunked-loss engine, O(chunk·V) scratch.
 
 Same values and gradients as the reference :func:`emdlm.functional.emo_dense.emo_distill_loss`
 (formulas and sources there; EMO, ICLR 2024, Eq. 15 and Eq. 19). Per position, with
@@ -11,11 +11,14 @@ the softmax  d DEMD / d z = q ⊙ (g - q·g).  The base terms' gradients w.r.t. 
 KL(p ‖ q) → (Σp)·q - p, CE(y) → q - onehot(y). With detached per-token coefficients (a, b) of the
 mode (``emdlm.ops._chunking.mode_coefficients``), the gradient is a·∇B + b·∇DEMD.
 
-Design (as :mod:`emdlm.ops.emo_chunked`): the gradient w.r.t. the student logits is written into
-one [N, V] buffer (logits' dtype) during forward, chunk by chunk; backward only scales it by
-grad_output and hands it over (so backward runs once per forward unless
-``inplace_backward=False``). w is needed twice (value and gradient), so it is computed once per
-chunk with two matmuls, Êᵀp ([n, V] × [V, d']) and (Êᵀp) Êᵀ ([n, d'] × [d', V]); no V x V matrix.
+Design (as :mod:`emdlm.ops.emo_chunked`): :class:`EMODistillObjective` is the per-chunk function
+of :func:`emdlm.ops.chunked.chunked_logits_loss`, which writes the gradient w.r.t. the student
+logits into one [N, V] buffer (logits' dtype) during forward, chunk by chunk; backward only
+scales it by grad_output and hands it over (so backward runs once per forward unless
+``inplace_backward=False``). The teacher's rows of each chunk are views of its logits (one
+flattening copy only when its strides split rows differently from the student's).
+w is needed twice (value and gradient), so it is computed once per chunk with two matmuls,
+Êᵀp ([n, V] × [V, d']) and (Êᵀp) Êᵀ ([n, d'] × [d', V]); no V x V matrix.
 Scratch per chunk: about six [chunk, V] compute-dtype tensors (log q / q, log p / w, p, q - p, g,
 and float32 copies of half-precision inputs). No gradient flows to the teacher or to Ê.
 
@@ -42,9 +45,9 @@ from emdlm.ops._chunking import (
     check_mode,
     mode_coefficients,
     prepare_cost,
-    row_chunks,
+    row_blocks,
 )
-from emdlm.ops._handover import hand_over_gradients
+from emdlm.ops.chunked import ChunkObjective, ChunkOut, Finish, HeadOptions, chunked_logits_loss
 
 
 def _chunk(
@@ -55,16 +58,21 @@ def _chunk(
     cost: torch.Tensor,
     opts: dict[str, Any],
     grad_scale: torch.Tensor | None,
+    staging: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One chunk: per-token (loss value, base, DEMD) [n] and, if asked, d(loss)/dz [n, V].
 
-    ``z``, ``u``: [n, V] student / teacher logits (any dtype, any strides; read only).
+    ``z``, ``u``: [n, V] student / teacher logits (any dtype, any strides; read only);
+    ``staging``: [n, V] compute-dtype buffer that receives the student logits (it may be ``z``).
     """
     cdtype = cost.dtype  # the compute dtype: prepare_cost cast Ê to it
     keep = valid[:, None]
     # Ignored rows may hold NaN / inf (padding): compute on zeros there, so nothing non-finite
     # enters a row sum; their coefficients are 0 and their gradient rows are filled with 0.
-    z = torch.where(keep, z.to(cdtype), 0.0)
+    if z.dtype == cdtype:  # one pass, into the driver's buffer
+        z = torch.where(keep, z, torch.zeros((), dtype=cdtype, device=z.device), out=staging)
+    else:  # half-precision logits: stage a float32 copy, then zero the ignored rows
+        z = staging.copy_(z).masked_fill_(~keep, 0.0)
     u = torch.where(keep, u.to(cdtype), 0.0)
     if opts["temperature"] != 1.0:
         u = u.div_(opts["temperature"])
@@ -104,75 +112,54 @@ def _chunk(
     return value, base_value, demd, grad.masked_fill_(~keep, 0.0)
 
 
-def _forward(
-    logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
-    labels: torch.Tensor,
-    cost: torch.Tensor,
-    opts: dict[str, Any],
-    with_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Loop over position chunks. Returns loss, mean base, mean DEMD, count, grad [N, V]."""
-    vocab = logits.shape[-1]
-    cdtype = compute_dtype(logits.dtype)
-    flat_labels = labels.reshape(-1).long()  # [N]
-    ignore_index = opts["ignore_index"]
-    count = (flat_labels != ignore_index).sum()
-    denom = count.clamp_min(1).to(cdtype)
-    scale = 1.0 / denom if opts["reduction"] == "mean" else torch.ones_like(denom)
-    grad = None
-    if with_grad:
-        grad = torch.empty((flat_labels.numel(), vocab), dtype=logits.dtype, device=logits.device)
-    student_chunks = list(row_chunks(logits, opts["chunk_size"]))
-    teacher_chunks = list(row_chunks(teacher_logits, opts["chunk_size"]))
-    if [c[:2] for c in teacher_chunks] != [c[:2] for c in student_chunks]:
-        # Different strides (e.g. only one of them is a sliced view): flatten the teacher once
-        # (at most one copy) and slice its rows at the student's chunk boundaries.
-        flat_teacher = teacher_logits.reshape(-1, vocab)
-        teacher_chunks = [(s, e, flat_teacher[s:e]) for s, e, _ in student_chunks]
-    loss = torch.zeros((), dtype=cdtype, device=logits.device)
-    base_sum, demd_sum = loss.clone(), loss.clone()
-    for (start, end, z), (_, _, u) in zip(student_chunks, teacher_chunks, strict=True):
-        y = flat_labels[start:end]
-        valid = y != ignore_index
-        value, base_value, demd, g = _chunk(
-            z, u, torch.where(valid, y, 0), valid, cost, opts, scale if with_grad else None
-        )
-        loss += value.sum()
-        base_sum += base_value.sum()
-        demd_sum += demd.sum()
-        if grad is not None and g is not None:
-            grad[start:end].copy_(g)
-    loss = loss * scale
-    return loss, base_sum / denom, demd_sum / denom, count, grad
+class EMODistillObjective(ChunkObjective):
+    """EMO distillation (EMO Eq. 15) per chunk for :func:`emdlm.ops.chunked.chunked_logits_loss`;
+    stats [Σ base, Σ DEMD].
 
+    Args:
+        teacher_logits: u [..., V] aligned with the student logits (any dtype and strides).
+        cost: Ê [V, d'] cast to the compute dtype (``prepare_cost``).
+        opts: base, mode, mu, temperature, max_ratio (see :func:`emo_distill_loss_chunked`).
+    """
 
-class EMODistillChunkedFunction(torch.autograd.Function):
-    """Autograd Function: (loss, mean base, mean DEMD, count); a gradient for the logits only."""
+    n_stats = 2
 
-    @staticmethod
-    def forward(
-        ctx: Any,
-        logits: torch.Tensor,
-        teacher_logits: torch.Tensor,
+    def __init__(self, teacher_logits: torch.Tensor, cost: torch.Tensor, opts: dict[str, Any]):
+        self.teacher, self.cost, self.opts = teacher_logits, cost, opts
+        self.blocks: list[tuple[int, torch.Tensor]] = []
+        self.flat: torch.Tensor | None = None
+
+    def begin(self, starts: list[int], n_rows: int) -> None:
+        self.blocks = list(row_blocks(self.teacher))  # (first row, [m, V] view), no copy
+
+    def _teacher_rows(self, lo: int, hi: int) -> torch.Tensor:
+        """Teacher rows [lo, hi): a view of one block, else of a flattened copy (made once)."""
+        for base, block in self.blocks:
+            if base <= lo and hi <= base + block.shape[0]:
+                return block[lo - base : hi - base]
+        if self.flat is None:  # the student's chunk spans two teacher blocks
+            self.flat = self.teacher.reshape(-1, self.teacher.shape[-1])
+        return self.flat[lo:hi]
+
+    def chunk(
+        self,
+        z: torch.Tensor,
+        out: torch.Tensor,
         labels: torch.Tensor,
-        cost: torch.Tensor,
-        opts: dict[str, Any],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        ctx.inplace_backward = opts["inplace_backward"]
-        loss, base, demd, count, grad = _forward(logits, teacher_logits, labels, cost, opts, True)
-        ctx.grad_buffer = (grad,)  # d(loss)/d(logits) for grad_output = 1
-        ctx.logits_shape = logits.shape
-        ctx.mark_non_differentiable(base, demd, count)
-        return loss, base, demd, count
+        valid: torch.Tensor,
+        start: int,
+        grad_scale: torch.Tensor | None,
+    ) -> ChunkOut:
+        u = self._teacher_rows(start, start + z.shape[0])
+        safe = torch.where(valid, labels, 0)
+        value, base, demd, g = _chunk(z, u, safe, valid, self.cost, self.opts, grad_scale, out)
+        return ChunkOut(loss=value.sum(), grad=g, stats=torch.stack([base.sum(), demd.sum()]))
 
-    @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
-        skip = ctx.inplace_backward and bool(grad_loss == 1)  # one host sync per batch
-        (grad,) = hand_over_gradients(
-            ctx, "grad_buffer", None if skip else grad_loss, "EMODistillChunkedFunction"
-        )
-        return grad.view(ctx.logits_shape), None, None, None, None
+    def finish(self, stats: torch.Tensor, count: torch.Tensor, want_grad: bool) -> Finish:
+        self.blocks, self.flat = [], None
+        denom = count.clamp_min(1).to(stats.dtype)
+        components = {"base": stats[0] / denom, "demd": stats[1] / denom, "n_tokens": count}
+        return Finish(extra_loss=stats.new_zeros(()), sparse=None, components=components)
 
 
 def emo_distill_loss_chunked(
@@ -216,20 +203,13 @@ def emo_distill_loss_chunked(
     cost = prepare_cost(cost_embedding, None, compute_dtype(logits.dtype))
     opts = {
         "base": base, "mode": mode, "mu": mu, "temperature": float(temperature),
-        "ignore_index": ignore_index, "reduction": reduction, "chunk_size": chunk_size,
-        "max_ratio": max_ratio, "inplace_backward": inplace_backward,
+        "max_ratio": max_ratio,
     }  # fmt: skip
-    if torch.is_grad_enabled() and logits.requires_grad:
-        loss, base_mean, demd, count = EMODistillChunkedFunction.apply(
-            logits, teacher_logits, labels, cost, opts
-        )
-    else:
-        loss, base_mean, demd, count, _ = _forward(
-            logits, teacher_logits, labels, cost, opts, False
-        )
-    return LossOutput(
-        loss=loss, components={"base": base_mean, "demd": demd, "n_tokens": count}
+    options = HeadOptions(ignore_index=ignore_index, reduction=reduction, chunk_size=chunk_size)
+    objective = EMODistillObjective(teacher_logits, cost, opts)
+    return chunked_logits_loss(
+        logits, labels, objective, options, inplace_backward=inplace_backward
     )
 
 
-__all__ = ["EMODistillChunkedFunction", "emo_distill_loss_chunked"]
+__all__ = ["EMODistillObjective", "emo_distill_loss_chunked"]

@@ -1,4 +1,8 @@
-"""Per-chunk functions of CE, TaiLr, MixCE, digit EMD and NTIL for :mod:`emdlm.ops.chunked`.
+"""Per-chunk functions of CE, TaiLr, MixCE, digit EMD, NTIL and EMO for :mod:`emdlm.ops.chunked`.
+
+Each is a :class:`emdlm.ops.chunked.ChunkObjective`, run from hidden states (the loss modules'
+``from_hidden``) and, for NTIL and EMO, from given logits too (:mod:`emdlm.ops.ntil_fused`,
+:mod:`emdlm.ops.emo_chunked`): one per-chunk function per objective, whichever the path.
 
 Weighted cross-entropy (CE, TaiLr, MixCE): per counted token t of a chunk, with
 lse_t = logsumexp(z_t), CE_t = lse_t − z_t[y_t], q_t = softmax(z_t) and a detached multiplier
@@ -16,9 +20,11 @@ a = η + (1−η)·clamp(q_y/((1−η) + η·q_y), w_min, 1). The formulas are t
 
 NTIL and digit EMD (:class:`NTILObjective`): CE per chunk, and the [M, K] class-candidate logits
 of the number positions copied out of each chunk's z. After the pass the NTIL terms are computed
-on that small tensor exactly as :mod:`emdlm.ops.ntil_fused` does (``ntil_terms`` on a float64
-leaf, ``mix_coefficient`` with the global CE mean), and their gradient goes back through the
-head on those logits only (:class:`emdlm.ops.chunked.SparseLogitGrad`).
+on that small tensor (``ntil_terms`` on a float64 leaf, ``mix_coefficient`` with the global CE
+mean), and their gradient goes back on those logits only
+(:class:`emdlm.ops.chunked.SparseLogitGrad`).
+
+EMO (:class:`EMOObjective`): :func:`emdlm.ops._chunking.emo_chunk` per chunk (EMO Eq. 14, 19).
 
 Shape notation: n rows in a chunk, V vocabulary, M number tokens, K candidates per token.
 """
@@ -89,6 +95,33 @@ def tailr_weights(
     return paper if preset == "paper" else emo_repo
 
 
+def _log_softmax_parts(
+    z: torch.Tensor, out: torch.Tensor, safe: torch.Tensor, smoothing: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """CE_t = −log q_t(y_t), (1/V)·Σ_v −log q_tv (if ``smoothing``) and e [n, V] in ``out``:
+    e = q (total None), or e = exp(z − max) with q = e / total (total [n]).
+
+    Given logits (z read only, compute dtype) take one fused log-softmax into ``out`` and an
+    exp in place, the kernels of ``F.cross_entropy``. From hidden states z is ``out`` (and a
+    half-precision chunk is staged into it): then lse = max + log Σ exp(z − max) is taken in
+    place, with no other [n, V] tensor.
+    """
+    cdtype = out.dtype
+    if z.dtype == cdtype and z.data_ptr() != out.data_ptr():
+        log_q = torch.ops.aten._log_softmax.out(z, 1, False, out=out)  # [n, V]
+        ce = -log_q.gather(1, safe).squeeze(1)  # [n]
+        smooth = -log_q.mean(dim=-1) if smoothing else None  # [n]
+        return ce, smooth, log_q.exp_(), None
+    gold = z.gather(1, safe).squeeze(1).to(cdtype)  # [n] z_y, read before z is overwritten
+    mean_z = z.mean(dim=-1, dtype=cdtype) if smoothing else None  # [n]
+    top = z.amax(dim=-1, keepdim=True).to(cdtype)  # [n, 1]
+    e = torch.sub(z, top, out=out) if z.dtype == cdtype else out.copy_(z).sub_(top)
+    e = e.exp_()  # [n, V]
+    total = e.sum(dim=-1)  # [n]
+    lse = top.squeeze(1) + total.log()  # [n]
+    return lse - gold, None if mean_z is None else lse - mean_z, e, total
+
+
 class WeightedCEObjective(ChunkObjective):
     """Σ_t a_t·CE_t (+ label smoothing ε) per chunk; stats [Σ CE_t, Σ reported weight].
 
@@ -106,23 +139,18 @@ class WeightedCEObjective(ChunkObjective):
     def chunk(
         self,
         z: torch.Tensor,
+        out: torch.Tensor,
         labels: torch.Tensor,
         valid: torch.Tensor,
         start: int,
-        want_grad: bool,
+        grad_scale: torch.Tensor | None,
     ) -> ChunkOut:
         safe = torch.where(valid, labels, 0).unsqueeze(1)  # [n, 1]
-        zero = z.new_zeros(())
-        gold = z.gather(1, safe).squeeze(1)  # [n] z_y, read before z is overwritten
+        zero = out.new_zeros(())
         eps = self.label_smoothing
-        mean_z = z.mean(dim=-1) if eps > 0.0 else None  # [n]
-        # logsumexp in z's own storage (no [n, V] temporary): e = exp(z − max), lse = max + log Σe.
-        top = z.amax(dim=-1, keepdim=True)  # [n, 1]
-        e = z.sub_(top).exp_()  # [n, V]
-        total = e.sum(dim=-1)  # [n]
-        lse = top.squeeze(1) + total.log()  # [n]
+        ce_raw, smooth_raw, e, total = _log_softmax_parts(z, out, safe, eps > 0.0)
         # where, not a multiply: an ignored row may hold NaN / ±inf (0·NaN = NaN).
-        ce = torch.where(valid, lse - gold, zero)  # [n]
+        ce = torch.where(valid, ce_raw, zero)  # [n]
         if self.weights is None:
             a, reported = None, torch.where(valid, 1.0, zero)
             per_token = ce
@@ -130,18 +158,24 @@ class WeightedCEObjective(ChunkObjective):
             a, reported = self.weights(torch.exp(-ce))
             a, reported = torch.where(valid, a, zero), torch.where(valid, reported, zero)
             per_token = a * ce
-        if mean_z is not None:
-            smooth = torch.where(valid, lse - mean_z, zero)  # (1/V)·Σ_v −log q_v: [n]
+        if smooth_raw is not None:
+            smooth = torch.where(valid, smooth_raw, zero)  # (1/V)·Σ_v −log q_v: [n]
             per_token = per_token + eps * smooth
         stats = torch.stack([ce.sum(), reported.sum()])
-        if not want_grad:
+        if grad_scale is None:
             return ChunkOut(loss=per_token.sum(), grad=None, stats=stats)
         a_col = torch.ones_like(ce) if a is None else a  # [n]
-        g = e.mul_(((a_col + eps) / total).unsqueeze(1))  # (a + ε)·q: [n, V]
-        g.scatter_add_(1, safe, -a_col.unsqueeze(1))
+        if total is not None:  # the 1/Σe normalization carries k·(a + ε) (no extra pass)
+            g = e.mul_(((a_col + eps) * grad_scale / total).unsqueeze(1))  # [n, V]
+        elif a is None and eps == 0.0:  # plain CE on given logits: q − onehot; k comes later
+            g = e.scatter_add_(1, safe, -a_col.unsqueeze(1))
+            return ChunkOut(loss=per_token.sum(), grad=g, stats=stats, scaled=False)
+        else:
+            g = e.mul_(((a_col + eps) * grad_scale).unsqueeze(1))  # [n, V]
+        # k·((a + ε)·q − a·onehot(y) − ε/V)
+        g.scatter_add_(1, safe, -(a_col * grad_scale).unsqueeze(1))
         if eps > 0.0:
-            g.sub_(eps / z.shape[-1])
-        g.masked_fill_(~valid.unsqueeze(1), 0.0)  # exact 0 on ignored rows (NaN never leaks)
+            g.sub_(grad_scale * (eps / z.shape[-1]))
         return ChunkOut(loss=per_token.sum(), grad=g, stats=stats)
 
     def finish(self, stats: torch.Tensor, count: torch.Tensor, want_grad: bool) -> Finish:
@@ -176,30 +210,31 @@ class NTILObjective(WeightedCEObjective):
         self.n_rows, self.settings, self.noise = n_rows, settings, noise
         self.class_logits: torch.Tensor | None = None
         self.bounds: list[int] = []
-        self.chunk_rows = 1
+        self.chunk_of: dict[int, int] = {}
 
-    def begin(self, n_rows: int, chunk_rows: int) -> None:
-        self.chunk_rows = chunk_rows
+    def begin(self, starts: list[int], n_rows: int) -> None:
         ids = self.candidates.ids
         self.class_logits = torch.zeros(ids.shape, dtype=torch.float64, device=ids.device)
-        starts = torch.arange(0, n_rows + chunk_rows, chunk_rows, device=ids.device)
+        edges = torch.tensor([*starts, n_rows], device=ids.device)
         # Where each chunk's number tokens begin in the sorted flat_index: one host sync per call.
-        self.bounds = torch.searchsorted(self.spans.flat_index, starts).tolist()
+        self.bounds = torch.searchsorted(self.spans.flat_index, edges).tolist()
+        self.chunk_of = {s: i for i, s in enumerate(starts)}
 
     def chunk(
         self,
         z: torch.Tensor,
+        out: torch.Tensor,
         labels: torch.Tensor,
         valid: torch.Tensor,
         start: int,
-        want_grad: bool,
+        grad_scale: torch.Tensor | None,
     ) -> ChunkOut:
-        k = start // self.chunk_rows
+        k = self.chunk_of[start]
         lo, hi = self.bounds[k], self.bounds[k + 1]
         if hi > lo and self.class_logits is not None:  # copy before CE overwrites z
             local = (self.spans.flat_index[lo:hi] - start).unsqueeze(1)  # [m, 1]
             self.class_logits[lo:hi] = z[local, self.candidates.ids[lo:hi]].double()
-        return super().chunk(z, labels, valid, start, want_grad)
+        return super().chunk(z, out, labels, valid, start, grad_scale)
 
     def finish(self, stats: torch.Tensor, count: torch.Tensor, want_grad: bool) -> Finish:
         spans, settings = self.spans, self.settings
@@ -239,34 +274,52 @@ class NTILObjective(WeightedCEObjective):
 
 class EMOObjective(ChunkObjective):
     """EMO (ICLR 2024, Eq. 14 and 19) per chunk: :func:`emdlm.ops._chunking.emo_chunk` plugged
-    into the engine; stats [Σ CE_t, Σ DEMD_t]. Same value and gradients as
-    :func:`emdlm.ops.fused_linear_emo.fused_linear_emo_loss` (tested).
+    into the engine; stats [Σ CE_t, Σ DEMD_t]. Used from hidden states (:func:`emo_from_hidden`,
+    :func:`emdlm.ops.fused_linear_emo.fused_linear_emo_loss`) and from logits
+    (:func:`emdlm.ops.emo_chunked.emo_loss_chunked`, ``demd_chunked``).
+
+    Buffers: the driver's ``out`` and one [rows, V] scratch of the objective's own. From logits
+    (z read only) q and then the gradient live in ``out`` (the gradient buffer itself for
+    float32 logits) and S in the scratch; from hidden states z *is* ``out``, so z's storage
+    takes S (the log-softmax consumes z first) and q / the gradient go to the scratch.
 
     Args:
         cost: [V, d'] row-normalized Ê already cast to the S-matmul dtype (``prepare_cost``).
         mode: "emo1", "emo2" or "static".
         mu: weight of DEMD for "static".
         max_ratio: cap of the emo1 ratio (None: no cap).
+        demd_out: optional [N] tensor receiving the per-token DEMD (0 where ignored).
     """
 
     n_stats = 2
 
-    def __init__(self, cost: torch.Tensor, mode: str, mu: float, max_ratio: float | None) -> None:
+    def __init__(
+        self,
+        cost: torch.Tensor,
+        mode: str,
+        mu: float,
+        max_ratio: float | None,
+        demd_out: torch.Tensor | None = None,
+    ) -> None:
         self.cost, self.mode, self.mu, self.max_ratio = cost, mode, mu, max_ratio
-        self.q_buf: torch.Tensor | None = None
+        self.demd_out = demd_out
+        self.scratch: torch.Tensor | None = None
 
     def chunk(
         self,
         z: torch.Tensor,
+        out: torch.Tensor,
         labels: torch.Tensor,
         valid: torch.Tensor,
         start: int,
-        want_grad: bool,
+        grad_scale: torch.Tensor | None,
     ) -> ChunkOut:
-        if self.q_buf is None or self.q_buf.shape[0] < z.shape[0]:
-            self.q_buf = torch.empty_like(z)  # [rows, V], reused by every chunk
-        q = self.q_buf[: z.shape[0]]
-        sums = ChunkSums.zeros(z.device, z.dtype)
+        n = z.shape[0]
+        if self.scratch is None or self.scratch.shape[0] < n:
+            self.scratch = torch.empty_like(out)  # [rows, V], reused by every chunk
+        extra = self.scratch[:n]
+        q_buf, s_buf = (extra, out) if z.data_ptr() == out.data_ptr() else (out, extra)
+        sums = ChunkSums.zeros(out.device, out.dtype)
         # labels of ignored rows are set to -1 so emo_chunk's own ignore test sees them.
         marked = torch.where(valid, labels, -1)
         g = emo_chunk(
@@ -276,16 +329,17 @@ class EMOObjective(ChunkObjective):
             self.cost,
             self.mode,  # type: ignore[arg-type]
             self.mu,
-            z.new_ones(()) if want_grad else None,  # the engine applies the reduction
+            grad_scale,
             sums,
-            q,
-            z,  # z is consumed by the log-softmax before S is written
+            q_buf,
+            s_buf,
             max_ratio=self.max_ratio,
+            demd_out=None if self.demd_out is None else self.demd_out[start : start + n],
         )
         return ChunkOut(loss=sums.loss, grad=g, stats=torch.stack([sums.ce, sums.demd]))
 
     def finish(self, stats: torch.Tensor, count: torch.Tensor, want_grad: bool) -> Finish:
-        self.q_buf = None
+        self.scratch = None
         denom = count.clamp_min(1).to(stats.dtype)
         components = {"ce": stats[0] / denom, "demd": stats[1] / denom, "n_tokens": count}
         return Finish(extra_loss=stats.new_zeros(()), sparse=None, components=components)

@@ -6,9 +6,12 @@ and long operands are equally common. Operators: "+" and "-" (and "*" if asked).
 ``allow_negative=False``, subtraction puts the larger operand first.
 
 Train/test disjointness: every problem (a, op, b) is hashed (a fixed integer mix, independent of
-the seed); problems whose hash falls under ``test_fraction`` belong to the test split only, the
-others to the train split only. So a test set never overlaps a training set generated with any
-seed or size.
+the seed) to a number u in [0, 1); problems with u < ``test_fraction`` belong to the test split
+only, those with u in [test_fraction, test_fraction + dev_fraction) to the dev split only, the
+rest to the train split only. So test, dev and train sets never overlap, whatever their seeds or
+sizes. ``dev_fraction`` is 0 by default (no dev split, the train split as before); a run that
+tunes on "dev" must give the same ``dev_fraction`` to its train split, or the train split would
+still contain the dev problems (checked: "dev" with ``dev_fraction=0`` is an error).
 """
 
 from __future__ import annotations
@@ -32,15 +35,30 @@ def _mix64(x: np.ndarray) -> np.ndarray:
     return x & _MASK64
 
 
+SPLITS = ("train", "dev", "test")
+
+
+def problem_unit(a: np.ndarray, op: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """[n] float64 in [0, 1): the seed-independent hash of each problem (a, op, b)."""
+    with np.errstate(over="ignore"):
+        key = _mix64(a.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + op.astype(np.uint64))
+        key = _mix64(key ^ (b.astype(np.uint64) + np.uint64(0x632BE59BD9B4E019)))
+    return (key >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
 def problem_is_test(
     a: np.ndarray, op: np.ndarray, b: np.ndarray, test_fraction: float
 ) -> np.ndarray:
     """[n] bool: which problems belong to the test split (seed-independent hash)."""
-    with np.errstate(over="ignore"):
-        key = _mix64(a.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + op.astype(np.uint64))
-        key = _mix64(key ^ (b.astype(np.uint64) + np.uint64(0x632BE59BD9B4E019)))
-    unit = (key >> np.uint64(11)).astype(np.float64) / float(1 << 53)  # uniform in [0, 1)
-    return unit < test_fraction
+    return problem_unit(a, op, b) < test_fraction
+
+
+def problem_split(
+    a: np.ndarray, op: np.ndarray, b: np.ndarray, test_fraction: float, dev_fraction: float
+) -> np.ndarray:
+    """[n] int: 0 train, 1 dev, 2 test (index into ``SPLITS``), from the problem hash."""
+    unit = problem_unit(a, op, b)
+    return np.where(unit < test_fraction, 2, np.where(unit < test_fraction + dev_fraction, 1, 0))
 
 
 def _sample_operands(rng: np.random.Generator, n: int, lo: int, hi: int) -> np.ndarray:
@@ -50,7 +68,7 @@ def _sample_operands(rng: np.random.Generator, n: int, lo: int, hi: int) -> np.n
     return (low + np.floor(rng.random(n) * (high - low))).astype(np.int64)
 
 
-@register_task("arithmetic")
+@register_task("arithmetic", splits=SPLITS)
 def arithmetic(
     n: int,
     *,
@@ -61,18 +79,23 @@ def arithmetic(
     ops: str | list[str] = "+-",
     allow_negative: bool = True,
     test_fraction: float = 0.1,
+    dev_fraction: float = 0.0,
 ) -> list[dict[str, Any]]:
     """``n`` problems like {"prompt": "12+345=", "completion": "357"}.
 
     Args:
         n: number of examples.
-        split: "train" or "test" (disjoint; see the module docstring).
+        split: "train", "dev" or "test" (disjoint; see the module docstring).
         seed: numpy seed; the same arguments give the same examples.
         min_digits, max_digits: operand digit-count range (inclusive), 1 <= min <= max <= 15.
         ops: operators to draw from uniformly, any of "+", "-", "*".
         allow_negative: if False, subtraction never goes below zero.
         test_fraction: share of the problem space reserved for the test split, in (0, 1).
+        dev_fraction: share reserved for the dev split, in [0, 1 - test_fraction); give the
+            same value to the train split of a run that is tuned on "dev".
     """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     if not 1 <= min_digits <= max_digits <= 15:
         raise ValueError(
             f"need 1 <= min_digits <= max_digits <= 15, got {min_digits}, {max_digits}"
@@ -83,13 +106,24 @@ def arithmetic(
         raise ValueError(f"ops must be a non-empty selection of '+-*', got {ops!r}")
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
-    rng = np.random.default_rng([seed, 0 if split == "train" else 1])
-    want_test = split == "test"
+    if not 0.0 <= dev_fraction < 1.0 - test_fraction:
+        raise ValueError(
+            f"dev_fraction must be in [0, 1 - test_fraction) = [0, {1.0 - test_fraction:g}), "
+            f"got {dev_fraction}"
+        )
+    if split == "dev" and dev_fraction == 0.0:
+        raise ValueError(
+            "split='dev' needs dev_fraction > 0 (give the same dev_fraction to the train split)"
+        )
+    # the train stream and the test stream are unchanged from before the dev split existed
+    rng = np.random.default_rng([seed, {"train": 0, "test": 1, "dev": 2}[split]])
+    want = SPLITS.index(split)
     chosen_a: list[np.ndarray] = []
     chosen_b: list[np.ndarray] = []
     chosen_op: list[np.ndarray] = []
     have = 0
-    share = test_fraction if want_test else 1.0 - test_fraction
+    share = {"train": 1.0 - test_fraction - dev_fraction, "dev": dev_fraction,
+             "test": test_fraction}[split]
     for _ in range(1000):  # rejection sampling; each round draws enough for the remainder
         m = int((n - have) / share * 1.2) + 16
         a = _sample_operands(rng, m, min_digits, max_digits)
@@ -98,7 +132,7 @@ def arithmetic(
         if not allow_negative:
             swap = (op == _OPS["-"]) & (a < b)
             a, b = np.where(swap, b, a), np.where(swap, a, b)
-        keep = problem_is_test(a, op, b, test_fraction) == want_test
+        keep = problem_split(a, op, b, test_fraction, dev_fraction) == want
         chosen_a.append(a[keep])
         chosen_b.append(b[keep])
         chosen_op.append(op[keep])

@@ -6,6 +6,11 @@ centre and radius (``jitter``), background clutter and Gaussian pixel noise. The
 shorter and thicker than the minute hand and sits at ``30 * (H mod 12) + MM / 2`` degrees, as on a
 real clock. Answers are "H_MM" with H in 1..12 and two minute digits ("2_55"), as in TIME.
 
+Difficulty knobs: ``minute_step`` (5: five-minute marks only), ``palette="plain"`` (fixed
+colours: only the hands' angles vary) and ``hand_width``. A tiny VLM trained from scratch on
+2 CPU cores does not find the hands among random colours (docs/results/vlm_clock_cpu.md), so
+the packaged clock configs use plain five-minute clocks; the defaults stay TIME-like.
+
 Train/test disjointness: each of the 720 dial times is hashed (seed-independent); times whose
 hash falls under ``test_fraction`` belong to the test split only, so a test clock never shows a
 time seen in training (with any seed). Example k depends only on (seed, split, k).
@@ -44,6 +49,10 @@ from emdlm.tasks.render import (
 PROMPT = "What time does the clock show? Answer as H_MM."
 DIAL_STYLES = ("numerals", "ticks", "both")
 HAND_SHAPES = ("line", "tapered", "arrow")
+PALETTES = ("random", "plain")
+# "plain": fixed colours, so that only the hands' angles vary between faces
+PLAIN = {"background": (235, 235, 235), "face": (255, 255, 255), "ink": (0, 0, 0),
+         "hour": (0, 0, 0), "minute": (200, 30, 30)}
 
 
 def format_time(hour: int, minute: int) -> str:
@@ -51,13 +60,16 @@ def format_time(hour: int, minute: int) -> str:
     return f"{(hour - 1) % 12 + 1}_{minute:02d}"
 
 
-def split_times(split: str, test_fraction: float) -> list[tuple[int, int]]:
-    """The (hour 1..12, minute) pairs of ``split``: a seed-independent hash of each time decides."""
+def split_times(
+    split: str, test_fraction: float, minute_step: int = 1
+) -> list[tuple[int, int]]:
+    """The (hour 1..12, minute) pairs of ``split`` with minutes a multiple of ``minute_step``:
+    a seed-independent hash of each time decides (so a coarser step keeps each time's split)."""
     want_test = split == "test"
     return [
         (h, m)
         for h in range(1, 13)
-        for m in range(60)
+        for m in range(0, 60, minute_step)
         if (unit_hash(["clock", h, m]) < test_fraction) == want_test
     ]
 
@@ -113,18 +125,24 @@ def render_clock(
     hand_shapes: tuple[str, ...] = HAND_SHAPES,
     second_hand_prob: float = 0.0,
     supersample: int = 2,
+    palette: str = "random",
+    hand_width: float = 1.0,
 ) -> Image.Image:
     """One clock face showing ``hour``:``minute``, styled by ``rng`` (see :func:`clock`)."""
     s = image_size * supersample
-    img = background(rng, (s, s))
+    plain = palette == "plain"
+    img = Image.new("RGB", (s, s), PLAIN["background"]) if plain else background(rng, (s, s))
     draw = ImageDraw.Draw(img)
     if clutter > 0:
         add_clutter(draw, rng, (s, s), int(rng.integers(0, clutter + 1)), img.getpixel((0, 0)))
     radius = 0.45 * s * (1.0 - jitter * rng.random())
     cx = s / 2 + jitter * radius * rng.uniform(-1, 1)
     cy = s / 2 + jitter * radius * rng.uniform(-1, 1)
-    face = random_color(rng, 170, 256) if rng.random() < 0.75 else random_color(rng, 0, 80)
-    ink = contrasting_color(rng, face, 110)
+    if plain:
+        face, ink = PLAIN["face"], PLAIN["ink"]
+    else:
+        face = random_color(rng, 170, 256) if rng.random() < 0.75 else random_color(rng, 0, 80)
+        ink = contrasting_color(rng, face, 110)
     rim = max(1, round(radius * rng.uniform(0.02, 0.08)))
     draw.ellipse(
         [cx - radius, cy - radius, cx + radius, cy + radius], fill=face, outline=ink, width=rim
@@ -152,17 +170,21 @@ def render_clock(
             x, y = _point(cx, cy, ring, 30.0 * k)
             draw.text((x, y), str(k), fill=ink, font=font, anchor="mm")
     hour_deg, minute_deg = hand_angles(hour, minute)
-    hour_color = contrasting_color(rng, face, 110)
-    minute_color = hour_color if rng.random() < 0.6 else contrasting_color(rng, face, 110)
+    if plain:
+        hour_color, minute_color = PLAIN["hour"], PLAIN["minute"]
+    else:
+        hour_color = contrasting_color(rng, face, 110)
+        minute_color = hour_color if rng.random() < 0.6 else contrasting_color(rng, face, 110)
     shape = hand_shapes[int(rng.integers(len(hand_shapes)))]
     _draw_hand(
-        draw, (cx, cy), radius * rng.uniform(0.45, 0.55), radius * 0.07, hour_deg, hour_color, shape
+        draw, (cx, cy), radius * rng.uniform(0.45, 0.55), radius * 0.07 * hand_width, hour_deg,
+        hour_color, shape,
     )
     _draw_hand(
         draw,
         (cx, cy),
         radius * rng.uniform(0.78, 0.9),
-        radius * 0.045,
+        radius * 0.045 * hand_width,
         minute_deg,
         minute_color,
         shape,
@@ -193,6 +215,9 @@ def clock(
     second_hand_prob: float = 0.0,
     supersample: int = 2,
     test_fraction: float = 0.2,
+    minute_step: int = 1,
+    palette: str = "random",
+    hand_width: float = 1.0,
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> list[dict[str, Any]]:
     """``n`` rows ``{"image": png path, "prompt": PROMPT, "completion": "2_55", "time": "2_55"}``.
@@ -212,6 +237,11 @@ def clock(
         second_hand_prob: probability of a distracting thin red second hand.
         supersample: render at this multiple of ``image_size`` and downscale (anti-aliasing).
         test_fraction: share of the 720 dial times reserved for the test split, in (0, 1).
+        minute_step: minutes are multiples of this divisor of 60 (1: every minute, as in the
+            TIME dataset; 5: the 144 times of the five-minute marks).
+        palette: "random" (face, ink, hands and background colours drawn per image) or "plain"
+            (light grey background, white face, black ink and hour hand, red minute hand).
+        hand_width: multiplier of both hands' width (1: hour 7 %, minute 4.5 % of the radius).
         cache_dir: folder for the PNGs (default: under ``$EMDLM_CACHE/images/clock``).
     """
     check_common_params(image_size, 32, test_fraction)
@@ -223,12 +253,19 @@ def clock(
         raise ValueError(f"second_hand_prob must be in [0, 1], got {second_hand_prob}")
     if not 1 <= supersample <= 4:
         raise ValueError(f"supersample must be in 1..4, got {supersample}")
+    if not isinstance(minute_step, int) or minute_step < 1 or 60 % minute_step:
+        raise ValueError(f"minute_step must be a divisor of 60 (1, 2, 3, 4, 5, 6, 10, 12, 15, "
+                         f"20, 30, 60), got {minute_step!r}")
+    if palette not in PALETTES:
+        raise ValueError(f"palette must be one of {PALETTES}, got {palette!r}")
+    if not 0.2 <= hand_width <= 4.0:
+        raise ValueError(f"hand_width must be in [0.2, 4], got {hand_width}")
     styles, shapes = tuple(dial_styles), tuple(hand_shapes)
     if not styles or set(styles) - set(DIAL_STYLES):
         raise ValueError(f"dial_styles must be a non-empty subset of {DIAL_STYLES}, got {styles}")
     if not shapes or set(shapes) - set(HAND_SHAPES):
         raise ValueError(f"hand_shapes must be a non-empty subset of {HAND_SHAPES}, got {shapes}")
-    times = split_times(split, test_fraction)
+    times = split_times(split, test_fraction, minute_step)
     if not times:
         raise ValueError(f"test_fraction={test_fraction} leaves no dial time for split {split!r}")
     style = {
@@ -240,8 +277,16 @@ def clock(
         "hand_shapes": shapes,
         "second_hand_prob": second_hand_prob,
         "supersample": supersample,
+        "palette": palette,
+        "hand_width": hand_width,
     }
-    key = cache_key("clock", seed, split, test_fraction, style)
+    # these join the key only when not at their defaults, so sets cached before they existed
+    # stay valid
+    defaults = {"minute_step": 1, "palette": "random", "hand_width": 1.0}
+    given = {"minute_step": minute_step, "palette": palette, "hand_width": hand_width}
+    extra = {k: v for k, v in given.items() if v != defaults[k]}
+    base = {k: v for k, v in style.items() if k not in given}
+    key = cache_key("clock", seed, split, test_fraction, {**base, **extra})
     split_id = 0 if split == "train" else 1
 
     def make(k: int) -> tuple[Image.Image, dict[str, Any]]:
@@ -252,3 +297,26 @@ def clock(
         return image, {"prompt": PROMPT, "completion": answer, "time": answer}
 
     return cached_rows("clock", key, n, make, cache_dir)
+
+
+def reading_accuracy(predictions: list[str], references: list[str]) -> dict[str, float]:
+    """Exact match split into its two readings: the share of answers whose hour is right
+    (``hour_accuracy``) and whose minutes are right (``minute_accuracy``). An unparsable
+    answer is wrong on both; chance is 1/12 for the hour and 1/(60 / minute_step) for the
+    minutes. ValueError when the lists differ in length or a reference is not "H_MM"."""
+    from emdlm.metrics import parse_clock
+
+    if len(predictions) != len(references):
+        raise ValueError(f"{len(predictions)} predictions for {len(references)} references")
+    hours = minutes = 0
+    for pred, ref in zip(predictions, references, strict=True):
+        r = parse_clock(ref)
+        if r is None:
+            raise ValueError(f"reference is not a clock time (H_MM): {ref!r}")
+        p = parse_clock(pred)
+        if p is not None:
+            hours += p // 60 == r // 60
+            minutes += p % 60 == r % 60
+    n = len(references)
+    nan = float("nan")
+    return {"hour_accuracy": hours / n if n else nan, "minute_accuracy": minutes / n if n else nan}

@@ -40,7 +40,19 @@ import yaml
 
 from emdlm.config import ConfigError, ModelConfig, RunConfig
 from emdlm.data import DataCollator, TokenizedDataset, build_dataset, load_examples
-from emdlm.integrations.transformers import ComputeLoss, make_compute_loss_func, with_teacher
+from emdlm.integrations.sharding import (
+    check_fsdp_config,
+    local_fraction,
+    shard_model,
+    shard_units,
+    world_size_from_env,
+)
+from emdlm.integrations.transformers import (
+    ComputeLoss,
+    make_compute_loss_func,
+    with_number_mask,
+    with_teacher,
+)
 from emdlm.models import apply_lora, build_model, load_tokenizer, model_vocab_size
 from emdlm.objectives import build_objective
 from emdlm.training.launch import start_run_console
@@ -101,6 +113,30 @@ def _logged_losses(log: Path, last_step: int) -> list[float] | None:
     if sorted(losses) != list(range(1, last_step + 1)):
         return None
     return [losses[s] for s in range(1, last_step + 1)]
+
+
+def _logged_mean_loss(log: Path, last_step: int) -> float | None:
+    """Mean step loss of steps 1..``last_step`` from the logged window means of train_log.jsonl:
+    Σ_w loss_w · (step_w − step_{w−1}) / last_step. None unless the windows end at ``last_step``.
+
+    Used for multi-process runs: there transformers' ``training_loss`` adds one process's
+    unlogged remainder to the all-gathered window means and is off (1.3865 against the
+    one-process 1.3716 in tests/test_multiprocess.py), while the logged means are exact."""
+    if not log.is_file() or last_step < 1:
+        return None
+    windows: dict[int, float] = {}
+    for line in log.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            if "loss" in record and 1 <= int(record.get("step", 0)) <= last_step:
+                windows[int(record["step"])] = float(record["loss"])
+    if not windows or max(windows) != last_step:
+        return None
+    total, previous = 0.0, 0
+    for step in sorted(windows):
+        total += windows[step] * (step - previous)
+        previous = step
+    return total / last_step
 
 
 def _whole_run_loss(log: Path, resumed_at: int, result: Any) -> float | None:
@@ -199,10 +235,8 @@ def prepare_run(
     cfg.validate()
     if cfg.data.train is None:
         raise ConfigError("no training data: set data.train.path or data.train.task")
-    if cfg.train.fsdp and not _has_accelerator():
-        # accelerate 1.15 turns FSDP on only for multi-GPU-type devices; on CPU it would
-        # silently train with plain DDP instead
-        raise ConfigError("train.fsdp needs GPUs: accelerate does not shard on CPU (use DDP)")
+    if cfg.train.fsdp:
+        _check_fsdp_run(cfg, resume)
     if cfg.train.torch_threads:
         torch.set_num_threads(cfg.train.torch_threads)
     out = Path(cfg.output_dir)
@@ -238,16 +272,23 @@ def prepare_run(
                 else lora_targets(cfg.lora.target_modules)
             ),
         )
+    if cfg.train.fsdp:
+        try:  # the blocks to shard exist (sharding itself is collective: in train())
+            shard_units(model, cfg.train.fsdp_config.get("transformer_layer_cls_to_wrap"))
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
     if vlm is not None:
         train_ds, eval_ds = vlm.train_dataset, vlm.eval_dataset
     else:
         kw = dict(max_length=cfg.data.max_length, add_eos=cfg.data.add_eos,
                   extra_keys=cfg.data.extra_keys, on_truncate=cfg.data.on_truncate,
-                  on_drop=cfg.data.on_drop)
-        train_ds = build_dataset(train_rows, tokenizer, source=cfg.data.train.describe(), **kw)
+                  on_drop=cfg.data.on_drop, number_scope=cfg.data.number_scope)
+        train_ds = build_dataset(train_rows, tokenizer, source=cfg.data.train.describe(),
+                                 task=cfg.data.train.task, **kw)
         eval_ds = None
         if eval_rows is not None and cfg.data.eval is not None:
-            eval_ds = build_dataset(eval_rows, tokenizer, source=cfg.data.eval.describe(), **kw)
+            eval_ds = build_dataset(eval_rows, tokenizer, source=cfg.data.eval.describe(),
+                                    task=cfg.data.eval.task, **kw)
     try:  # whatever transformers rejects fails here, before the folder is written
         args = training_arguments(cfg, out, eval_ds is not None)
         _dry_build_optimizer_and_scheduler(args, model)
@@ -257,6 +298,37 @@ def prepare_run(
         cfg, tokenizer, model, loss_fn, train_ds, eval_ds, out, resume_from, overwrite, args,
         teacher, vlm,
     )
+
+
+def _check_fsdp_run(cfg: RunConfig, resume: bool | str) -> None:
+    """ConfigError for a ``train.fsdp`` run emdlm cannot shard (see
+    :mod:`emdlm.integrations.sharding`): one process, accelerate's own FSDP at the same time,
+    ``--resume`` (checkpoints of a sharded run hold the gathered model only, no optimizer
+    state), LoRA (adapters added after sharding are not sharded), or a bad ``fsdp_config``."""
+    try:
+        check_fsdp_config(cfg.train.fsdp_config)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    world = world_size_from_env()
+    if world < 2:
+        # one process would "shard" over itself: no error, no saving, not what was asked for
+        raise ConfigError(
+            f"train.fsdp=true shards the model over processes, but this run has {world}: launch "
+            "with torchrun --standalone --nproc_per_node N -m emdlm.cli train ... (N >= 2)"
+        )
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        raise ConfigError(
+            "train.fsdp=true applies FSDP2 in emdlm, but accelerate was launched with its own "
+            "FSDP config: use one of them (torchrun + train.fsdp=true, or the accelerate config "
+            "with train.fsdp=false)"
+        )
+    if resume:
+        raise ConfigError(
+            "--resume is not supported with train.fsdp=true: its checkpoints hold the gathered "
+            "model only (no optimizer state)"
+        )
+    if cfg.lora.enabled:
+        raise ConfigError("train.fsdp=true with lora.enabled is not supported")
 
 
 def load_teacher(path: str, tokenizer: Any, vocab_size: int, dtype: str) -> Any:
@@ -456,8 +528,10 @@ def training_arguments(cfg: RunConfig, out: Path, has_eval: bool) -> Any:
         bf16=t.bf16,
         fp16=t.fp16,
         average_tokens_across_devices=True,
-        fsdp=True if t.fsdp else None,
-        fsdp_config=t.fsdp_config or None,
+        # train.fsdp: emdlm applies FSDP2 itself (emdlm.integrations.sharding), not accelerate;
+        # a sharded model's checkpoints are the gathered weights only (transformers refuses to
+        # save the sharded optimizer state of such a model)
+        save_only_model=t.fsdp,
         # only passed when on: the argument is deprecated in transformers 5 (a warning)
         **({"activation_checkpointing": True} if t.gradient_checkpointing else {}),
     )
@@ -471,6 +545,10 @@ def train(run: PreparedRun, callbacks: list[Any] | None = None) -> dict[str, Any
 
     cfg, out = run.cfg, run.output_dir
     main = _is_main_process()
+    args = run.training_args
+    if args is None:  # a PreparedRun built by hand
+        args = training_arguments(cfg, out, run.eval_dataset is not None)
+    fsdp_facts = _shard(run, args) if cfg.train.fsdp else None
     existing: set[str] = set()
     if main:
         existing = _prepare_folder(run)
@@ -483,12 +561,11 @@ def train(run: PreparedRun, callbacks: list[Any] | None = None) -> dict[str, Any
     )
     logger = _step_logger(compute_loss, out, cfg.train.tensorboard)
     stopper = _GracefulStop()
-    args = run.training_args
-    if args is None:  # a PreparedRun built by hand
-        args = training_arguments(cfg, out, run.eval_dataset is not None)
     trainer_cls = atomic_checkpoint_trainer(Trainer)
     if run.teacher is not None:  # the teacher's logits on every batch, for the distill loss
         trainer_cls = with_teacher(trainer_cls, run.teacher, compute_loss)
+    # outermost: a batch's number_mask (data.number_scope) goes to the loss, not to a model
+    trainer_cls = with_number_mask(trainer_cls, compute_loss)
     trainer = trainer_cls(
         model=run.model,
         args=args,
@@ -537,13 +614,43 @@ def train(run: PreparedRun, callbacks: list[Any] | None = None) -> dict[str, Any
             if ds is not None and getattr(ds, "cuts", None) is not None
         },
     }
+    if fsdp_facts is not None:  # what the Trainer trained: the FSDP module, not a DDP wrapper
+        summary["fsdp"] = {**fsdp_facts, "trained_as": type(trainer.model_wrapped).__name__}
     if main and run.resume_from is not None:
         _whole_run_summary(summary, out, _checkpoint_step(run.resume_from), result)
+    elif main and world_size_from_env() > 1:
+        logged = _logged_mean_loss(out / TRAIN_LOG, int(result.global_step))
+        if logged is not None:
+            summary["train_loss"] = logged
     if main:
         (out / "train_summary.json").write_text(json.dumps(summary, indent=2))
         created = {p.name for p in out.iterdir()} - existing
         record_outputs(out, created | {"train_summary.json"})
     return summary
+
+
+def _shard(run: PreparedRun, args: Any) -> dict[str, Any]:
+    """FSDP2 on ``run.model`` over every process (collective), before the Trainer is built;
+    returns what was sharded (for train_summary.json) and says it on rank 0's stderr."""
+    import torch.distributed as dist
+
+    _ = args.device  # sets up accelerate's process group (gloo on CPU, NCCL on GPU)
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("train.fsdp: torch.distributed was not initialised by the launcher")
+    fsdp_cfg = run.cfg.train.fsdp_config
+    shard_model(
+        run.model, fsdp_cfg.get("transformer_layer_cls_to_wrap"),
+        reshard_after_forward=fsdp_cfg.get("reshard_after_forward", True),
+    )
+    local, full = local_fraction(run.model)
+    facts = {
+        "world_size": dist.get_world_size(), "backend": dist.get_backend(),
+        "param_elements": full, "local_param_elements_rank0": local,
+    }
+    if _is_main_process():
+        print(f"emdlm: FSDP2 over {facts['world_size']} processes ({facts['backend']}): rank 0 "
+              f"holds {local} of {full} parameter elements", file=sys.stderr, flush=True)
+    return facts
 
 
 def _whole_run_summary(summary: dict[str, Any], out: Path, resumed_at: int, result: Any) -> None:

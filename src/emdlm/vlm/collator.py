@@ -16,7 +16,11 @@ Per example ``{"image", "prompt", "completion"}``:
    :mod:`emdlm.data`.
 
 Batches carry ``pixel_values`` (and ``image_grid_thw`` plus ``mm_token_type_ids``, 1 on image
-tokens, for Qwen2-VL, whose 5.23 forward needs them for its 3-D RoPE).
+tokens, for Qwen2-VL, whose 5.23 forward needs them for its 3-D RoPE). With a number scope
+(``number_scope``, or a row's ``"number_scope"`` field; :mod:`emdlm.data`) they also carry
+``number_mask`` [B, T] bool, aligned with ``labels``: True on the answer tokens that the numeric
+losses may score as numbers (from the tokenizer's offset mapping), False on the prompt, the EOS
+and padding.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 import torch
 
 from emdlm.config import ConfigError
-from emdlm.data import IGNORE_INDEX
+from emdlm.data import IGNORE_INDEX, pad_number_mask, piece_masks, row_scopes
 from emdlm.vlm.models import VisionSpec
 
 PLAIN_TEMPLATES = {
@@ -51,7 +55,9 @@ class VLMCollator:
     """``features`` (dicts with image / prompt / completion) -> a padded model batch.
 
     ``generation=True``: prompts only, left-padded (for ``model.generate``); else prompt +
-    completion + eos, right-padded, with labels."""
+    completion + eos, right-padded, with labels. ``number_scope`` / ``task``: the rows'
+    default number scope and their task (for "answer"), as in :func:`emdlm.data.build_dataset`;
+    a scope other than "all" adds ``number_mask`` to training batches."""
 
     def __init__(
         self,
@@ -64,6 +70,8 @@ class VLMCollator:
         add_eos: bool = True,
         image_key: str = "image",
         generation: bool = False,
+        number_scope: str = "all",
+        task: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.image_processor = image_processor
@@ -73,6 +81,8 @@ class VLMCollator:
         self.add_eos = add_eos
         self.image_key = image_key
         self.generation = generation
+        self.number_scope = number_scope
+        self.task = task
         self.image_token_id = int(tokenizer.convert_tokens_to_ids(spec.image_token))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
@@ -150,10 +160,17 @@ class VLMCollator:
         prompts = self.tokenizer([self.prompt_text(f["prompt"]) for f in features])["input_ids"]
         rows: list[tuple[list[int], list[int]]] = []
         eos = [self.tokenizer.eos_token_id] if self.add_eos else []
+        scopes, masks = None, None
         if not self.generation:
-            comps = self.tokenizer(
-                [f["completion"] for f in features], add_special_tokens=False
-            )["input_ids"]
+            texts = [f["completion"] for f in features]
+            scopes = row_scopes(features, self.number_scope, self.task, "VLM batch")
+            if scopes is None:
+                comps = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+            else:
+                comps, masks = piece_masks(
+                    self.tokenizer, texts, scopes, add_special_tokens=False
+                )
+        mask_rows: list[dict[str, list[bool]]] = []
         for i, (ids, n) in enumerate(zip(prompts, counts, strict=True)):
             prompt = self._expand(list(ids), int(n), i)
             if self.generation:
@@ -166,7 +183,14 @@ class VLMCollator:
                 )
             answer = (list(comps[i]) + eos)[: self.max_length - len(prompt)]
             rows.append((prompt + answer, [IGNORE_INDEX] * len(prompt) + answer))
+            if masks is not None:
+                in_scope = (masks[i] + [False] * len(eos))[: len(answer)]
+                mask_rows.append({"number_mask": [False] * len(prompt) + in_scope})
         batch = self._pad(rows, left=self.generation)
+        if masks is not None:
+            width = batch["input_ids"].shape[1]
+            lengths = [len(ids) for ids, _ in rows]
+            batch["number_mask"] = pad_number_mask(mask_rows, lengths, width)
         batch["pixel_values"] = images["pixel_values"]
         if self.spec.family == "qwen2_vl":
             batch["image_grid_thw"] = images["image_grid_thw"]

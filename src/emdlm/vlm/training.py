@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from emdlm.config import ConfigError, RunConfig
+from emdlm.data import row_scopes
 from emdlm.models import load_tokenizer
 from emdlm.vlm.collator import VLMCollator
 from emdlm.vlm.data import ImageRowsDataset, cut_image_rows, load_image_examples
@@ -58,10 +59,12 @@ def prepare_vlm_run(cfg: RunConfig) -> VLMParts:
     collator = VLMCollator(
         tokenizer, built.image_processor, built.spec, built.model.config,
         max_length=cfg.data.max_length, add_eos=cfg.data.add_eos, image_key=key,
+        number_scope=cfg.data.number_scope, task=cfg.data.train.task,
     )
     d = cfg.data
 
     def dataset(rows: list[dict[str, Any]], src: Any) -> ImageRowsDataset:
+        row_scopes(rows, d.number_scope, src.task, src.describe())  # bad scopes: now, not mid-run
         return cut_image_rows(
             rows, collator.lengths(rows), source=src.describe(), max_length=d.max_length,
             on_truncate=d.on_truncate, on_drop=d.on_drop,
