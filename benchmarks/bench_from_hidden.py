@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -42,33 +41,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from _rss import peak_rss_mib, reset_peak_rss, rss_mib
+
 METHODS = ("logits_ce", "logits_ntil", "ce", "ce_ntil", "tailr", "cce_torch")
 
 
-def rss_mib() -> float:
-    """Current resident set size (MiB) from /proc/self/statm."""
-    with open("/proc/self/statm") as fh:
-        pages = int(fh.read().split()[1])
-    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def reset_peak_rss() -> bool:
-    """Reset the process's peak RSS (Linux ``/proc/self/clear_refs``); False if not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-    except OSError:
-        return False
-    return True
 
 
-def peak_rss_mib() -> float:
-    """Peak RSS since the last reset (VmHWM, MiB)."""
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def make_inputs(rows: int, hidden: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -129,7 +110,7 @@ def child(args: argparse.Namespace) -> None:
         loss_fn(h, w, labels).backward()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
-    peak = peak_rss_mib() if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = peak_rss_mib(reset)
     print(json.dumps({"time": statistics.median(times), "peak": peak - base}))
 
 

@@ -47,7 +47,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from _rss import peak_rss_mib, reset_peak_rss, rss_mib
 
 ROWS = ("logits_ce", "hidden_ce", "hidden_ce_ntil", "logits_emo", "hidden_emo")
 # (row, reference row, max memory ratio, max time ratio or None): the issue's goals.
@@ -66,31 +67,10 @@ GOALS = (
 IGNORE = -100
 
 
-def rss_mib() -> float:
-    """Current resident set size (MiB) from /proc/self/statm."""
-    with open("/proc/self/statm") as fh:
-        pages = int(fh.read().split()[1])
-    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def reset_peak_rss() -> bool:
-    """Reset the peak RSS (VmHWM) to the current RSS; False where Linux does not allow it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-    except OSError:
-        return False
-    return True
 
 
-def peak_rss_mib(reset: bool) -> float:
-    """Peak RSS (MiB) since the reset, or since the process started when there was none."""
-    if reset:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def build_model(args: argparse.Namespace) -> Any:

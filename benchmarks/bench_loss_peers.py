@@ -50,35 +50,17 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from _rss import peak_rss_mib, reset_peak_rss, rss_mib
+
 METHODS = ("logits_ce", "emdlm_ce", "cce_torch", "liger_flce")
 PEERS = ("cce_torch", "liger_flce")
 IGNORE = -100
 
 
-def rss_mib() -> float:
-    """Current resident set size (MiB) from /proc/self/statm."""
-    with open("/proc/self/statm") as fh:
-        pages = int(fh.read().split()[1])
-    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def reset_peak_rss() -> bool:
-    """Reset the peak RSS (VmHWM) to the current RSS; False where Linux does not allow it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-    except OSError:
-        return False
-    return True
 
 
-def peak_rss_mib() -> float:
-    """Peak RSS (VmHWM, MiB) since the last reset."""
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def make_inputs(
@@ -136,9 +118,8 @@ def child(args: argparse.Namespace) -> None:
         del out
     if not reset:
         raise RuntimeError("cannot reset the peak RSS (/proc/self/clear_refs): no fair peak")
-    print(
-        json.dumps({"time": statistics.median(times), "peak": peak_rss_mib() - base, "loss": loss})
-    )
+    peak = peak_rss_mib(reset) - base
+    print(json.dumps({"time": statistics.median(times), "peak": peak, "loss": loss}))
 
 
 def run_case(args: argparse.Namespace, method: str, vocab: int) -> dict[str, float] | str:

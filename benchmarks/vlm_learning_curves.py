@@ -35,17 +35,21 @@ TASKS: dict[str, tuple[str, int, list[str], tuple[str, ...]]] = {
 }
 
 
-def task_overrides(task: str, out: Path, cache: Path, steps: int, every: int) -> list[str]:
-    """``load_config("clock_ce", ...)`` overrides that train ``task`` instead of the clock."""
+def task_overrides(
+    task: str, out: Path, cache: Path, steps: int, every: int, data_params: list[str] = ()
+) -> list[str]:
+    """``load_config("clock_ce", ...)`` overrides that train ``task`` instead of the clock;
+    ``data_params`` (``name=value``) go to the generator of both splits, after the defaults."""
     kind, new_tokens, extra, _ = TASKS[task]
+    extra = [*extra, *data_params]
     common = [
         f"output_dir={out / task}", f"train.max_steps={steps}", f"train.save_steps={every}",
         "train.save_total_limit=100", "train.progress_bar=false", "train.tensorboard=false",
         f"data.train.params.cache_dir={cache}", f"data.eval.params.cache_dir={cache}",
     ]
-    if task == "clock":
-        return common
     params = [f"data.{s}.params.{p}" for s in ("train", "eval") for p in extra]
+    if task == "clock":
+        return [*common, *params]
     return [*common, f"data.train.task={task}", f"data.eval.task={task}", *params,
             f"eval.kind={kind}", f"eval.max_new_tokens={new_tokens}", "data.max_length=256"]
 
@@ -129,6 +133,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="default: clock_ce.yaml's")
     parser.add_argument("--every", type=int, default=300)
     parser.add_argument("--out", default="runs/vlm_learning_curves")
+    parser.add_argument("--data-params", default="",
+                        help="generator parameters for both splits, e.g. "
+                             "'min_objects=1,max_objects=2,noise=0'")
     parser.add_argument("--from-run", default=None,
                         help="a finished clock_ce run folder with checkpoints: evaluate only")
     args = parser.parse_args()
@@ -152,12 +159,15 @@ def main() -> None:
             steps_per_s = summary["global_step"] / summary["train_runtime"]
             timing = "training loop only"
         else:
-            cfg = load_task_config(task, task_overrides(task, out, cache, steps, args.every))
+            data_params = [p for p in args.data_params.split(",") if p]
+            cfg = load_task_config(
+                task, task_overrides(task, out, cache, steps, args.every, data_params))
             run_dir = Path(cfg.output_dir)
             steps_per_s = train_run(cfg)
             timing = "incl. start-up"
         rows = evaluate_checkpoints(task, run_dir, cfg)
-        print(f"\n### {task} (CE, {cfg.model.name}, batch {cfg.train.batch_size})\n")
+        print(f"\n### {task} (CE, {cfg.model.name}, batch {cfg.train.batch_size}; data "
+              f"{dict(cfg.data.train.params)})\n")
         print(markdown(task, rows), flush=True)
         render, collate = data_throughput(task, cfg)
         print(f"\ntraining {steps_per_s:.2f} steps/s ({steps_per_s * cfg.train.batch_size:.0f} "
