@@ -16,6 +16,7 @@ command (``emdlm.cli train``). Budget: about a minute on 2 busy cores.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -351,3 +352,51 @@ def _worker(head_json: str, configs: list[str]) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1], sys.argv[2:])
+
+
+def test_zero3_partitioned_head_is_gathered_around_the_loss(monkeypatch):
+    """The ZeRO-3 branch of ``gathered_head`` with a stand-in ``deepspeed`` (DeepSpeed itself is
+    not installed here): a head whose data is a 0-element partition is gathered by
+    ``deepspeed.zero.GatheredParameters(params, modifier_rank=None)`` for exactly the duration
+    of the loss, so the loss equals the unsharded one; without deepspeed it is an error.
+    (This test found that the head lookup refused the 0-element partition before the gather.)"""
+    import enum
+    import sys
+    import types
+
+    import emdlm.integrations.patch as patch_mod
+    from emdlm.losses.ce import CrossEntropyLoss
+
+    model = _tiny_gpt2()
+    head = model.lm_head
+    hidden = torch.randn(2, 6, 16)
+    labels = torch.randint(0, 40, (2, 6))
+    expected, _ = patch_mod.hidden_loss(CrossEntropyLoss(reduction="sum"), model, hidden, labels)
+
+    status = enum.Enum("ZeroParamStatus", "AVAILABLE NOT_AVAILABLE")
+    full_data = head.weight.data
+    head.weight.data = full_data.new_empty(0)  # what a ZeRO-3 rank holds outside a gather
+    head.weight.ds_id, head.weight.ds_status = 0, status.NOT_AVAILABLE
+    head.weight.ds_shape = full_data.shape  # as DeepSpeed records the full shape
+    calls = []
+
+    @contextlib.contextmanager
+    def gathered(params, modifier_rank=None):
+        calls.append(([id(p) for p in params], modifier_rank))
+        for p in params:
+            p.data, p.ds_status = full_data, status.AVAILABLE
+        yield
+        for p in params:
+            p.data, p.ds_status = full_data.new_empty(0), status.NOT_AVAILABLE
+
+    fake = types.ModuleType("deepspeed")
+    fake.zero = types.SimpleNamespace(GatheredParameters=gathered)
+    monkeypatch.setitem(sys.modules, "deepspeed", fake)
+    got, _ = patch_mod.hidden_loss(CrossEntropyLoss(reduction="sum"), model, hidden, labels)
+    assert calls == [([id(head.weight)], None)]
+    torch.testing.assert_close(got.loss, expected.loss)
+    assert head.weight.numel() == 0  # partitioned again after the loss
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
+    with pytest.raises(RuntimeError, match="ZeRO-3 partitioned head, but no deepspeed"):
+        patch_mod.hidden_loss(CrossEntropyLoss(reduction="sum"), model, hidden, labels)

@@ -100,7 +100,10 @@ def output_head(model: nn.Module) -> OutputHead:
             )
         head = base_layer
     weight = getattr(head, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+    # a DeepSpeed ZeRO-3 parameter holds a 0-element partition outside a gather; its full
+    # shape is ds_shape (gathered for the loss by sharding.gathered_head)
+    shape = getattr(weight, "ds_shape", None) if isinstance(weight, torch.Tensor) else None
+    if not isinstance(weight, torch.Tensor) or len(shape or weight.shape) != 2:
         raise ValueError(
             f"from_hidden needs a linear output embedding with a [V, H] weight, got "
             f"{type(head).__name__}"
