@@ -136,6 +136,8 @@ def main() -> None:
     parser.add_argument("--data-params", default="",
                         help="generator parameters for both splits, e.g. "
                              "'min_objects=1,max_objects=2,noise=0'")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="run-config overrides after the task's, e.g. model.name=tiny-llava")
     parser.add_argument("--from-run", default=None,
                         help="a finished clock_ce run folder with checkpoints: evaluate only")
     args = parser.parse_args()
@@ -161,13 +163,15 @@ def main() -> None:
         else:
             data_params = [p for p in args.data_params.split(",") if p]
             cfg = load_task_config(
-                task, task_overrides(task, out, cache, steps, args.every, data_params))
+                task, [*task_overrides(task, out, cache, steps, args.every, data_params),
+                       *args.set])
             run_dir = Path(cfg.output_dir)
             steps_per_s = train_run(cfg)
             timing = "incl. start-up"
         rows = evaluate_checkpoints(task, run_dir, cfg)
-        print(f"\n### {task} (CE, {cfg.model.name}, batch {cfg.train.batch_size}; data "
-              f"{dict(cfg.data.train.params)})\n")
+        data = {k: v for k, v in cfg.data.train.params.items() if k != "cache_dir"}
+        print(f"\n### {task} (CE, {cfg.model.name} {dict(cfg.model.params)}, batch "
+              f"{cfg.train.batch_size}; data {data}; overrides {args.set})\n")
         print(markdown(task, rows), flush=True)
         render, collate = data_throughput(task, cfg)
         print(f"\ntraining {steps_per_s:.2f} steps/s ({steps_per_s * cfg.train.batch_size:.0f} "
