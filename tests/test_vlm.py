@@ -89,8 +89,13 @@ def test_bad_image_size_param_is_a_config_error() -> None:
         _built("tiny-llava", image_size=60)
 
 
-def test_local_folder_loads_as_vlm(tmp_path: Path) -> None:
-    tok, built = _built("tiny-qwen2-vl")
+@pytest.mark.parametrize(
+    ("name", "family"), [("tiny-qwen2-vl", "qwen2_vl"), ("tiny-llava", "llava")]
+)
+def test_local_folder_loads_as_vlm(tmp_path: Path, name: str, family: str) -> None:
+    """A config-built Qwen2-VL and LLaVA saved as Hugging Face folders load back through the
+    local-checkpoint path (AutoModelForImageTextToText + the saved image processor), equal."""
+    tok, built = _built(name)
     folder = tmp_path / "ckpt"
     built.model.save_pretrained(folder)
     built.image_processor.save_pretrained(folder)
@@ -99,7 +104,7 @@ def test_local_folder_loads_as_vlm(tmp_path: Path) -> None:
     state = built.model.state_dict()
     for key, value in again.model.state_dict().items():
         assert torch.equal(value, state[key]), key
-    assert again.spec.family == "qwen2_vl"
+    assert again.spec.family == family
     with pytest.raises(ConfigError, match="only apply to named"):
         build_vlm(ModelConfig(name=str(folder), params={"hidden_size": 32}), tok)
 
