@@ -29,6 +29,10 @@ def _pyplot():  # type: ignore[no-untyped-def]
     return plt
 
 
+#: Metrics whose curves are drawn on a symmetric-log axis: absolute errors span decades.
+LOG_SCALE_METRICS = ("abs_error_mean", "abs_error_median")
+
+
 def plot_learning_curves(rows: Sequence[Row], task: str, variants: Sequence[str],
                          path: Path) -> bool:
     """Mean over seeds and min-max band per variant for each key metric; False if no data."""
@@ -55,6 +59,9 @@ def plot_learning_curves(rows: Sequence[Row], task: str, variants: Sequence[str]
             ax.fill_between(steps, lo, hi, color=line[0].get_color(), alpha=0.2, linewidth=0)
         ax.set_title(metric)
         ax.set_xlabel("step")
+        if metric in LOG_SCALE_METRICS:  # one diverged seed would flatten every other curve
+            ax.set_yscale("symlog", linthresh=1.0)
+            ax.set_title(f"{metric} (symlog)")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.suptitle(f"{task}: mean over seeds, band = min–max")
