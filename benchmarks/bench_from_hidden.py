@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from _rss import peak_rss_mib, reset_peak_rss, rss_mib
+from _table import print_ratio_table
 
 METHODS = ("logits_ce", "logits_ntil", "ce", "ce_ntil", "tailr", "cce_torch")
 
@@ -182,20 +183,7 @@ def main() -> None:
         return
     for vocab in args.vocab:
         results = {m: run_case(args, m, vocab) for m in args.methods}
-        ref = results.get("logits_ce")
-        print(f"V = {vocab}\n")
-        print("| method | fwd+bwd (s) | x logits CE | peak memory (MiB) | x logits CE |")
-        print("|---|---:|---:|---:|---:|")
-        for m, r in results.items():
-            if isinstance(r, str):
-                print(f"| {m} | failed: {r} | | | |")
-                continue
-            ok = isinstance(ref, dict)
-            t_ratio = f"{r['time'] / ref['time']:.2f}" if ok else "-"  # type: ignore[index]
-            m_ratio = f"{r['peak'] / ref['peak']:.2f}" if ok else "-"  # type: ignore[index]
-            print(f"| {m} | {r['time']:.3f} | {t_ratio} | {r['peak']:.0f} | {m_ratio} |")
-        print(flush=True)
-
+        print_ratio_table(vocab, results, reference="logits_ce", time_digits=3)
 
 if __name__ == "__main__":
     main()

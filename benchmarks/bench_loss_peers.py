@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from _rss import peak_rss_mib, reset_peak_rss, rss_mib
+from _table import print_ratio_table
 
 METHODS = ("logits_ce", "emdlm_ce", "cce_torch", "liger_flce")
 PEERS = ("cce_torch", "liger_flce")
@@ -135,25 +136,6 @@ def run_case(args: argparse.Namespace, method: str, vocab: int) -> dict[str, flo
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def print_table(vocab: int, results: dict[str, dict[str, float] | str]) -> None:
-    """One markdown table per V with ratios against logits_ce."""
-    ref = results.get("logits_ce")
-    print(f"V = {vocab}\n")
-    print("| method | fwd+bwd (s) | x logits_ce | peak memory (MiB) | x logits_ce | loss |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for m, r in results.items():
-        if isinstance(r, str):
-            print(f"| {m} | failed: {r} | | | | |")
-            continue
-        ok = isinstance(ref, dict)
-        t_ratio = f"{r['time'] / ref['time']:.2f}" if ok else "-"  # type: ignore[index]
-        m_ratio = f"{r['peak'] / ref['peak']:.2f}" if ok else "-"  # type: ignore[index]
-        print(
-            f"| {m} | {r['time']:.2f} | {t_ratio} | {r['peak']:.0f} | {m_ratio} | {r['loss']:.5f} |"
-        )
-    print(flush=True)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=4096)
@@ -176,7 +158,8 @@ def main() -> None:
         flush=True,
     )
     for vocab in args.vocab:
-        print_table(vocab, {m: run_case(args, m, vocab) for m in args.methods})
+        results = {m: run_case(args, m, vocab) for m in args.methods}
+        print_ratio_table(vocab, results, reference="logits_ce", with_loss=True)
 
 
 if __name__ == "__main__":
