@@ -85,6 +85,9 @@ def test_base_from_packaged_run_config(tmp_path):
         ({"varaints": {}}, "unknown experiment key"),
         ({"variants": {"ce": ["objective.nam=ce"]}}, "cell default/ce/seed0"),
         ({"variants": {"ce": "objective.name=ce"}}, "list of key=value"),
+        ({"eval": {"extra": {"step-9": ["eval.kind=choice"]}}}, "may not start with 'step-'"),
+        ({"eval": {"extra": {"choice": ["eval.kindd=choice"]}}}, r"\(eval.extra.choice\)"),
+        ({"eval": {"extra": {"choice": ["train.seed=3"]}}}, "may not be overridden"),
     ],
 )
 def test_bad_experiments_are_named(tmp_path, change, message):
@@ -122,6 +125,17 @@ def test_packaged_experiments_expand(path, tmp_path):
     exp = load_experiment(path.stem, [f"output_dir={tmp_path}"])
     cells = expand_grid(exp)  # builds and validates every cell's run config
     assert len(cells) == len(exp.variants) * len(exp.seeds) * len(exp.tasks)
-    # comparison grids need 5+ paired seeds; a dev-split tuning grid (name *_dev) may use fewer
-    min_seeds = 2 if exp.name.endswith("_dev") else 5
+    # comparison grids need 5+ paired seeds (issue 9), EMO's protocol grids (emo_*) the paper's
+    # 3 (issue 10); a dev-split tuning grid (name *_dev) may use 2
+    min_seeds = 2 if exp.name.endswith("_dev") else 3 if exp.name.startswith("emo_") else 5
     assert exp.baseline in exp.variants and len(exp.seeds) >= min_seeds
+
+
+def test_extra_evaluations_stack_on_the_eval_overrides(tmp_path):
+    """eval.extra.<name> = eval.overrides + its own items, per cell; checked at expansion."""
+    data = _exp(tmp_path, eval={"checkpoints": "final", "overrides": ["data.eval.n=7"],
+                                "extra": {"other": ["data.eval.split=dev", "data.eval.n=3"]}})
+    cells = expand_grid(parse_experiment(data))
+    assert all(c.extra_evals == {"other": ["data.eval.n=7", "data.eval.split=dev",
+                                           "data.eval.n=3"]} for c in cells)
+    assert all(c.eval_overrides == ["data.eval.n=7"] for c in cells)

@@ -113,3 +113,36 @@ def test_checkpoints_to_evaluate(made):
     cell.checkpoints = [15]
     with pytest.raises(RuntimeError, match=r"\[15\] were not saved"):
         _models_to_evaluate(cell, 20)
+
+
+# accuracy of an extra evaluation (eval.extra.choice) of the final model, per variant and seed
+CHOICE = {"ce": [0.50, 0.52, 0.48, 0.55, 0.51, 0.49], "ntil": [0.53, 0.56, 0.50, 0.58, 0.55, 0.50]}
+
+
+def test_extra_evaluations_are_reported_with_their_prefix(tmp_path):
+    exp = parse_experiment({"name": "fake", "base": BASE, "seeds": SEEDS,
+                            "variants": {"ce": [], "ntil": ["objective.name=ntil"]},
+                            "eval": {"extra": {"choice": ["eval.kind=choice"]}},
+                            "output_dir": str(tmp_path / "out")})
+    cells = expand_grid(exp)
+    for cell in cells:
+        idx = SEEDS.index(cell.seed)
+        _fake_cell(cell, {s: ERRORS[cell.variant][s][idx] for s in (10, 20)})
+        folder = eval_dir(cell.folder, 20, "choice")
+        folder.mkdir(parents=True)
+        (folder / "metrics.json").write_text(json.dumps(
+            {"accuracy": CHOICE[cell.variant][idx], "chance_rate": 0.5, "n": 152}))
+        (folder / "predictions.jsonl").write_text(json.dumps({"prediction": 1}) + "\n")
+    result = write_outputs(exp, cells)
+    report = result.report.read_text()
+    diff = compare_paired(CHOICE["ce"], CHOICE["ntil"])
+    assert (f"| choice.accuracy | ntil | {diff.mean_diff:.4g} | [{diff.ci_low:.4g}, "
+            f"{diff.ci_high:.4g}] |") in report
+    assert "higher for within_5pct, exact_match, choice.accuracy." in report
+    # final model only: no area under a learning curve for it, nor a plot panel
+    auc_section = report.split("### Area under the learning curve")[1].split("###")[0]
+    assert "choice.accuracy" not in auc_section
+    with result.results_csv.open() as fh:
+        rows = [r for r in csv.DictReader(fh) if r["metric"].startswith("choice.")]
+    assert {r["metric"] for r in rows} == {"choice.accuracy", "choice.chance_rate"}
+    assert {r["step"] for r in rows} == {"20"} and len(rows) == 2 * 6 * 2

@@ -1,4 +1,4 @@
-"""``emdlm`` command line: ``train``, ``eval``, ``demo``, ``experiment``.
+"""``emdlm`` command line: ``train``, ``eval``, ``sample``, ``demo``, ``experiment``.
 
     emdlm train -c arithmetic_ntil train.max_steps=200 output_dir=runs/ntil
     emdlm eval runs/ntil --task arithmetic --n 500
@@ -145,6 +145,48 @@ def eval_cmd(
         _fail(str(err))
     typer.echo(format_metrics_table({result["name"]: result["metrics"]}))
     typer.echo(f"written: {result['out_dir']}/metrics.json, predictions.jsonl")
+
+
+@app.command()
+def sample(
+    run_dir: Annotated[str, typer.Argument(help="Model folder to sample from (e.g. an oracle)")],
+    out: Annotated[str, typer.Option(help="JSONL file to write")],
+    overrides: Overrides = None,
+    data: Annotated[
+        str | None, typer.Option(help="Prompts: JSONL file or save_to_disk folder")
+    ] = None,
+    task: Annotated[str | None, typer.Option(help="Prompts: a registered task name")] = None,
+    n: Annotated[int | None, typer.Option(help="Prompts to take from --task / --data")] = None,
+    split: Annotated[str, typer.Option(help="Split for --task / dataset folders")] = "train",
+    num_samples: Annotated[int, typer.Option(help="Continuations per prompt")] = 1,
+    fmt: Annotated[
+        str, typer.Option("--format", help="prompt_completion | text (prompt + sample)")
+    ] = "prompt_completion",
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing --out file")] = False,
+) -> None:
+    """Sample continuations of prompts by unbiased sampling (temperature 1, no top-k / top-p)
+    and write them as a JSONL corpus: the oracle experiment's training and test sets."""
+    from emdlm.training.evaluate import resolve_eval_config
+    from emdlm.training.sample import sample_corpus
+
+    items = [f"eval.num_samples={num_samples}"]
+    if data is not None and task is not None:
+        _fail("give --data or --task, not both")
+    if data is not None:
+        items += ["data.eval.task=null", f"data.eval.path={data}", f"data.eval.split={split}"]
+    if task is not None:
+        items += ["data.eval.path=null", f"data.eval.task={task}", f"data.eval.split={split}"]
+    if n is not None:
+        items.append(f"data.eval.n={n}")
+    items += list(overrides or [])
+    try:
+        cfg = resolve_eval_config(run_dir, None, items)
+        summary = sample_corpus(run_dir, cfg, out, fmt=fmt, overwrite=overwrite)
+    except ConfigError as err:
+        _fail(str(err))
+    typer.echo(f"written: {summary['out']}: {summary['rows']} rows from {summary['prompts']} "
+               f"prompts x {summary['num_samples']} samples ({summary['empty_samples']} empty "
+               "samples left out)")
 
 
 @app.command()

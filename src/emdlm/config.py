@@ -113,8 +113,9 @@ class ObjectiveConfig:
     """``name``: one of ce | emd | ntil | emo | tailr | mixce | emo_distill | kl_distill;
     ``params`` go to the loss class.
     ``cost_embedding`` (emo, emo_distill): "model" (a frozen copy of the model's output
-    embedding at the start of training), "teacher" (the teacher's; emo_distill's default) or a
-    path to a tensor file (.pt / .safetensors, [V, d])."""
+    embedding at the start of training), "teacher" (the teacher's; emo_distill's default), a
+    local model folder (its output embedding, e.g. an oracle's for a student trained from
+    scratch) or a path to a tensor file (.pt / .safetensors, [V, d])."""
 
     name: str = "ce"
     params: dict[str, Any] = field(default_factory=dict)

@@ -57,12 +57,28 @@ def objective_class(name: str) -> type[nn.Module]:
         raise ConfigError(f"objective {name!r} is not available ({module}.{cls}): {err}") from err
 
 
+def _folder_output_embedding(folder: Path) -> torch.Tensor:
+    """The output embedding [V, d] of the causal LM saved in ``folder`` (a Hugging Face folder;
+    no remote code), e.g. a pre-trained oracle's head for a student trained from scratch."""
+    from transformers import AutoModelForCausalLM
+
+    from emdlm.losses.emo import cost_embedding_from
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=False)
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            f"cost embedding folder {folder}: not a causal-LM folder ({err})"
+        ) from err
+    return cost_embedding_from(model)
+
+
 def load_cost_embedding(
     source: str | None, model: Any, vocab_size: int, teacher: Any = None
 ) -> torch.Tensor:
     """EMO's cost embedding: "model" (frozen copy of the model's output embedding now),
-    "teacher" (the same from the distillation teacher) or a tensor file (.pt / .safetensors,
-    first tensor) with ``vocab_size`` rows."""
+    "teacher" (the same from the distillation teacher), a model folder (its output embedding) or
+    a tensor file (.pt / .safetensors, first tensor) with ``vocab_size`` rows."""
     if source == "teacher":
         if teacher is None:
             raise ConfigError("objective.cost_embedding=teacher needs a teacher (`teacher:`)")
@@ -76,10 +92,12 @@ def load_cost_embedding(
         from emdlm.losses.emo import cost_embedding_from
 
         emb = cost_embedding_from(model)
+    elif Path(source).is_dir():
+        emb = _folder_output_embedding(Path(source))
     else:
         path = Path(source)
         if not path.is_file():
-            raise ConfigError(f"cost embedding file not found: {path}")
+            raise ConfigError(f"cost embedding file or model folder not found: {path}")
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
 

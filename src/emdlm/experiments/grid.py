@@ -15,15 +15,19 @@ An experiment file (YAML) holds one base run config and what varies around it::
     eval:
       checkpoints: all             # all | final | a list of steps (the final model always)
       overrides: [data.eval.n=2000]  # applied to the run config for evaluation only
+      extra:                       # optional further evaluations of the final model only:
+        choice: [eval.kind=choice, data.eval.task=polarity_choice]  # name -> overrides
     workers: 2                     # worker processes (default: CPU cores)
     threads_per_worker: 1
     keep_checkpoints: false        # delete checkpoint-* folders once a cell is evaluated
     output_dir: runs/experiments/arithmetic_objectives
 
 Every cell is one ``emdlm train`` + ``emdlm eval`` per evaluated checkpoint, in
-``<output_dir>/<task>/<variant>/seed<k>/``. The variants of one seed share ``train.seed``, which
-fixes the generated data, its order and the initial weights (the model is built right after
-``set_seed(train.seed)``), so differences between variants of a seed are paired.
+``<output_dir>/<task>/<variant>/seed<k>/``, plus one ``emdlm eval`` of the final model per
+``eval.extra`` entry (its metrics are reported as ``<name>.<metric>``). The variants of one
+seed share ``train.seed``, which fixes the generated data, its order and the initial weights
+(the model is built right after ``set_seed(train.seed)``), so differences between variants of
+a seed are paired.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ EXPERIMENT_KEYS = (
     "name", "base", "base_overrides", "variants", "baseline", "seeds", "tasks", "eval", "workers",
     "threads_per_worker", "keep_checkpoints", "output_dir",
 )
-EVAL_KEYS = ("checkpoints", "overrides")
+EVAL_KEYS = ("checkpoints", "overrides", "extra")
 DEFAULT_TASK = "default"
 # keys a variant or task may not change: they would break the pairing of seeds, or the layout
 RESERVED_OVERRIDES = ("train.seed", "output_dir")
@@ -61,10 +65,13 @@ class EvalPlan:
     ``checkpoints``: "all" (every ``checkpoint-<step>`` the run saved, i.e. every
     ``train.save_steps``), "final" (the final model only), or a list of steps (each must be a
     saved step; checked when the cell runs). The final model is always evaluated.
+    ``extra``: name -> overrides (on top of ``overrides``) of a further evaluation of the final
+    model, e.g. a second test set or another eval kind.
     """
 
     checkpoints: str | list[int] = "all"
     overrides: list[str] = field(default_factory=list)
+    extra: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -95,6 +102,7 @@ class Cell:
     config: dict[str, Any]
     eval_overrides: list[str]
     checkpoints: str | list[int]
+    extra_evals: dict[str, list[str]]
     keep_checkpoints: bool
     threads: int
 
@@ -210,7 +218,11 @@ def _eval_plan(value: Any) -> EvalPlan:
             f"{checkpoints!r}"
         )
     overrides = _override_list(value.get("overrides"), "experiment.eval.overrides")
-    return EvalPlan(checkpoints, overrides)
+    extra = _named_overrides(value.get("extra"), "experiment.eval.extra", required=False)
+    clash = [name for name in extra if name.startswith("step-")]
+    if clash:  # eval/step-<N>/ holds the learning-curve evaluations
+        raise ConfigError(f"experiment.eval.extra: names may not start with 'step-': {clash}")
+    return EvalPlan(checkpoints, overrides, extra)
 
 
 def parse_experiment(data: dict[str, Any], folder: Path = Path(".")) -> Experiment:
@@ -299,8 +311,12 @@ def expand_grid(exp: Experiment) -> list[Cell]:
                 if eval_cfg.data.eval is None:
                     raise ConfigError(f"{where}: no test set (set data.eval in the base config "
                                       f"or in experiment.eval.overrides)")
+                extra = {name: [*exp.eval.overrides, *items]
+                         for name, items in exp.eval.extra.items()}
+                for name, items in extra.items():
+                    check_run_config(apply_overrides(raw, items), f"{where} (eval.extra.{name})")
                 cells.append(Cell(task, variant, seed, folder, raw, list(exp.eval.overrides),
-                                  exp.eval.checkpoints, exp.keep_checkpoints,
+                                  exp.eval.checkpoints, extra, exp.keep_checkpoints,
                                   exp.threads_per_worker))
     return cells
 

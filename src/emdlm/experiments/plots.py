@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from emdlm.experiments.grid import Cell
-from emdlm.experiments.report import KEY_METRICS, Row, curves, ordered_metrics, read_predictions
+from emdlm.experiments.report import Row, curves, key_metrics, ordered_metrics, read_predictions
 from emdlm.experiments.runner import CELL_DONE, EVAL_DIR
 
 
@@ -37,7 +37,7 @@ def plot_learning_curves(rows: Sequence[Row], task: str, variants: Sequence[str]
                          path: Path) -> bool:
     """Mean over seeds and min-max band per variant for each key metric; False if no data."""
     table = curves(rows, task)
-    metrics = [m for m in KEY_METRICS if m in table] or ordered_metrics(table)[:4]
+    metrics = [m for m in key_metrics(table) if "." not in m] or ordered_metrics(table)[:4]
     if not metrics:
         return False
     plt = _pyplot()

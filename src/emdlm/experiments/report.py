@@ -42,10 +42,23 @@ METRIC_ORDER: tuple[tuple[str, str], ...] = (
     ("parse_failure_rate", "lower"),
     ("exact_match", "higher"),
     ("perplexity", "lower"),
+    # text tasks (eval.kind text: EMO's protocol) and choice by perplexity
+    ("mauve", "higher"),
+    ("ppl_test", "lower"),
+    ("ppl_oracle", "lower"),
+    ("rouge1", "higher"),
+    ("rougeL", "higher"),
+    ("distinct_2", "higher"),
+    ("rep_4", "lower"),
+    ("accuracy", "higher"),
 )
 # the metrics compared pairwise in the report (the rest are in the mean +- std table and csv)
-KEY_METRICS = ("abs_error_mean", "log10_error_mean", "within_5pct", "exact_match")
-SKIP_METRICS = ("n",)
+KEY_METRICS = ("abs_error_mean", "log10_error_mean", "within_5pct", "exact_match",
+               "mauve", "ppl_test", "ppl_oracle", "rougeL", "accuracy")
+# settings and counts recorded in metrics.json, not outcomes: kept out of the report and csv
+SKIP_METRICS = ("n", "num_samples", "temperature", "top_p", "top_k", "max_new_tokens",
+                "n_prompts", "n_samples", "mauve_num_buckets", "mauve_scaling_factor",
+                "mauve_seed", "mauve_kmeans_num_redo", "mauve_kmeans_max_iter")
 CSV_FIELDS = ("task", "variant", "seed", "step", "metric", "value")
 THRESHOLDS = (0.5, 0.9)
 
@@ -103,16 +116,20 @@ def cell_rows(cell: Cell) -> list[Row]:
     if not (cell.folder / CELL_DONE).is_file():
         return []
     rows: list[Row] = []
-    for step_dir in sorted((cell.folder / EVAL_DIR).glob("step-*")):
-        step = int(step_dir.name.split("-")[-1])
-        metrics = json.loads((step_dir / "metrics.json").read_text())
-        preds_file = step_dir / "predictions.jsonl"
-        if preds_file.is_file():
-            metrics.update(numeric_extras(read_predictions(preds_file)))
-        for name, value in metrics.items():
-            if name in SKIP_METRICS or isinstance(value, (str, list, dict)):
-                continue
-            rows.append(Row(cell.task, cell.variant, cell.seed, step, name, _as_float(value)))
+    sources = [("", cell.folder / EVAL_DIR)]  # learning-curve evaluations, then eval.extra ones
+    sources += [(f"{name}.", cell.folder / EVAL_DIR / name) for name in cell.extra_evals]
+    for prefix, folder in sources:
+        for step_dir in sorted(folder.glob("step-*")):
+            step = int(step_dir.name.split("-")[-1])
+            metrics = json.loads((step_dir / "metrics.json").read_text())
+            preds_file = step_dir / "predictions.jsonl"
+            if preds_file.is_file():
+                metrics.update(numeric_extras(read_predictions(preds_file)))
+            for name, value in metrics.items():
+                if name in SKIP_METRICS or isinstance(value, (str, list, dict)):
+                    continue
+                rows.append(Row(cell.task, cell.variant, cell.seed, step, prefix + name,
+                                _as_float(value)))
     return rows
 
 
@@ -128,10 +145,27 @@ def write_csv(rows: Sequence[Row], path: Path) -> None:
             writer.writerow([r.task, r.variant, r.seed, r.step, r.metric, repr(r.value)])
 
 
+def base_metric(name: str) -> str:
+    """``choice.accuracy`` -> ``accuracy``: the metric of an ``eval.extra`` evaluation."""
+    return name.rsplit(".", 1)[-1]
+
+
+def better_direction(name: str) -> str | None:
+    """"lower" / "higher" for a known metric (extra evaluations' too), else None."""
+    return dict(METRIC_ORDER).get(base_metric(name))
+
+
+def key_metrics(names: Iterable[str]) -> list[str]:
+    """The metrics compared pairwise, in report order (extra evaluations' after the main ones)."""
+    return [m for m in ordered_metrics(names) if base_metric(m) in KEY_METRICS]
+
+
 def ordered_metrics(names: Iterable[str]) -> list[str]:
-    """Known metrics in report order, then any others alphabetically."""
+    """Known metrics in report order (main evaluation first, then each extra evaluation), then
+    any others alphabetically."""
     present = set(names)
-    known = [m for m, _ in METRIC_ORDER if m in present]
+    prefixes = sorted({m.rsplit(".", 1)[0] + "." if "." in m else "" for m in present})
+    known = [p + m for p in prefixes for m, _ in METRIC_ORDER if p + m in present]
     return known + sorted(present - set(known))
 
 
@@ -217,16 +251,18 @@ def _task_section(exp: Experiment, task: str, rows: Sequence[Row],
             mean, std, n = mean_std(list(final[m].get(variant, {}).values()))
             cells.append(f"{_fmt(mean)} ± {_fmt(std)} ({n})")
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
-    better = dict(METRIC_ORDER)
-    key = [m for m in KEY_METRICS if m in metrics] or metrics[:4]
+    key = key_metrics(metrics) or metrics[:4]
     lines += ["", "### Final checkpoint: paired difference against the baseline", "",
-              "Lower is better for " + ", ".join(m for m in key if better.get(m) == "lower")
-              + "; higher for " + ", ".join(m for m in key if better.get(m) == "higher") + ".",
+              "Lower is better for "
+              + ", ".join(m for m in key if better_direction(m) == "lower")
+              + "; higher for " + ", ".join(m for m in key if better_direction(m) == "higher")
+              + ".",
               "", *_comparison_table(final, exp, key), ""]
     if len(steps) > 1:
-        auc = {m: {v: auc_values(table[m][v]) for v in table[m]} for m in key}
+        curve_key = [m for m in key if "." not in m]  # extra evaluations: final model only
+        auc = {m: {v: auc_values(table[m][v]) for v in table[m]} for m in curve_key}
         lines += ["### Area under the learning curve (trapezoid over steps / step range)", "",
-                  *_comparison_table(auc, exp, key), ""]
+                  *_comparison_table(auc, exp, curve_key), ""]
     if "exact_match" in table and len(steps) > 1:
         lines += _threshold_lines(table["exact_match"], exp)
     for name in plots.get(task, []):

@@ -5,6 +5,7 @@ Cell folder ``<output_dir>/<task>/<variant>/seed<k>/``:
 
 * ``train/``: the training run (``checkpoint-<step>`` folders, final model, train_log.jsonl).
 * ``eval/step-<N>/``: ``metrics.json`` and ``predictions.jsonl`` of the model at step N.
+* ``eval/<name>/step-<N>/``: the same for each ``eval.extra`` evaluation of the final model.
 * ``cell_done.json``: written last; a cell that has it is skipped by later invocations.
 * ``error.txt``: the traceback of a failed cell (the other cells go on).
 
@@ -59,8 +60,10 @@ def default_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def eval_dir(cell_folder: Path, step: int) -> Path:
-    return cell_folder / EVAL_DIR / f"step-{step}"
+def eval_dir(cell_folder: Path, step: int, extra: str | None = None) -> Path:
+    """``<cell>/eval/step-<N>``, or ``<cell>/eval/<extra>/step-<N>`` for an extra evaluation."""
+    base = cell_folder / EVAL_DIR
+    return (base if extra is None else base / extra) / f"step-{step}"
 
 
 def _saved_checkpoints(train_dir: Path) -> dict[int, Path]:
@@ -125,6 +128,19 @@ def _evaluate(cell: Cell, final_step: int) -> dict[int, dict[str, Any]]:
     return results
 
 
+def _evaluate_extra(cell: Cell, final_step: int) -> None:
+    """The final model under each ``eval.extra`` config not evaluated yet."""
+    from emdlm.config import apply_overrides, build_config
+    from emdlm.training import evaluate_run
+
+    for name, overrides in cell.extra_evals.items():
+        target = eval_dir(cell.folder, final_step, name)
+        if (target / "metrics.json").is_file() and (target / "predictions.jsonl").is_file():
+            continue
+        cfg = build_config(apply_overrides(cell.config, overrides))
+        evaluate_run(cell.train_dir, cfg, out_dir=target)
+
+
 def run_cell(cell: Cell) -> CellOutcome:
     """Train and evaluate one cell; never raises (a failure goes to ``error.txt``)."""
     done = cell.folder / CELL_DONE
@@ -139,6 +155,7 @@ def run_cell(cell: Cell) -> CellOutcome:
     try:
         summary = _train(cell)
         metrics = _evaluate(cell, int(summary["global_step"]))
+        _evaluate_extra(cell, int(summary["global_step"]))
         if not cell.keep_checkpoints:
             for ckpt in _saved_checkpoints(cell.train_dir).values():
                 shutil.rmtree(ckpt)
