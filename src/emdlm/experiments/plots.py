@@ -35,7 +35,10 @@ LOG_SCALE_METRICS = ("abs_error_mean", "abs_error_median")
 
 def plot_learning_curves(rows: Sequence[Row], task: str, variants: Sequence[str],
                          path: Path) -> bool:
-    """Mean over seeds and min-max band per variant for each key metric; False if no data."""
+    """Mean over seeds and min-max band per variant for each key metric; False if no data or
+    a single evaluated step (no curve to draw)."""
+    if len({r.step for r in rows if r.task == task}) < 2:
+        return False
     table = curves(rows, task)
     metrics = [m for m in key_metrics(table) if "." not in m] or ordered_metrics(table)[:4]
     if not metrics:

@@ -288,6 +288,21 @@ def _threshold_lines(em: dict[str, dict[int, dict[int, float]]], exp: Experiment
     return [*lines, ""]
 
 
+def _metrics_note(metrics: set[str]) -> str:
+    """How to read the metrics present: numeric errors, and / or the text protocol's."""
+    note = ""
+    if "abs_error_mean" in metrics:
+        note += (" Numeric errors come first, exact match after them. Absolute, log and relative "
+                 "errors are over the answers that parse: read them with parse_failure_rate (the "
+                 "±1% / ±5% shares count unparsed answers as misses).")
+    if "mauve" in metrics or "ppl_test" in metrics:
+        note += (" Text metrics (eval.kind=text): MAUVE of the sampled continuations against the "
+                 "references, ppl_test of the references, ppl_oracle of the samples under the "
+                 "oracle, ROUGE of each sample against its reference, distinct-n and rep-n of "
+                 "the samples (docs/emo_protocol.md).")
+    return note
+
+
 def write_report(exp: Experiment, cells: Sequence[Cell], rows: Sequence[Row], path: Path,
                  *, command: str = "", plots: dict[str, list[str]] | None = None) -> None:
     """report.md: header (command, grid, cost), one section per task, failed cells."""
@@ -306,9 +321,7 @@ def write_report(exp: Experiment, cells: Sequence[Cell], rows: Sequence[Row], pa
         "",
         "The variants of one seed share the training data, its order and the initial weights: "
         "differences are paired by seed. Metric values are on the test set given by the "
-        "config; numeric errors come first, exact match after them. Absolute, log and "
-        "relative errors are over the answers that parse: read them with parse_failure_rate "
-        "(the ±1% / ±5% shares count unparsed answers as misses).",
+        "config." + _metrics_note({r.metric for r in rows}),
         "",
     ]
     for task in exp.tasks:
