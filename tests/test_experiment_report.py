@@ -146,3 +146,31 @@ def test_extra_evaluations_are_reported_with_their_prefix(tmp_path):
         rows = [r for r in csv.DictReader(fh) if r["metric"].startswith("choice.")]
     assert {r["metric"] for r in rows} == {"choice.accuracy", "choice.chance_rate"}
     assert {r["step"] for r in rows} == {"20"} and len(rows) == 2 * 6 * 2
+
+
+def test_single_step_grid_plots_final_values_and_a_text_note(tmp_path):
+    """checkpoints: final (one evaluated step): final values, not curves; text metrics explained."""
+    from emdlm.experiments.plots import plot_learning_curves
+    from emdlm.experiments.report import Row
+
+    rows = [Row("default", v, s, 20, m, 1.0 + s) for v in ("ce", "emo") for s in (0, 1)
+            for m in ("mauve", "ppl_test")]
+    assert not plot_learning_curves(rows, "default", ["ce", "emo"], tmp_path / "c.png")
+    assert not (tmp_path / "c.png").exists()
+    exp = parse_experiment({"name": "t", "base": BASE, "seeds": [0, 1],
+                            "variants": {"ce": [], "emo": ["objective.name=ce"]},
+                            "eval": {"checkpoints": "final"},
+                            "output_dir": str(tmp_path / "out")})
+    cells = expand_grid(exp)
+    for cell in cells:
+        folder = eval_dir(cell.folder, 20)
+        folder.mkdir(parents=True)
+        (folder / "metrics.json").write_text(json.dumps({"mauve": 0.5, "ppl_test": 30.0}))
+        (folder / "predictions.jsonl").write_text(json.dumps(
+            {"prompt": "a", "reference": "b", "samples": [" c"]}) + "\n")
+        (cell.folder / CELL_DONE).write_text(json.dumps({"wall_s": 1.0}))
+    result = write_outputs(exp, cells)
+    report = result.report.read_text()
+    assert [p.name for p in result.plots] == ["default_final.png"]
+    assert result.plots[0].read_bytes().startswith(b"\x89PNG") and "Text metrics" in report
+    assert "Numeric errors come first" not in report

@@ -291,3 +291,24 @@ def test_finetune_config_starts_from_the_pretrained_folder(tmp_path: Path) -> No
     ]))  # fmt: skip
     assert summary["global_step"] == 2 and summary["objective"] == "emo"
     assert math.isfinite(summary["train_loss"])
+
+
+def test_a_run_whose_eval_cannot_generate_is_warned_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """eval prompt + eval.max_new_tokens beyond the model's positions (they follow
+    data.max_length): said before the first step, not found after training by `emdlm eval`."""
+    from emdlm.config import load_config
+    from emdlm.training import run_training
+
+    quick = ["model.params.n_layer=1", "model.params.n_embd=32", "model.params.n_head=2",
+             "data.train.limit=4", "data.eval.n=4", "data.max_length=64", "train.max_steps=1",
+             "train.progress_bar=false", "train.tensorboard=false"]
+    run_training(load_config("pretrain_gpt2_english", [
+        *quick, "eval.max_new_tokens=80", f"output_dir={tmp_path / 'a'}"]))
+    err = capsys.readouterr().err
+    assert "+ eval.max_new_tokens=80 exceeds the model's context length 64" in err
+    assert err.index("exceeds the model's context") < err.index("world size")  # before training
+    run_training(load_config("pretrain_gpt2_english", [
+        *quick, "eval.max_new_tokens=40", f"output_dir={tmp_path / 'b'}"]))
+    assert "exceeds the model's context" not in capsys.readouterr().err

@@ -57,6 +57,23 @@ def _max_positions(model: torch.nn.Module) -> int | None:
     return None
 
 
+def check_generation_fits(
+    model: Any, tokenizer: Any, prompts: Sequence[str], max_new_tokens: int
+) -> None:
+    """ValueError when the longest prompt plus ``max_new_tokens`` exceeds the model's context
+    (what :func:`generate_answers` would raise later, e.g. after a whole training run)."""
+    limit = _max_positions(model)
+    if limit is None or not prompts:
+        return
+    longest = max(len(_encode(tokenizer, p, special=True)) for p in prompts)
+    if longest + max_new_tokens > limit:
+        raise ValueError(
+            f"the longest eval prompt ({longest} tokens) + eval.max_new_tokens={max_new_tokens} "
+            f"exceeds the model's context length {limit}: raise data.max_length (a tiny model's "
+            "positions follow it) or lower eval.max_new_tokens"
+        )
+
+
 def _pad_id(tokenizer: Any) -> int:
     """The id used for padding: pad, else eos, else 0 (padding is masked out anyway)."""
     for name in ("pad_token_id", "eos_token_id"):

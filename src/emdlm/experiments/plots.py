@@ -2,6 +2,8 @@
 
 * ``<task>_curves.png``: learning curves of the key metrics, one line per variant (mean over
   seeds) with a band from the seeds' minimum to maximum.
+* ``<task>_final.png``: the final models' key metrics, every seed a dot and the mean a bar, one
+  panel per metric (extra evaluations included): the plot of a grid evaluated at one step.
 * ``<task>_errors.png``: distribution of the numeric errors of the final models, pooled over
   seeds: CDF of |error| (symlog axis) and of log10(1 + |error|). Unparsed answers count in the
   denominator, so a curve's plateau below 1 is the share of answers that did not parse.
@@ -74,6 +76,37 @@ def plot_learning_curves(rows: Sequence[Row], task: str, variants: Sequence[str]
     return True
 
 
+def plot_final_values(rows: Sequence[Row], task: str, variants: Sequence[str],
+                      path: Path) -> bool:
+    """Per key metric: each variant's final value per seed (dots) and their mean (bar, with
+    the value written on it); False if no data."""
+    table = curves(rows, task)
+    metrics = key_metrics(table) or ordered_metrics(table)[:4]
+    if not metrics:
+        return False
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.4), squeeze=False)
+    for ax, metric in zip(axes[0], metrics, strict=True):
+        for x, variant in enumerate(variants):
+            by_seed = table[metric].get(variant, {})
+            values = [seed_steps[max(seed_steps)] for seed_steps in by_seed.values()]
+            values = [v for v in values if np.isfinite(v)]
+            if not values:
+                continue
+            mean = float(np.mean(values))
+            ax.bar(x, mean, color=f"C{x}", alpha=0.35, width=0.6)
+            ax.scatter([x] * len(values), values, color=f"C{x}", s=14, zorder=3)
+            ax.annotate(f"{mean:.3g}", (x, mean), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(variants)), list(variants), rotation=45, ha="right", fontsize=8)
+        ax.set_title(metric, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"{task}: final models, dots = seeds, bars = mean")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def final_errors(cell: Cell) -> tuple[np.ndarray, int] | None:
     """(|error| of the parsed answers, number of answers) of a cell's final model."""
     if not (cell.folder / CELL_DONE).is_file():
@@ -140,6 +173,8 @@ def make_plots(cells: Sequence[Cell], rows: Sequence[Row], tasks: Sequence[str],
         names = []
         if plot_learning_curves(rows, task, variants, folder / f"{task}_curves.png"):
             names.append(f"{task}_curves.png")
+        elif plot_final_values(rows, task, variants, folder / f"{task}_final.png"):
+            names.append(f"{task}_final.png")  # one evaluated step: no curve to draw
         if plot_error_distribution(cells, task, variants, folder / f"{task}_errors.png"):
             names.append(f"{task}_errors.png")
         written[task] = names

@@ -289,6 +289,8 @@ def prepare_run(
         if eval_rows is not None and cfg.data.eval is not None:
             eval_ds = build_dataset(eval_rows, tokenizer, source=cfg.data.eval.describe(),
                                     task=cfg.data.eval.task, **kw)
+    if vlm is None and eval_rows is not None and cfg.eval.kind in GENERATION_KINDS:
+        _check_eval_generation_fits(cfg, model, tokenizer, eval_rows)
     try:  # whatever transformers rejects fails here, before the folder is written
         args = training_arguments(cfg, out, eval_ds is not None)
         _dry_build_optimizer_and_scheduler(args, model)
@@ -298,6 +300,27 @@ def prepare_run(
         cfg, tokenizer, model, loss_fn, train_ds, eval_ds, out, resume_from, overwrite, args,
         teacher, vlm,
     )
+
+
+# eval kinds that generate (emdlm eval after training): their prompts should fit the context
+GENERATION_KINDS = ("number", "clock", "box", "boxes", "text")
+
+
+def _check_eval_generation_fits(
+    cfg: RunConfig, model: Any, tokenizer: Any, eval_rows: list[dict[str, Any]]
+) -> None:
+    """Warn before training when ``emdlm eval`` of the finished run with the same settings could
+    not generate: the longest eval prompt + ``eval.max_new_tokens`` exceed the model's context.
+    A warning, not an error: the run may be evaluated later with other settings."""
+    from emdlm.evaluation import check_generation_fits
+
+    prompts = [str(r["prompt"]) for r in eval_rows if "prompt" in r]
+    try:
+        check_generation_fits(model, tokenizer, prompts, cfg.eval.max_new_tokens)
+    except ValueError as err:
+        where = cfg.data.eval.describe() if cfg.data.eval is not None else "eval"
+        print(f"warning: {where}: {err}; `emdlm eval` with these settings will fail",
+              file=sys.stderr, flush=True)
 
 
 def _check_fsdp_run(cfg: RunConfig, resume: bool | str) -> None:
