@@ -40,6 +40,21 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+def _eval_data_overrides(data: str | None, task: str | None, n: int | None,
+                         split: str) -> list[str]:
+    """data.eval overrides for the --data / --task / --n / --split flags of eval and sample."""
+    if data is not None and task is not None:
+        _fail("give --data or --task, not both")
+    items: list[str] = []
+    if data is not None:
+        items += ["data.eval.task=null", f"data.eval.path={data}", f"data.eval.split={split}"]
+    if task is not None:
+        items += ["data.eval.path=null", f"data.eval.task={task}", f"data.eval.split={split}"]
+    if n is not None:
+        items.append(f"data.eval.n={n}")
+    return items
+
+
 @app.command()
 def train(
     overrides: Overrides = None,
@@ -122,15 +137,7 @@ def eval_cmd(
     from emdlm.evaluation import format_metrics_table
     from emdlm.training.evaluate import evaluate_run, resolve_eval_config
 
-    items: list[str] = []
-    if data is not None and task is not None:
-        _fail("give --data or --task, not both")
-    if data is not None:
-        items += ["data.eval.task=null", f"data.eval.path={data}", f"data.eval.split={split}"]
-    if task is not None:
-        items += ["data.eval.path=null", f"data.eval.task={task}", f"data.eval.split={split}"]
-    if n is not None:
-        items.append(f"data.eval.n={n}")
+    items = _eval_data_overrides(data, task, n, split)
     if kind is not None:
         items.append(f"eval.kind={kind}")
     if sample:
@@ -170,14 +177,7 @@ def sample(
     from emdlm.training.sample import sample_corpus
 
     items = [f"eval.num_samples={num_samples}"]
-    if data is not None and task is not None:
-        _fail("give --data or --task, not both")
-    if data is not None:
-        items += ["data.eval.task=null", f"data.eval.path={data}", f"data.eval.split={split}"]
-    if task is not None:
-        items += ["data.eval.path=null", f"data.eval.task={task}", f"data.eval.split={split}"]
-    if n is not None:
-        items.append(f"data.eval.n={n}")
+    items += _eval_data_overrides(data, task, n, split)
     items += list(overrides or [])
     try:
         cfg = resolve_eval_config(run_dir, None, items)
