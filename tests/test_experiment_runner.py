@@ -190,3 +190,17 @@ def test_ctrl_c_stops_the_grid_without_marking_the_cell_failed(tmp_path, monkeyp
     assert started == ["default/ce/seed0"]
     assert not (cells[0].folder / ERROR_FILE).exists()
     assert not (cells[0].folder / CELL_DONE).exists()
+
+
+def test_a_cell_whose_eval_cannot_generate_fails_before_training(tmp_path):
+    """eval.overrides asking for more new tokens than the model's positions hold: the cell
+    fails at once, naming the problem, with no training step run."""
+    path = _write_exp(tmp_path, variants={"ce": ["objective.name=ce"]}, seeds=[0],
+                      eval={"checkpoints": "final", "overrides": ["eval.max_new_tokens=40"]})
+    result = run_experiment(path, progress=False)
+    assert [o.status for o in result.outcomes] == ["failed"]
+    cell = tmp_path / "grid" / "default" / "ce" / "seed0"
+    assert "eval.max_new_tokens=40 exceeds the model's context length 32" in (
+        cell / ERROR_FILE).read_text()
+    assert not (cell / "train" / "train_summary.json").exists()
+    assert not list((cell / "train").glob("checkpoint-*"))

@@ -101,12 +101,15 @@ def _train(cell: Cell) -> dict[str, Any]:
     summary_path = cell.train_dir / "train_summary.json"
     if summary_path.is_file():  # trained by an earlier invocation
         return json.loads(summary_path.read_text())
-    from emdlm.config import build_config
+    from emdlm.config import apply_overrides, build_config
     from emdlm.training import latest_checkpoint, run_training
 
     cfg = build_config(cell.config)
+    # the cell's evaluations, checked against the built model before any training step
+    evals = [build_config(apply_overrides(cell.config, o))
+             for o in (cell.eval_overrides, *cell.extra_evals.values())]
     has_ckpt = cell.train_dir.is_dir() and latest_checkpoint(cell.train_dir) is not None
-    return run_training(cfg, resume=has_ckpt, overwrite=not has_ckpt)
+    return run_training(cfg, resume=has_ckpt, overwrite=not has_ckpt, eval_configs=evals)
 
 
 def _evaluate(cell: Cell, final_step: int) -> dict[int, dict[str, Any]]:

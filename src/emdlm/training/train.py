@@ -30,7 +30,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -226,10 +226,13 @@ def prepare_run(
     resume: bool | str = False,
     overwrite: bool = False,
     config_path: str | Path | None = None,
+    eval_configs: Sequence[RunConfig] = (),
 ) -> PreparedRun:
     """Build and check tokenizer, model, objective, data, training arguments and output folder
     (``config_path``: the config file the run was loaded from, one of its inputs). Writes
-    nothing."""
+    nothing. ``eval_configs``: the configs the finished run will be evaluated with (the
+    experiment runner's); one whose generation cannot fit the model's context is an error here,
+    before training (for the run's own ``eval`` settings it is a warning)."""
     from transformers import set_seed
 
     cfg.validate()
@@ -291,6 +294,8 @@ def prepare_run(
                                     task=cfg.data.eval.task, **kw)
     if vlm is None and eval_rows is not None and cfg.eval.kind in GENERATION_KINDS:
         _check_eval_generation_fits(cfg, model, tokenizer, eval_rows)
+    for eval_cfg in eval_configs if vlm is None else ():
+        _require_eval_generation_fits(eval_cfg, model, tokenizer)
     try:  # whatever transformers rejects fails here, before the folder is written
         args = training_arguments(cfg, out, eval_ds is not None)
         _dry_build_optimizer_and_scheduler(args, model)
@@ -321,6 +326,20 @@ def _check_eval_generation_fits(
         where = cfg.data.eval.describe() if cfg.data.eval is not None else "eval"
         print(f"warning: {where}: {err}; `emdlm eval` with these settings will fail",
               file=sys.stderr, flush=True)
+
+
+def _require_eval_generation_fits(eval_cfg: RunConfig, model: Any, tokenizer: Any) -> None:
+    """ConfigError when the evaluation ``eval_cfg`` of this run could not generate."""
+    from emdlm.evaluation import check_generation_fits
+
+    if eval_cfg.data.eval is None or eval_cfg.eval.kind not in GENERATION_KINDS:
+        return
+    rows = load_examples(eval_cfg.data.eval, seed=eval_cfg.train.seed)
+    prompts = [str(r["prompt"]) for r in rows if "prompt" in r]
+    try:
+        check_generation_fits(model, tokenizer, prompts, eval_cfg.eval.max_new_tokens)
+    except ValueError as err:
+        raise ConfigError(f"{eval_cfg.data.eval.describe()}: {err}") from err
 
 
 def _check_fsdp_run(cfg: RunConfig, resume: bool | str) -> None:
@@ -720,6 +739,8 @@ def run_training(
     resume: bool | str = False,
     overwrite: bool = False,
     config_path: str | Path | None = None,
+    eval_configs: Sequence[RunConfig] = (),
 ) -> dict[str, Any]:
     """prepare_run + train."""
-    return train(prepare_run(cfg, resume=resume, overwrite=overwrite, config_path=config_path))
+    return train(prepare_run(cfg, resume=resume, overwrite=overwrite, config_path=config_path,
+                             eval_configs=eval_configs))
