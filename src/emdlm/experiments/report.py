@@ -42,6 +42,13 @@ METRIC_ORDER: tuple[tuple[str, str], ...] = (
     ("parse_failure_rate", "lower"),
     ("exact_match", "higher"),
     ("perplexity", "lower"),
+    # clocks (eval.kind clock: "H_MM") and boxes (eval.kind box / boxes)
+    ("time_gap_mean_worst", "lower"),
+    ("time_gap_mean", "lower"),
+    ("time_gap_median", "lower"),
+    ("acc_iou50", "higher"),
+    ("mean_iou", "higher"),
+    ("f1", "higher"),
     # text tasks (eval.kind text: EMO's protocol) and choice by perplexity
     ("mauve", "higher"),
     ("ppl_test", "lower"),
@@ -54,6 +61,7 @@ METRIC_ORDER: tuple[tuple[str, str], ...] = (
 )
 # the metrics compared pairwise in the report (the rest are in the mean +- std table and csv)
 KEY_METRICS = ("abs_error_mean", "log10_error_mean", "within_5pct", "exact_match",
+               "time_gap_mean_worst", "acc_iou50", "mean_iou", "f1",
                "mauve", "ppl_test", "ppl_oracle", "rougeL", "accuracy")
 # settings and counts recorded in metrics.json, not outcomes: kept out of the report and csv
 SKIP_METRICS = ("n", "num_samples", "temperature", "top_p", "top_k", "max_new_tokens",
