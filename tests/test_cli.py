@@ -123,7 +123,7 @@ def _small_model_folder(folder):
         ("vocab_mismatch", "tokenizer/model vocab mismatch: the tokenizer has 89 tokens"),
         ("no_digits", "needs digit tokens|has no token that is a run of digits"),
         ("emo_without_cost", "needs a cost embedding"),
-        ("bad_cost_file", "cost embedding file not found"),
+        ("bad_cost_file", "cost embedding file or model folder not found"),
         ("missing_tokenizer", "tokenizer folder not found"),
         ("unknown_task", "unknown task"),
         ("fsdp_on_cpu", "train.fsdp=true shards the model over processes, but this run has 1"),

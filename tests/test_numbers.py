@@ -445,6 +445,8 @@ def test_decimal_and_sign_rules() -> None:
     assert run([".", "Ġ5"], **PAPER) == [5.0]  # ". 5": a marked token never joins
     assert run(["Ġ.", "3"], **PAPER) == [3.0]
     assert run(["3", ".", ".", "1"], **PAPER) == [3.0, 0.1]
+    assert run([".", "0", ".", "0"], **PAPER) == [0.0, 0.0]  # ".0" then "0": one '.' a number
+    assert run([".", "3", ".", "2", ".", "9"], **PAPER) == [0.3, 2.9]
     assert run([".", "3"], **OFFICIAL) == [3.0]
     assert run([".", "3"], join_decimal=False) == [3.0]
 

@@ -595,14 +595,19 @@ def find_number_spans(
         # A join candidate at a run start t: '.' at t-1 and a number token at t-2.
         cand = after_dot & num_before_prev
         lead_fraction = after_dot & ~num_before_prev
-        # Chains of consecutive candidate joins (in run order); accept the 1st, 3rd, ... of a
-        # chain, so that each number holds at most one '.' (greedy left to right).
+        # Chains of consecutive candidate joins (in run order) after a chain's first run;
+        # accept the 1st, 3rd, ... of a chain, so that each number holds at most one '.'
+        # (greedy left to right) - the 2nd, 4th, ... when the first run is a leading fraction
+        # (".5"), whose number holds its '.' already (".0.0" is 0.0 then 0).
         flat_start = group_start.reshape(-1)
         flat_cand = cand.reshape(-1)
         cs = torch.cumsum(flat_cand.long(), 0)
-        reset_at = torch.where(flat_start & ~flat_cand, cs, torch.zeros_like(cs))
-        reset = torch.cummax(reset_at, 0).values
-        accepted = (flat_cand & ((cs - reset) % 2 == 1)).view(n_rows, n_cols)
+        pos = torch.arange(flat_cand.numel(), device=flat_cand.device)
+        chain_first = torch.cummax(
+            torch.where(flat_start & ~flat_cand, pos, torch.zeros_like(pos)), 0
+        ).values  # [B*T] position of the chain's first run
+        offset = lead_fraction.reshape(-1)[chain_first].long()
+        accepted = (flat_cand & ((cs - cs[chain_first] + offset) % 2 == 1)).view(n_rows, n_cols)
     else:
         accepted = torch.zeros_like(num)
     fraction_start = accepted | lead_fraction  # first token after a number's '.'
