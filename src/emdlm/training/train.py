@@ -311,35 +311,41 @@ def prepare_run(
 GENERATION_KINDS = ("number", "clock", "box", "boxes", "text")
 
 
+def _generation_problem(
+    eval_cfg: RunConfig, model: Any, tokenizer: Any, rows: list[dict[str, Any]]
+) -> str | None:
+    """Why ``emdlm eval`` with ``eval_cfg`` could not generate with this model (its longest
+    prompt + ``eval.max_new_tokens`` exceed the model's context), or None."""
+    from emdlm.evaluation import check_generation_fits
+
+    prompts = [str(r["prompt"]) for r in rows if "prompt" in r]
+    try:
+        check_generation_fits(model, tokenizer, prompts, eval_cfg.eval.max_new_tokens)
+    except ValueError as err:
+        where = eval_cfg.data.eval.describe() if eval_cfg.data.eval is not None else "eval"
+        return f"{where}: {err}"
+    return None
+
+
 def _check_eval_generation_fits(
     cfg: RunConfig, model: Any, tokenizer: Any, eval_rows: list[dict[str, Any]]
 ) -> None:
-    """Warn before training when ``emdlm eval`` of the finished run with the same settings could
-    not generate: the longest eval prompt + ``eval.max_new_tokens`` exceed the model's context.
-    A warning, not an error: the run may be evaluated later with other settings."""
-    from emdlm.evaluation import check_generation_fits
-
-    prompts = [str(r["prompt"]) for r in eval_rows if "prompt" in r]
-    try:
-        check_generation_fits(model, tokenizer, prompts, cfg.eval.max_new_tokens)
-    except ValueError as err:
-        where = cfg.data.eval.describe() if cfg.data.eval is not None else "eval"
-        print(f"warning: {where}: {err}; `emdlm eval` with these settings will fail",
+    """Warn before training when ``emdlm eval`` of the finished run with the same settings
+    could not generate. A warning, not an error: the run may be evaluated with other settings."""
+    problem = _generation_problem(cfg, model, tokenizer, eval_rows)
+    if problem:
+        print(f"warning: {problem}; `emdlm eval` with these settings will fail",
               file=sys.stderr, flush=True)
 
 
 def _require_eval_generation_fits(eval_cfg: RunConfig, model: Any, tokenizer: Any) -> None:
     """ConfigError when the evaluation ``eval_cfg`` of this run could not generate."""
-    from emdlm.evaluation import check_generation_fits
-
     if eval_cfg.data.eval is None or eval_cfg.eval.kind not in GENERATION_KINDS:
         return
     rows = load_examples(eval_cfg.data.eval, seed=eval_cfg.train.seed)
-    prompts = [str(r["prompt"]) for r in rows if "prompt" in r]
-    try:
-        check_generation_fits(model, tokenizer, prompts, eval_cfg.eval.max_new_tokens)
-    except ValueError as err:
-        raise ConfigError(f"{eval_cfg.data.eval.describe()}: {err}") from err
+    problem = _generation_problem(eval_cfg, model, tokenizer, rows)
+    if problem:
+        raise ConfigError(problem)
 
 
 def _check_fsdp_run(cfg: RunConfig, resume: bool | str) -> None:
