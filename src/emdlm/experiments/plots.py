@@ -18,7 +18,14 @@ from pathlib import Path
 import numpy as np
 
 from emdlm.experiments.grid import Cell
-from emdlm.experiments.report import Row, curves, key_metrics, ordered_metrics, read_predictions
+from emdlm.experiments.report import (
+    Row,
+    curves,
+    is_extra_metric,
+    key_metrics,
+    ordered_metrics,
+    read_predictions,
+)
 from emdlm.experiments.runner import CELL_DONE, EVAL_DIR
 
 
@@ -42,7 +49,8 @@ def plot_learning_curves(rows: Sequence[Row], task: str, variants: Sequence[str]
     if len({r.step for r in rows if r.task == task}) < 2:
         return False
     table = curves(rows, task)
-    metrics = [m for m in key_metrics(table) if "." not in m] or ordered_metrics(table)[:4]
+    metrics = ([m for m in key_metrics(table) if not is_extra_metric(m)]
+               or ordered_metrics(table)[:4])
     if not metrics:
         return False
     plt = _pyplot()

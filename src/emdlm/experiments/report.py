@@ -153,6 +153,11 @@ def write_csv(rows: Sequence[Row], path: Path) -> None:
             writer.writerow([r.task, r.variant, r.seed, r.step, r.metric, repr(r.value)])
 
 
+def is_extra_metric(name: str) -> bool:
+    """True for ``<extra>.<metric>``: an ``eval.extra`` evaluation, of the final model only."""
+    return "." in name
+
+
 def base_metric(name: str) -> str:
     """``choice.accuracy`` -> ``accuracy``: the metric of an ``eval.extra`` evaluation."""
     return name.rsplit(".", 1)[-1]
@@ -172,7 +177,7 @@ def ordered_metrics(names: Iterable[str]) -> list[str]:
     """Known metrics in report order (main evaluation first, then each extra evaluation), then
     any others alphabetically."""
     present = set(names)
-    prefixes = sorted({m.rsplit(".", 1)[0] + "." if "." in m else "" for m in present})
+    prefixes = sorted({m.rsplit(".", 1)[0] + "." if is_extra_metric(m) else "" for m in present})
     known = [p + m for p in prefixes for m, _ in METRIC_ORDER if p + m in present]
     return known + sorted(present - set(known))
 
@@ -267,7 +272,7 @@ def _task_section(exp: Experiment, task: str, rows: Sequence[Row],
               + ".",
               "", *_comparison_table(final, exp, key), ""]
     if len(steps) > 1:
-        curve_key = [m for m in key if "." not in m]  # extra evaluations: final model only
+        curve_key = [m for m in key if not is_extra_metric(m)]  # extras: final model only
         auc = {m: {v: auc_values(table[m][v]) for v in table[m]} for m in curve_key}
         lines += ["### Area under the learning curve (trapezoid over steps / step range)", "",
                   *_comparison_table(auc, exp, curve_key), ""]

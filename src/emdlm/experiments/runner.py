@@ -112,36 +112,30 @@ def _train(cell: Cell) -> dict[str, Any]:
     return run_training(cfg, resume=has_ckpt, overwrite=not has_ckpt, eval_configs=evals)
 
 
+def _evaluate_once(model_dir: Path, cfg: Any, target: Path) -> dict[str, Any]:
+    """Metrics of ``model_dir`` under ``cfg`` in ``target``: read back when an earlier
+    invocation wrote them, else evaluated now."""
+    metrics_file = target / "metrics.json"
+    if metrics_file.is_file() and (target / "predictions.jsonl").is_file():
+        return json.loads(metrics_file.read_text())
+    from emdlm.training import evaluate_run
+
+    return evaluate_run(model_dir, cfg, out_dir=target)["metrics"]
+
+
 def _evaluate(cell: Cell, final_step: int) -> dict[int, dict[str, Any]]:
-    """Evaluate every chosen model not evaluated yet; returns step -> metrics."""
+    """Evaluate every chosen model not evaluated yet, then the final model under each
+    ``eval.extra`` config; returns step -> metrics of the main evaluation."""
     from emdlm.config import apply_overrides, build_config
 
     models = _models_to_evaluate(cell, final_step)  # a step that was never saved fails here
     cfg = build_config(apply_overrides(cell.config, cell.eval_overrides))
-    results: dict[int, dict[str, Any]] = {}
-    for step, model_dir in models.items():
-        target = eval_dir(cell.folder, step)
-        metrics_file = target / "metrics.json"
-        if metrics_file.is_file() and (target / "predictions.jsonl").is_file():
-            results[step] = json.loads(metrics_file.read_text())
-            continue
-        from emdlm.training import evaluate_run
-
-        results[step] = evaluate_run(model_dir, cfg, out_dir=target)["metrics"]
-    return results
-
-
-def _evaluate_extra(cell: Cell, final_step: int) -> None:
-    """The final model under each ``eval.extra`` config not evaluated yet."""
-    from emdlm.config import apply_overrides, build_config
-    from emdlm.training import evaluate_run
-
+    results = {step: _evaluate_once(model_dir, cfg, eval_dir(cell.folder, step))
+               for step, model_dir in models.items()}
     for name, overrides in cell.extra_evals.items():
-        target = eval_dir(cell.folder, final_step, name)
-        if (target / "metrics.json").is_file() and (target / "predictions.jsonl").is_file():
-            continue
-        cfg = build_config(apply_overrides(cell.config, overrides))
-        evaluate_run(cell.train_dir, cfg, out_dir=target)
+        extra_cfg = build_config(apply_overrides(cell.config, overrides))
+        _evaluate_once(cell.train_dir, extra_cfg, eval_dir(cell.folder, final_step, name))
+    return results
 
 
 def run_cell(cell: Cell) -> CellOutcome:
@@ -158,7 +152,6 @@ def run_cell(cell: Cell) -> CellOutcome:
     try:
         summary = _train(cell)
         metrics = _evaluate(cell, int(summary["global_step"]))
-        _evaluate_extra(cell, int(summary["global_step"]))
         if not cell.keep_checkpoints:
             for ckpt in _saved_checkpoints(cell.train_dir).values():
                 shutil.rmtree(ckpt)

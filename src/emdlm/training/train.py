@@ -292,10 +292,8 @@ def prepare_run(
         if eval_rows is not None and cfg.data.eval is not None:
             eval_ds = build_dataset(eval_rows, tokenizer, source=cfg.data.eval.describe(),
                                     task=cfg.data.eval.task, **kw)
-    if vlm is None and eval_rows is not None and cfg.eval.kind in GENERATION_KINDS:
-        _check_eval_generation_fits(cfg, model, tokenizer, eval_rows)
-    for eval_cfg in eval_configs if vlm is None else ():
-        _require_eval_generation_fits(eval_cfg, model, tokenizer)
+    if vlm is None:  # text models: will the evaluation after training be able to generate?
+        _check_eval_generation(cfg, eval_configs, model, tokenizer, eval_rows)
     try:  # whatever transformers rejects fails here, before the folder is written
         args = training_arguments(cfg, out, eval_ds is not None)
         _dry_build_optimizer_and_scheduler(args, model)
@@ -327,25 +325,28 @@ def _generation_problem(
     return None
 
 
-def _check_eval_generation_fits(
-    cfg: RunConfig, model: Any, tokenizer: Any, eval_rows: list[dict[str, Any]]
+def _check_eval_generation(
+    cfg: RunConfig, eval_configs: Sequence[RunConfig], model: Any, tokenizer: Any,
+    eval_rows: list[dict[str, Any]] | None,
 ) -> None:
-    """Warn before training when ``emdlm eval`` of the finished run with the same settings
-    could not generate. A warning, not an error: the run may be evaluated with other settings."""
-    problem = _generation_problem(cfg, model, tokenizer, eval_rows)
-    if problem:
-        print(f"warning: {problem}; `emdlm eval` with these settings will fail",
-              file=sys.stderr, flush=True)
-
-
-def _require_eval_generation_fits(eval_cfg: RunConfig, model: Any, tokenizer: Any) -> None:
-    """ConfigError when the evaluation ``eval_cfg`` of this run could not generate."""
-    if eval_cfg.data.eval is None or eval_cfg.eval.kind not in GENERATION_KINDS:
-        return
-    rows = load_examples(eval_cfg.data.eval, seed=eval_cfg.train.seed)
-    problem = _generation_problem(eval_cfg, model, tokenizer, rows)
-    if problem:
-        raise ConfigError(problem)
+    """Before training: with ``eval_configs`` (the experiment runner's), ConfigError for one
+    whose generation cannot fit the model's context; without, a warning when the run's own
+    ``eval`` settings could not (the run may be evaluated later with other settings)."""
+    for eval_cfg in eval_configs:
+        if eval_cfg.data.eval is None or eval_cfg.eval.kind not in GENERATION_KINDS:
+            continue
+        same_data = (eval_rows is not None and eval_cfg.data.eval == cfg.data.eval
+                     and eval_cfg.train.seed == cfg.train.seed)
+        rows = eval_rows if same_data else load_examples(eval_cfg.data.eval,
+                                                         seed=eval_cfg.train.seed)
+        problem = _generation_problem(eval_cfg, model, tokenizer, rows)
+        if problem:
+            raise ConfigError(problem)
+    if not eval_configs and eval_rows is not None and cfg.eval.kind in GENERATION_KINDS:
+        problem = _generation_problem(cfg, model, tokenizer, eval_rows)
+        if problem:
+            print(f"warning: {problem}; `emdlm eval` with these settings will fail",
+                  file=sys.stderr, flush=True)
 
 
 def _check_fsdp_run(cfg: RunConfig, resume: bool | str) -> None:
