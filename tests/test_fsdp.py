@@ -56,6 +56,15 @@ def _overrides(obj: str, hidden: bool, out: Path, batch: int, fsdp: bool) -> lis
     ]
 
 
+def _failure(stderr: str) -> str:
+    """What a failed torchrun printed: the lines that name a cause first (a C++ abort such as
+    "terminate called ..." is otherwise lost in front of torchrun's long traceback), then the
+    tail."""
+    causes = [line for line in stderr.splitlines()
+              if re.search(r"terminate called|what\(\)|Error|error:", line)]
+    return "\n".join(causes[:20]) + "\n---\n" + stderr[-3000:]
+
+
 def _name(obj: str, hidden: bool) -> str:
     return f"{obj}-{'hidden' if hidden else 'logits'}"
 
@@ -103,12 +112,12 @@ def runs(tmp_path_factory):
         ["torchrun", "--standalone", "--nproc_per_node", "2", __file__, str(head), *configs],
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, _failure(proc.stderr)
     one, two, path = folders[CLI_COMBO]
     argv = [path.as_posix() if a == PLACEHOLDER else a for a in shlex.split(readme_fsdp_command())]
     assert argv.count(path.as_posix()) == 1, argv
     proc = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, _failure(proc.stderr)
     assert "emdlm: FSDP2 over 2 processes (gloo)" in proc.stderr, proc.stderr[-3000:]
     assert "emdlm: world size 2 (torchrun)" in proc.stderr, proc.stderr[-3000:]
     for obj, hidden in COMBOS:  # the references: one process, unsharded, batch 4
@@ -339,6 +348,7 @@ def _worker(head_json: str, configs: list[str]) -> None:
     each config, one after the other in the same processes."""
     from emdlm.config import load_config
     from emdlm.training import run_training
+    from emdlm.training.launch import close_process_group
     from emdlm.training.train import training_arguments
 
     first = load_config(configs[0]) if configs else load_config("arithmetic_ce")
@@ -348,6 +358,7 @@ def _worker(head_json: str, configs: list[str]) -> None:
         Path(head_json).write_text(json.dumps(result))
     for path in configs:
         run_training(load_config(path), config_path=path)
+    close_process_group(finished=True)  # as `emdlm train` ends (no teardown crash at exit)
 
 
 if __name__ == "__main__":

@@ -149,3 +149,38 @@ def test_demo_console_is_clean_and_says_what_reproduces(tmp_path, capsys):
     assert re.search(r"\| metric +\| +ce \| +ntil \|", text)  # the final table
     saved = (tmp_path / "demo" / "demo_results.md").read_text()
     assert "torch threads" in saved and "same thread count" in saved
+
+
+_CLOSE_SCRIPT = """
+import sys, torch.distributed as dist
+from emdlm.training.launch import close_process_group
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+print("written before the end", flush=False)
+close_process_group(finished=sys.argv[2] == "1")
+print("still running after close_process_group")
+"""
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_close_process_group_ends_a_finished_process_and_lets_an_error_propagate(
+    tmp_path, finished
+):
+    """finished: barrier, destroy, flush, exit 0 (nothing after it runs; buffered output kept);
+    after an error: the group is destroyed and the caller goes on (to raise its error)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _CLOSE_SCRIPT, str(tmp_path / "store"), "1" if finished else "0"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "written before the end" in proc.stdout
+    assert ("still running after close_process_group" in proc.stdout) is not finished
+
+
+def test_close_process_group_without_a_process_group_does_nothing():
+    from emdlm.training.launch import close_process_group
+
+    close_process_group(finished=True)  # no torch.distributed group: returns, no exit
+    close_process_group(finished=False)

@@ -98,17 +98,21 @@ def train(
             cfg, resume=resume_from or resume, overwrite=overwrite, config_path=config
         )
     except ConfigError as err:
+        close_process_group(finished=False)
         _fail(str(err))
     except TrainingInterrupted as err:
+        close_process_group(finished=False)
         typer.echo(f"\n{err}. Continue with: emdlm train ... --resume", err=True)
         raise typer.Exit(130) from None
-    finally:
-        close_process_group()
+    except BaseException:
+        close_process_group(finished=False)
+        raise
     if int(os.environ.get("RANK", "0")) == 0:  # one line, not one per process
         typer.echo(
             f"done: {summary['global_step']} steps, train loss {summary['train_loss']:.4f}; "
             f"model saved in {summary['output_dir']}"
         )
+    close_process_group(finished=True)  # under a launcher: ends this process (exit code 0)
 
 
 @app.command("eval")
