@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 
 import pytest
 
@@ -174,3 +175,32 @@ def test_single_step_grid_plots_final_values_and_a_text_note(tmp_path):
     assert [p.name for p in result.plots] == ["default_final.png"]
     assert result.plots[0].read_bytes().startswith(b"\x89PNG") and "Text metrics" in report
     assert "Numeric errors come first" not in report
+
+
+def test_constant_answer_floor_by_hand():
+    from emdlm.experiments.report import constant_answer_floor
+
+    # references 2, -1, 1/2, 10 and one unparsable answer (left out)
+    floor = constant_answer_floor(["2", "-1", "1/2", "10", "n/a"])
+    zero = floor["0"]  # |errors| 2, 1, 0.5, 10
+    assert zero["abs_error_mean"] == pytest.approx(13.5 / 4)
+    assert zero["abs_error_median"] == pytest.approx(1.5)
+    assert zero["exact_match"] == 0.0
+    assert zero["log10_error_mean"] == pytest.approx(
+        (math.log10(3) + math.log10(2) + math.log10(1.5) + math.log10(11)) / 4)
+    med = floor["median"]  # median of -1, 0.5, 2, 10 is 1.25: |errors| 0.75, 2.25, 0.75, 8.75
+    assert med["constant"] == pytest.approx(1.25)
+    assert med["abs_error_mean"] == pytest.approx(12.5 / 4)
+    assert med["abs_error_mean"] <= zero["abs_error_mean"]  # the median minimises it
+    assert constant_answer_floor(["x", ""]) == {}
+    assert constant_answer_floor(["7", "7", "3"])["median"]["exact_match"] == pytest.approx(2 / 3)
+
+
+def test_report_states_the_constant_answer_floor(made):
+    _, _, result = made
+    report = result.report.read_text()
+    # the fake predictions: references "2" and "18" (both parse; the second answer did not)
+    assert ("Floor, the same 2 test problems answered with one constant: 0 gives "
+            "abs_error_mean 10, median 10,") in report
+    assert "the test median (10, the best constant for abs_error_mean) gives abs_error_mean 8," \
+        in report

@@ -108,6 +108,60 @@ def numeric_extras(predictions: Sequence[dict[str, Any]]) -> dict[str, float]:
     }
 
 
+def constant_answer_floor(references: Sequence[str]) -> dict[str, dict[str, float]]:
+    """Errors of answering every problem with one constant, on a numeric test set.
+
+    Two constants: 0, and the references' median (the constant with the least mean absolute
+    error over this set, chosen with the answers, so it flatters the constant). A model
+    whose ``abs_error_mean`` does not beat them has learned nothing of its inputs that moves
+    its answers closer (a learning floor, not a chance level). Per constant: ``abs_error_mean``,
+    ``abs_error_median``, ``log10_error_mean`` (log10(1 + |c - r|)) and ``exact_match`` (share
+    of references equal to it). References that do not parse are left out; empty dict when
+    none parses.
+    """
+    from emdlm.metrics import parse_number
+
+    values = np.array([v for v in (parse_number(str(r)) for r in references) if v is not None],
+                      dtype=np.float64)
+    if values.size == 0:
+        return {}
+    floor = {}
+    for name, constant in (("0", 0.0), ("median", float(np.median(values)))):
+        err = np.abs(values - constant)
+        floor[name] = {"constant": constant, "abs_error_mean": float(err.mean()),
+                       "abs_error_median": float(np.median(err)),
+                       "log10_error_mean": float(np.log10(1.0 + err).mean()),
+                       "exact_match": float(np.count_nonzero(err == 0)) / err.size}
+    return floor
+
+
+def _floor_lines(cells: Sequence[Cell], task: str) -> list[str]:
+    """The constant-answer floor on the task's test set (from one finished cell's last
+    predictions; every cell of a task is scored on the same test set)."""
+    for cell in cells:
+        if cell.task != task or not (cell.folder / CELL_DONE).is_file():
+            continue
+        steps = sorted((cell.folder / EVAL_DIR).glob("step-*/predictions.jsonl"),
+                       key=lambda p: int(p.parent.name.split("-")[-1]))
+        if not steps:
+            continue
+        preds = read_predictions(steps[-1])
+        if not preds or "abs_error" not in preds[0]:
+            return []
+        floor = constant_answer_floor([r["reference"] for r in preds])
+        if not floor:
+            return []
+        zero, median = (
+            f"abs_error_mean {_fmt(c['abs_error_mean'])}, median {_fmt(c['abs_error_median'])}, "
+            f"log10_error_mean {_fmt(c['log10_error_mean'])}, exact_match "
+            f"{_fmt(c['exact_match'])}" for c in (floor["0"], floor["median"]))
+        return [f"Floor, the same {len(preds)} test problems answered with one constant: "
+                f"0 gives {zero}; the test median ({floor['median']['constant']:g}, the best "
+                f"constant for abs_error_mean) gives {median}. A variant that does not beat "
+                "them has not learned the task."]
+    return []
+
+
 def read_predictions(path: Path) -> list[dict[str, Any]]:
     with path.open(encoding="utf-8") as fh:
         return [json.loads(line) for line in fh if line.strip()]
@@ -246,7 +300,7 @@ def _comparison_table(per_variant: dict[str, dict[str, dict[int, float]]], exp: 
 
 
 def _task_section(exp: Experiment, task: str, rows: Sequence[Row],
-                  plots: dict[str, list[str]]) -> list[str]:
+                  plots: dict[str, list[str]], floor: Sequence[str] = ()) -> list[str]:
     table = curves(rows, task)
     metrics = ordered_metrics(table)
     lines = [f"## Task `{task}`", ""]
@@ -264,6 +318,7 @@ def _task_section(exp: Experiment, task: str, rows: Sequence[Row],
             mean, std, n = mean_std(list(final[m].get(variant, {}).values()))
             cells.append(f"{_fmt(mean)} ± {_fmt(std)} ({n})")
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    lines += ["", *floor]
     key = key_metrics(metrics) or metrics[:4]
     lines += ["", "### Final checkpoint: paired difference against the baseline", "",
               "Lower is better for "
@@ -338,7 +393,7 @@ def write_report(exp: Experiment, cells: Sequence[Cell], rows: Sequence[Row], pa
         "",
     ]
     for task in exp.tasks:
-        lines += _task_section(exp, task, rows, plots or {})
+        lines += _task_section(exp, task, rows, plots or {}, _floor_lines(cells, task))
     if failed:
         lines += ["## Failed cells", ""]
         for c in failed:
