@@ -420,3 +420,33 @@ def test_cache_extends_a_smaller_set(tmp_path: Path) -> None:
     Path(big[4]["image"]).unlink()  # a damaged cache is repaired from the first missing file
     again = generate_task("grounding", n=6, seed=2, cache_dir=tmp_path, image_size=64)
     assert Path(again[4]["image"]).is_file() and again == big
+
+
+def test_cache_shared_by_concurrent_writers_renders_once_and_stays_whole(tmp_path: Path) -> None:
+    """Two cells of the experiment runner asking for the same images at once: one renders,
+    the other waits and reads its manifest; no reader ever opens a half-written PNG (the
+    failure seen in a clock grid: 'cannot read image ...: Truncated File Read')."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from emdlm.tasks.render import cached_rows
+
+    calls: list[int] = []
+    lock = threading.Lock()
+
+    def make(k: int) -> tuple[Image.Image, dict[str, Any]]:
+        with lock:
+            calls.append(k)
+        time.sleep(0.005)
+        return Image.new("RGB", (16, 16), (k, 0, 0)), {"prompt": "p", "completion": str(k)}
+
+    folder = tmp_path / "shared"
+    with ThreadPoolExecutor(2) as pool:
+        first, second = pool.map(lambda _: cached_rows("t", {"x": 1}, 12, make, folder), range(2))
+    assert first == second and len(first) == 12
+    assert sorted(calls) == list(range(12))  # rendered once, not once per writer
+    for k, row in enumerate(first):
+        with Image.open(row["image"]) as image:
+            assert image.getpixel((0, 0)) == (k, 0, 0)
+    assert not list(folder.glob("*.tmp"))  # every temporary file was renamed into place

@@ -14,11 +14,12 @@ cached ones when asked for more). Example ``k`` depends only on (seed, split, k)
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ FONT_FILES = {
 FONT_FAMILIES = ("sans", "serif", "mono")
 _MANIFEST = "rows.jsonl"
 _KEY = "key.json"
+_LOCK = ".lock"
 
 
 def font_path(family: str = "sans", bold: bool = False) -> Path:
@@ -233,17 +235,51 @@ def cached_rows(
     )
     rows = _read_manifest(folder, key, n)
     if len(rows) < n:
-        # Example k depends only on (seed, split, k): keep the cached prefix, render the rest.
         folder.mkdir(parents=True, exist_ok=True)
-        if not rows:  # stale, or made with other parameters: never pair it with the new key
-            (folder / _MANIFEST).unlink(missing_ok=True)
-        for k in range(len(rows), n):
-            image, row = make_example(k)
-            name = f"{k:06d}.png"
-            image.save(folder / name, format="PNG", compress_level=1)
-            rows.append({"image": name, **row})
-        _write_manifest(folder, key, rows)
+        # Processes that share the cache (the experiment runner's parallel cells) render one
+        # after the other: the second finds the first one's manifest.
+        with _folder_lock(folder):
+            rows = _read_manifest(folder, key, n)
+            if len(rows) < n:
+                _render_missing(folder, key, n, rows, make_example)
     return [{**row, "image": str(folder / row["image"])} for row in rows]
+
+
+def _render_missing(
+    folder: Path, key: dict[str, Any], n: int, rows: list[dict[str, Any]],
+    make_example: Callable[[int], tuple[Image.Image, dict[str, Any]]],
+) -> None:
+    """Append rows ``len(rows) .. n-1`` to ``rows`` (example k depends only on (seed, split,
+    k): the cached prefix is kept), each PNG written whole (a temporary file renamed into
+    place, so a reader never opens a half-written image), then the manifest."""
+    if not rows:  # stale, or made with other parameters: never pair it with the new key
+        (folder / _MANIFEST).unlink(missing_ok=True)
+    for k in range(len(rows), n):
+        image, row = make_example(k)
+        name = f"{k:06d}.png"
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".png.tmp")
+        with os.fdopen(fd, "wb") as f:
+            image.save(f, format="PNG", compress_level=1)
+        os.replace(tmp, folder / name)
+        rows.append({"image": name, **row})
+    _write_manifest(folder, key, rows)
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``folder/.lock`` (fcntl, POSIX); no lock where fcntl is
+    missing (the atomic writes still keep every file whole there)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    with (folder / _LOCK).open("a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _write_manifest(folder: Path, key: dict[str, Any], rows: list[dict[str, Any]]) -> None:
@@ -253,5 +289,8 @@ def _write_manifest(folder: Path, key: dict[str, Any], rows: list[dict[str, Any]
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    (folder / _KEY).write_text(_key_text(key), encoding="utf-8")
+    fd_key, tmp_key = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    with os.fdopen(fd_key, "w", encoding="utf-8") as f:
+        f.write(_key_text(key))
+    os.replace(tmp_key, folder / _KEY)
     os.replace(tmp, folder / _MANIFEST)
