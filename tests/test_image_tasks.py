@@ -450,3 +450,4 @@ def test_cache_shared_by_concurrent_writers_renders_once_and_stays_whole(tmp_pat
         with Image.open(row["image"]) as image:
             assert image.getpixel((0, 0)) == (k, 0, 0)
     assert not list(folder.glob("*.tmp"))  # every temporary file was renamed into place
+    assert all(p.stat().st_mode & 0o777 == 0o644 for p in folder.iterdir() if p.name != ".lock")

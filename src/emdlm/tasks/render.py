@@ -260,7 +260,7 @@ def _render_missing(
         fd, tmp = tempfile.mkstemp(dir=folder, suffix=".png.tmp")
         with os.fdopen(fd, "wb") as f:
             image.save(f, format="PNG", compress_level=1)
-        os.replace(tmp, folder / name)
+        _publish(tmp, folder / name)
         rows.append({"image": name, **row})
     _write_manifest(folder, key, rows)
 
@@ -292,5 +292,12 @@ def _write_manifest(folder: Path, key: dict[str, Any], rows: list[dict[str, Any]
     fd_key, tmp_key = tempfile.mkstemp(dir=folder, suffix=".tmp")
     with os.fdopen(fd_key, "w", encoding="utf-8") as f:
         f.write(_key_text(key))
-    os.replace(tmp_key, folder / _KEY)
-    os.replace(tmp, folder / _MANIFEST)
+    _publish(tmp_key, folder / _KEY)
+    _publish(tmp, folder / _MANIFEST)
+
+
+def _publish(tmp: str, final: Path) -> None:
+    """Rename a finished temporary file into place (atomic), readable by all (mkstemp makes
+    it private; the cache may be shared)."""
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, final)
