@@ -204,3 +204,14 @@ def test_report_states_the_constant_answer_floor(made):
             "abs_error_mean 10, median 10,") in report
     assert "the test median (10, the best constant for abs_error_mean) gives abs_error_mean 8," \
         in report
+
+
+def test_clock_extras_by_hand():
+    from emdlm.experiments.report import clock_extras
+
+    rows = [{"reference": "9_15", "prediction": "9_45", "time_gap": 0.5},   # hour right
+            {"reference": "10_15", "prediction": "2_15", "time_gap": 4.0},  # minutes right
+            {"reference": "12_00", "prediction": "0_00", "time_gap": 0.0},  # both (same dial)
+            {"reference": "3_30", "prediction": "x", "time_gap": None}]    # unparsed: neither
+    assert clock_extras(rows) == {"hour_accuracy": 0.5, "minute_accuracy": 0.5}
+    assert clock_extras([{"reference": "2", "prediction": "2", "abs_error": 0.0}]) == {}

@@ -46,6 +46,8 @@ METRIC_ORDER: tuple[tuple[str, str], ...] = (
     ("time_gap_mean_worst", "lower"),
     ("time_gap_mean", "lower"),
     ("time_gap_median", "lower"),
+    ("hour_accuracy", "higher"),
+    ("minute_accuracy", "higher"),
     ("acc_iou50", "higher"),
     ("mean_iou", "higher"),
     ("f1", "higher"),
@@ -106,6 +108,26 @@ def numeric_extras(predictions: Sequence[dict[str, Any]]) -> dict[str, float]:
         "within_1pct": float(np.count_nonzero(rel <= 0.01)) / n,
         "within_5pct": float(np.count_nonzero(rel <= 0.05)) / n,
     }
+
+
+def clock_extras(predictions: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Hand-by-hand accuracy from predictions.jsonl rows of the clock task (rows with a
+    ``time_gap``): ``hour_accuracy`` (same hour on the 12-hour dial) and ``minute_accuracy``
+    (same minutes), each over ALL answers (an unparsed answer is wrong on both). They show
+    which hand a model reads when exact match is low. Empty dict for other tasks."""
+    from emdlm.metrics import parse_clock
+
+    if not predictions or "time_gap" not in predictions[0]:
+        return {}
+    hour = minute = 0
+    for row in predictions:
+        pred, ref = parse_clock(str(row["prediction"])), parse_clock(str(row["reference"]))
+        if pred is None or ref is None:
+            continue
+        hour += pred // 60 == ref // 60
+        minute += pred % 60 == ref % 60
+    n = len(predictions)
+    return {"hour_accuracy": hour / n, "minute_accuracy": minute / n}
 
 
 def constant_answer_floor(references: Sequence[str]) -> dict[str, dict[str, float]]:
@@ -186,7 +208,9 @@ def cell_rows(cell: Cell) -> list[Row]:
             metrics = json.loads((step_dir / "metrics.json").read_text())
             preds_file = step_dir / "predictions.jsonl"
             if preds_file.is_file():
-                metrics.update(numeric_extras(read_predictions(preds_file)))
+                preds = read_predictions(preds_file)
+                metrics.update(numeric_extras(preds))
+                metrics.update(clock_extras(preds))
             for name, value in metrics.items():
                 if name in SKIP_METRICS or isinstance(value, (str, list, dict)):
                     continue
