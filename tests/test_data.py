@@ -251,3 +251,19 @@ def test_cut_policy_config_values_are_checked():
     assert (cfg.data.on_truncate, cfg.data.on_drop) == ("error", "warn")
     with pytest.raises(ConfigError, match=r"data\.on_drop='ignore' is not valid"):
         load_config("arithmetic_ce", ["data.on_drop=ignore"])
+
+
+def test_mathematics_dataset_difficulty_levels():
+    from emdlm.tasks.mathematics import _entropy_level
+
+    assert _entropy_level(0)((3.0, 9.0)) == (3.0, 5.0)  # the lowest third (train-easy)
+    assert _entropy_level(2)((3.0, 9.0)) == (7.0, 9.0)
+    easy = generate_task("arithmetic__mixed", n=30, seed=0, difficulty="easy")
+    easy_test = generate_task("arithmetic__mixed", n=30, split="test", seed=0, difficulty="easy")
+    full = generate_task("arithmetic__mixed", n=30, seed=0)
+    assert not {r["prompt"] for r in easy} & {r["prompt"] for r in easy_test}  # hash rule
+    # easy problems are shorter on average than problems over the whole range
+    mean_len = lambda rows: sum(len(r["prompt"]) for r in rows) / len(rows)  # noqa: E731
+    assert mean_len(easy) < mean_len(full)
+    with pytest.raises(ValueError, match="difficulty must be 'all' or one of easy"):
+        generate_task("arithmetic__mixed", n=1, difficulty="trivial")

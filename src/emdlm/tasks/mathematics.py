@@ -33,6 +33,21 @@ def _is_train(question: str) -> bool:
     return int(hashlib.md5(question.encode("utf-8")).hexdigest(), 16) % 2 == 0
 
 
+DIFFICULTY_LEVELS = ("easy", "medium", "hard")
+
+
+def _entropy_level(level: int, levels: int = len(DIFFICULTY_LEVELS)) -> Any:
+    """The entropy sub-range of difficulty ``level``: [x, x + y] -> [x + y*level/levels,
+    x + y*(level+1)/levels], the rule of mathematics_dataset's generate.py for its
+    train-easy / -medium / -hard files."""
+
+    def restrict(entropy_range: tuple[float, float]) -> tuple[float, float]:
+        low, length = entropy_range[0], entropy_range[1] - entropy_range[0]
+        return (low + length * level / levels, low + length * (level + 1) / levels)
+
+    return restrict
+
+
 @register_task("math_arithmetic")
 def math_arithmetic(
     n: int,
@@ -40,16 +55,29 @@ def math_arithmetic(
     split: str = "train",
     seed: int = 0,
     module: str = "mixed",
+    difficulty: str = "all",
     max_tries_per_example: int = 50,
 ) -> list[dict[str, Any]]:
     """``n`` problems from mathematics-dataset's arithmetic module ``module`` (default "mixed").
 
     Prompt is the question followed by " Answer: ", completion is the answer text.
+
+    ``difficulty``: "all" (default) draws train problems over the module's whole training
+    entropy range and test problems from its *interpolate* set, as the dataset's own splits;
+    "easy" / "medium" / "hard" draw BOTH splits from that third of the training entropy range
+    (the dataset's train-easy / -medium / -hard levels), still disjoint by the question-hash
+    rule: a CPU-scale model that cannot learn the full task can be compared on the easy level.
     """
+    if difficulty != "all" and difficulty not in DIFFICULTY_LEVELS:
+        raise ValueError(f"difficulty must be 'all' or one of {', '.join(DIFFICULTY_LEVELS)}, "
+                         f"got {difficulty!r}")
     _shim()
     from mathematics_dataset.modules import arithmetic as md_arith
 
-    mods = md_arith.train(lambda r: r) if split == "train" else md_arith.test()
+    if difficulty != "all":
+        mods = md_arith.train(_entropy_level(DIFFICULTY_LEVELS.index(difficulty)))
+    else:
+        mods = md_arith.train(lambda r: r) if split == "train" else md_arith.test()
     if module not in mods:
         raise ValueError(f"unknown arithmetic module {module!r}; known: {', '.join(sorted(mods))}")
     gen = mods[module]
