@@ -92,21 +92,21 @@ def train(
                        ("train.max_steps", max_steps), ("train.seed", seed)):
         if value is not None:
             items.append(f"{key}={value}")
+    finished = False
     try:
         cfg = load_config(config, items)
         summary = run_training(
             cfg, resume=resume_from or resume, overwrite=overwrite, config_path=config
         )
+        finished = True
     except ConfigError as err:
-        close_process_group(finished=False)
         _fail(str(err))
     except TrainingInterrupted as err:
-        close_process_group(finished=False)
         typer.echo(f"\n{err}. Continue with: emdlm train ... --resume", err=True)
         raise typer.Exit(130) from None
-    except BaseException:
-        close_process_group(finished=False)
-        raise
+    finally:
+        if not finished:  # an error on this rank: end the group, let the error propagate
+            close_process_group(finished=False)
     if int(os.environ.get("RANK", "0")) == 0:  # one line, not one per process
         typer.echo(
             f"done: {summary['global_step']} steps, train loss {summary['train_loss']:.4f}; "
