@@ -28,6 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from _torchrun import failure_text
+
 pytestmark = pytest.mark.slow  # multi-process; still run in CI (pyproject markers)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,15 +56,6 @@ def _overrides(obj: str, hidden: bool, out: Path, batch: int, fsdp: bool) -> lis
         *COMMON, *OBJECTIVES[obj], f"train.batch_size={batch}", f"output_dir={out}",
         f"train.fused_linear={str(hidden).lower()}", f"train.fsdp={str(fsdp).lower()}",
     ]
-
-
-def _failure(stderr: str) -> str:
-    """What a failed torchrun printed: the lines that name a cause first (a C++ abort such as
-    "terminate called ..." is otherwise lost in front of torchrun's long traceback), then the
-    tail."""
-    causes = [line for line in stderr.splitlines()
-              if re.search(r"terminate called|what\(\)|Error|error:", line)]
-    return "\n".join(causes[:20]) + "\n---\n" + stderr[-3000:]
 
 
 def _name(obj: str, hidden: bool) -> str:
@@ -112,12 +105,12 @@ def runs(tmp_path_factory):
         ["torchrun", "--standalone", "--nproc_per_node", "2", __file__, str(head), *configs],
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400,
     )
-    assert proc.returncode == 0, _failure(proc.stderr)
+    assert proc.returncode == 0, failure_text(proc.stderr)
     one, two, path = folders[CLI_COMBO]
     argv = [path.as_posix() if a == PLACEHOLDER else a for a in shlex.split(readme_fsdp_command())]
     assert argv.count(path.as_posix()) == 1, argv
     proc = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, _failure(proc.stderr)
+    assert proc.returncode == 0, failure_text(proc.stderr)
     assert "emdlm: FSDP2 over 2 processes (gloo)" in proc.stderr, proc.stderr[-3000:]
     assert "emdlm: world size 2 (torchrun)" in proc.stderr, proc.stderr[-3000:]
     for obj, hidden in COMBOS:  # the references: one process, unsharded, batch 4

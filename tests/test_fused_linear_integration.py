@@ -18,6 +18,7 @@ from transformers import (
 )
 
 import emdlm
+from _torchrun import failure_text
 from emdlm.integrations.patch import output_head
 from emdlm.integrations.transformers import make_compute_loss_func
 from emdlm.losses.ce import CrossEntropyLoss
@@ -317,7 +318,7 @@ def test_fused_linear_two_processes_match_one_process_logits(tmp_path):
         ["torchrun", "--standalone", "--nproc_per_node", "2", "-m", "emdlm.cli", "train",
          "-c", str(path)], env=env, capture_output=True, text=True, timeout=300,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure_text(proc.stderr)
     log_one = [json.loads(x) for x in (one / "train_log.jsonl").read_text().splitlines()]
     log_two = [json.loads(x) for x in (two / "train_log.jsonl").read_text().splitlines()]
     assert len(log_two) == len(log_one) == 3

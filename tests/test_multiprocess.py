@@ -16,6 +16,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from _torchrun import failure_text
 from emdlm.config import load_config
 from emdlm.training import run_training
 
@@ -83,7 +84,7 @@ def one_process(tmp_path_factory):
 def test_readme_command_trains_on_two_processes(tmp_path, one_process, command):
     two = tmp_path / "two"
     proc = _run(command, _tiny_config(tmp_path / "tiny.yaml", two, batch=4))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure_text(proc.stderr)
     assert re.search(r"emdlm: world size 2 \(", proc.stderr), proc.stderr[-3000:]
     assert "but this run has" not in proc.stderr  # no launcher-mismatch warning
 
@@ -117,7 +118,7 @@ def test_accelerate_multi_cpu_config_is_one_process_and_warned(tmp_path):
     command = f"accelerate launch --config_file {trap} -m emdlm.cli train -c {PLACEHOLDER}"
     out = tmp_path / "run"
     proc = _run(command, _tiny_config(tmp_path / "tiny.yaml", out, batch=4))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure_text(proc.stderr)
     assert "emdlm: world size 1 (accelerate launch)" in proc.stderr
     assert "accelerate launch was asked for 2 processes, but this run has 1" in proc.stderr
     summary = json.loads((out / "train_summary.json").read_text())
