@@ -18,7 +18,6 @@ import contextlib
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Callable, Iterator
 from functools import lru_cache
 from pathlib import Path
@@ -26,6 +25,8 @@ from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
+
+from emdlm._files import atomic_write
 
 RGB = tuple[int, int, int]
 
@@ -257,10 +258,8 @@ def _render_missing(
     for k in range(len(rows), n):
         image, row = make_example(k)
         name = f"{k:06d}.png"
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".png.tmp")
-        with os.fdopen(fd, "wb") as f:
+        with atomic_write(folder / name, binary=True) as f:
             image.save(f, format="PNG", compress_level=1)
-        _publish(tmp, folder / name)
         rows.append({"image": name, **row})
     _write_manifest(folder, key, rows)
 
@@ -285,19 +284,8 @@ def _folder_lock(folder: Path) -> Iterator[None]:
 def _write_manifest(folder: Path, key: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     """Write ``rows`` (relative image paths) and ``key`` after the PNGs, the manifest last and
     atomically, so a reader never sees a half-written set."""
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
+    with atomic_write(folder / _KEY) as f:
+        f.write(_key_text(key))
+    with atomic_write(folder / _MANIFEST) as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    fd_key, tmp_key = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    with os.fdopen(fd_key, "w", encoding="utf-8") as f:
-        f.write(_key_text(key))
-    _publish(tmp_key, folder / _KEY)
-    _publish(tmp, folder / _MANIFEST)
-
-
-def _publish(tmp: str, final: Path) -> None:
-    """Rename a finished temporary file into place (atomic), readable by all (mkstemp makes
-    it private; the cache may be shared)."""
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, final)

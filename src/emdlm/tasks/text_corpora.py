@@ -45,15 +45,14 @@ from __future__ import annotations
 import bz2
 import hashlib
 import json
-import os
 import random
 import re
-import tempfile
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from emdlm._files import atomic_write
 from emdlm.tasks import register_task
 
 CORPORA = ("wiki", "news")
@@ -113,11 +112,8 @@ def _wiki_documents() -> tuple[str, ...]:
             if doc:
                 docs.append(doc)
     cached.parent.mkdir(parents=True, exist_ok=True)
-    # write then rename: concurrent test processes never read a partial file
-    with tempfile.NamedTemporaryFile("w", dir=cached.parent, delete=False, encoding="utf-8") as f:
+    with atomic_write(cached) as f:  # concurrent test processes never read a partial file
         json.dump(docs, f)
-    os.chmod(f.name, 0o644)  # NamedTemporaryFile makes it private; the cache may be shared
-    os.replace(f.name, cached)
     return tuple(docs)
 
 
