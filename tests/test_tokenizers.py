@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from emdlm import tokenizers as T
 from emdlm.tokenizers import load_tokenizer
@@ -112,3 +114,37 @@ def test_cache_builds_once_per_version(
 
 def test_number_text_is_deterministic() -> None:
     assert list(T._number_text(50, seed=3)) == list(T._number_text(50, seed=3))
+
+
+@pytest.fixture(scope="module")
+def gpt2_numeric() -> Any:
+    return load_tokenizer("gpt2-numeric")
+
+
+def test_gpt2_numeric_vocabulary(gpt2_numeric: Any, gpt2_tokenizer: Any) -> None:
+    tok = gpt2_numeric
+    assert len(tok) == 2212
+    full = gpt2_tokenizer.get_vocab()
+    # the byte tokens keep GPT-2's ids; every other kept token is made of alphabet bytes
+    byte_tokens = sorted(full, key=full.__getitem__)[:256]
+    assert [tok.convert_tokens_to_ids(t) for t in byte_tokens] == list(range(256))
+    assert tok.eos_token == tok.bos_token == "<|endoftext|>" == tok.convert_ids_to_tokens(2211)
+    assert pieces(tok, " 12345") == ["Ġ123", "45"]
+    assert pieces(tok, "Hello") == ["H", "e", "l", "l", "o"]  # letters: single bytes
+    assert tok.decode(tok(TEXT)["input_ids"]) == TEXT  # any text round-trips
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=T.NUMERIC_ALPHABET, max_size=40))
+def test_gpt2_numeric_splits_numeric_text_as_gpt2(
+    gpt2_numeric: Any, gpt2_tokenizer: Any, text: str
+) -> None:
+    assert pieces(gpt2_numeric, text) == pieces(gpt2_tokenizer, text)
+
+
+def test_gpt2_numeric_on_arithmetic_problems(gpt2_numeric: Any, gpt2_tokenizer: Any) -> None:
+    from emdlm.tasks.arithmetic import arithmetic
+
+    rows = arithmetic(2000, seed=3, min_digits=1, max_digits=6, ops="+-*")
+    texts = [r["prompt"] + r["completion"] for r in rows]
+    assert [pieces(gpt2_numeric, t) for t in texts] == [pieces(gpt2_tokenizer, t) for t in texts]

