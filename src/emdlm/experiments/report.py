@@ -10,7 +10,8 @@ shares of answers within +-1% and +-5%.
 objectives differ), the paired difference of each variant against the baseline (95% bootstrap
 CI, Wilcoxon signed-rank and paired-t p-values, number of seeds, a note when there are too
 few seeds to reach significance), the same for the area under the learning curve, the steps
-to reach 50% / 90% exact match, and the plots.
+to reach 50% / 90% exact match, the training-loss components early / middle / late
+(:mod:`emdlm.experiments.components`), and the plots.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from emdlm.experiments.components import component_lines
 from emdlm.experiments.grid import Cell, Experiment
 from emdlm.experiments.runner import CELL_DONE, ERROR_FILE, EVAL_DIR
 from emdlm.experiments.stats import compare_paired, mean_std, normalized_auc, steps_to_reach
@@ -324,7 +326,8 @@ def _comparison_table(per_variant: dict[str, dict[str, dict[int, float]]], exp: 
 
 
 def _task_section(exp: Experiment, task: str, rows: Sequence[Row],
-                  plots: dict[str, list[str]], floor: Sequence[str] = ()) -> list[str]:
+                  plots: dict[str, list[str]], floor: Sequence[str] = (),
+                  components: Sequence[str] = ()) -> list[str]:
     table = curves(rows, task)
     metrics = ordered_metrics(table)
     lines = [f"## Task `{task}`", ""]
@@ -357,6 +360,7 @@ def _task_section(exp: Experiment, task: str, rows: Sequence[Row],
                   *_comparison_table(auc, exp, curve_key), ""]
     if "exact_match" in table and len(steps) > 1:
         lines += _threshold_lines(table["exact_match"], exp)
+    lines += components
     for name in plots.get(task, []):
         lines += [f"![{name}](plots/{name})", ""]
     return lines
@@ -417,7 +421,8 @@ def write_report(exp: Experiment, cells: Sequence[Cell], rows: Sequence[Row], pa
         "",
     ]
     for task in exp.tasks:
-        lines += _task_section(exp, task, rows, plots or {}, _floor_lines(cells, task))
+        lines += _task_section(exp, task, rows, plots or {}, _floor_lines(cells, task),
+                               component_lines(cells, task, list(exp.variants)))
     if failed:
         lines += ["## Failed cells", ""]
         for c in failed:
