@@ -148,3 +148,17 @@ def test_gpt2_numeric_on_arithmetic_problems(gpt2_numeric: Any, gpt2_tokenizer: 
     rows = arithmetic(2000, seed=3, min_digits=1, max_digits=6, ops="+-*")
     texts = [r["prompt"] + r["completion"] for r in rows]
     assert [pieces(gpt2_numeric, t) for t in texts] == [pieces(gpt2_tokenizer, t) for t in texts]
+
+
+def test_gpt2_numeric_has_every_gpt2_number_token(gpt2_numeric: Any, gpt2_tokenizer: Any) -> None:
+    from emdlm.numbers import NumberVocab
+
+    def number_tokens(tok: Any) -> set[tuple[str, float, int]]:
+        vocab = NumberVocab.from_tokenizer(tok, len(tok))
+        ids = vocab.is_number.nonzero().squeeze(1).tolist()
+        names = tok.convert_ids_to_tokens(ids)
+        return {(name, float(vocab.value[i]), int(vocab.num_digits[i]))
+                for name, i in zip(names, ids, strict=True)}
+
+    full, numeric = number_tokens(gpt2_tokenizer), number_tokens(gpt2_numeric)
+    assert numeric == full and len(full) > 1000
