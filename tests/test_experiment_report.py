@@ -7,12 +7,19 @@ import csv
 import json
 import math
 
+import numpy as np
 import pytest
 
 from emdlm.experiments import expand_grid, write_outputs
 from emdlm.experiments.grid import parse_experiment
 from emdlm.experiments.runner import CELL_DONE, _models_to_evaluate, eval_dir
-from emdlm.experiments.stats import compare_paired, mean_std, normalized_auc
+from emdlm.experiments.stats import (
+    compare_paired,
+    detectable_difference,
+    mean_std,
+    normalized_auc,
+    seeds_for_power,
+)
 
 BASE = {
     "model": {"name": "tiny-gpt2"},
@@ -215,3 +222,16 @@ def test_clock_extras_by_hand():
             {"reference": "3_30", "prediction": "x", "time_gap": None}]    # unparsed: neither
     assert clock_extras(rows) == {"hour_accuracy": 0.5, "minute_accuracy": 0.5}
     assert clock_extras([{"reference": "2", "prediction": "2", "abs_error": 0.0}]) == {}
+
+
+def test_report_has_power_planning_figures(made):
+    _, _, result = made
+    report = result.report.read_text()
+    d = np.subtract(ERRORS["ntil"][20], ERRORS["ce"][20])
+    sd = float(np.std(d, ddof=1))
+    need = seeds_for_power(float(d.mean()), sd)
+    row = (f"| abs_error_mean | ntil | 6 | {sd:.4g} | {detectable_difference(6, sd):.4g} | "
+           f"{need} |")
+    assert "### Power of the final comparison" in report
+    assert row in report.splitlines()
+    assert 2 <= need <= 6  # a difference these 6 seeds already show (t p = 0.013) needs <= 6

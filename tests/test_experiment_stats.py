@@ -12,10 +12,13 @@ from emdlm.experiments.report import numeric_extras
 from emdlm.experiments.stats import (
     bootstrap_ci,
     compare_paired,
+    detectable_difference,
     mean_std,
     normalized_auc,
     paired_differences,
+    paired_t_power,
     paired_t_test,
+    seeds_for_power,
     seeds_note,
     steps_to_reach,
     wilcoxon_min_p,
@@ -124,3 +127,47 @@ def test_numeric_extras_from_predictions():
     logs = [math.log10(1 + e) for e in (0.0, 3.0, 1.0, 1.0)]
     assert out["log10_error_mean"] == pytest.approx(sum(logs) / 4)
     assert numeric_extras([{"reference": "a", "prediction": "a", "correct": True}]) == {}
+
+
+@pytest.mark.parametrize(("dz", "n", "power_at_n"), [
+    (0.2, 199, 0.8017), (0.5, 34, 0.8078), (0.8, 15, 0.8213), (1.0, 10, 0.8031),
+])
+def test_seeds_for_power_matches_gpower(dz, n, power_at_n):
+    # G*Power 3.1, t tests, "means: difference between two dependent means (matched pairs)",
+    # a priori, two tails, alpha 0.05, power 0.8: total sample size and actual power
+    for sd in (1.0, 3.5):  # only diff / sd matters
+        assert seeds_for_power(dz * sd, sd) == n
+        assert seeds_for_power(-dz * sd, sd) == n
+        assert paired_t_power(n, dz * sd, sd) == pytest.approx(power_at_n, abs=5e-5)
+        assert paired_t_power(n - 1, dz * sd, sd) < 0.8
+
+
+def test_paired_t_power_against_simulation():
+    # independent truth: the share of simulated paired samples that the paired t test rejects
+    rng = np.random.default_rng(0)
+    n, diff, sd, reps = 6, 1.2, 1.5, 40_000
+    d = rng.normal(diff, sd, size=(reps, n))
+    p = stats.ttest_1samp(d, 0.0, axis=1).pvalue
+    simulated = float(np.mean(p < 0.05))
+    assert paired_t_power(n, diff, sd) == pytest.approx(simulated, abs=0.01)
+
+
+def test_detectable_difference_inverts_power():
+    for n, sd in ((5, 2.0), (10, 1.0), (40, 0.3)):
+        mde = detectable_difference(n, sd)
+        assert paired_t_power(n, mde, sd) == pytest.approx(0.8, abs=1e-9)
+        assert seeds_for_power(mde * 1.0001, sd) <= n < seeds_for_power(mde * 0.99, sd)
+    # just below dz = 1, where 10 pairs have power 0.803 (G*Power, above)
+    assert detectable_difference(10, 1.0) == pytest.approx(0.996, abs=1e-3)
+
+
+def test_power_edge_cases():
+    assert math.isnan(paired_t_power(1, 1.0, 1.0))
+    assert math.isnan(paired_t_power(5, 1.0, 0.0))
+    assert paired_t_power(5, 0.0, 1.0) == pytest.approx(0.05)  # no effect: the test's alpha
+    assert seeds_for_power(0.0, 1.0) is None
+    assert seeds_for_power(1e-6, 1.0, max_seeds=100) is None
+    assert seeds_for_power(1.0, 0.0) is None
+    assert math.isnan(detectable_difference(1, 1.0))
+    with pytest.raises(ValueError, match="power"):
+        seeds_for_power(1.0, 1.0, power=1.0)

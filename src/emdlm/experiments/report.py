@@ -9,7 +9,8 @@ shares of answers within +-1% and +-5%.
 (numeric-error metrics first, exact match after them: it swings between seeds far more than
 objectives differ), the paired difference of each variant against the baseline (95% bootstrap
 CI, Wilcoxon signed-rank and paired-t p-values, number of seeds, a note when there are too
-few seeds to reach significance), the same for the area under the learning curve, the steps
+few seeds to reach significance), power planning figures from the seeds' spread (seeds
+needed, smallest detectable difference), the same for the area under the learning curve, the steps
 to reach 50% / 90% exact match, the training-loss components early / middle / late
 (:mod:`emdlm.experiments.components`), and the plots.
 """
@@ -30,7 +31,16 @@ import numpy as np
 from emdlm.experiments.components import component_lines
 from emdlm.experiments.grid import Cell, Experiment
 from emdlm.experiments.runner import CELL_DONE, ERROR_FILE, EVAL_DIR
-from emdlm.experiments.stats import compare_paired, mean_std, normalized_auc, steps_to_reach
+from emdlm.experiments.stats import (
+    POWER,
+    compare_paired,
+    detectable_difference,
+    mean_std,
+    normalized_auc,
+    paired_differences,
+    seeds_for_power,
+    steps_to_reach,
+)
 
 # (metric, better) in report order: numeric errors lead, exact match follows
 METRIC_ORDER: tuple[tuple[str, str], ...] = (
@@ -325,6 +335,37 @@ def _comparison_table(per_variant: dict[str, dict[str, dict[int, float]]], exp: 
     return lines
 
 
+def _power_lines(final: dict[str, dict[str, dict[int, float]]], exp: Experiment,
+                 metrics: Sequence[str]) -> list[str]:
+    """Planning figures from the seeds' spread: per metric and variant, the standard deviation
+    of the paired differences, the smallest true difference these seeds detect with 80 % power,
+    and the seeds needed for 80 % power if the true difference were the observed one."""
+    lines = ["### Power of the final comparison (planning figures for the next grid)", "",
+             f"Paired t test, two-sided, alpha 0.05, power {POWER:.0%}, with the standard "
+             "deviation of these seeds' paired differences. These size a future grid; they are "
+             "not evidence of an effect (a small observed difference needs many seeds).", "",
+             "| metric | variant | seeds | sd of differences | smallest detectable difference "
+             "| seeds for the observed difference |", "|---|---|---|---|---|---|"]
+    for metric in metrics:
+        values = final.get(metric, {})
+        if exp.baseline not in values:
+            continue
+        for variant in exp.variants:
+            if variant == exp.baseline or variant not in values:
+                continue
+            seeds = sorted(set(values[exp.baseline]) & set(values[variant]))
+            d = paired_differences([values[exp.baseline][s] for s in seeds],
+                                   [values[variant][s] for s in seeds])
+            if d.size < 2:
+                continue
+            sd = float(d.std(ddof=1))
+            need = seeds_for_power(float(d.mean()), sd)
+            lines.append(f"| {metric} | {variant} | {d.size} | {_fmt(sd)} | "
+                         f"{_fmt(detectable_difference(int(d.size), sd))} | "
+                         f"{need if need is not None else '> 10000'} |")
+    return [*lines, ""] if len(lines) > 6 else []
+
+
 def _task_section(exp: Experiment, task: str, rows: Sequence[Row],
                   plots: dict[str, list[str]], floor: Sequence[str] = (),
                   components: Sequence[str] = ()) -> list[str]:
@@ -352,7 +393,8 @@ def _task_section(exp: Experiment, task: str, rows: Sequence[Row],
               + ", ".join(m for m in key if better_direction(m) == "lower")
               + "; higher for " + ", ".join(m for m in key if better_direction(m) == "higher")
               + ".",
-              "", *_comparison_table(final, exp, key), ""]
+              "", *_comparison_table(final, exp, key), "",
+              *_power_lines(final, exp, key)]
     if len(steps) > 1:
         curve_key = [m for m in key if not is_extra_metric(m)]  # extras: final model only
         auc = {m: {v: auc_values(table[m][v]) for v in table[m]} for m in curve_key}

@@ -1,4 +1,5 @@
-"""Paired statistics over seeds: bootstrap CI, Wilcoxon signed-rank, paired t, curve summaries.
+"""Paired statistics over seeds: bootstrap CI, Wilcoxon signed-rank, paired t, curve summaries,
+and the paired t test's power (seeds needed, smallest detectable difference) to plan a grid.
 
 A pair is (baseline, variant) trained with the same seed (same data, order and initial
 weights); every statistic works on the per-seed differences d_i = variant_i - baseline_i.
@@ -171,3 +172,67 @@ def steps_to_reach(
         if math.isfinite(v) and v >= threshold:
             return float(s)
     return math.nan
+
+
+# ------------------------------------------------------------------------ power (planning)
+POWER = 0.8
+
+
+def paired_t_power(n: int, diff: float, sd: float, *, alpha: float = ALPHA) -> float:
+    """Power of the two-sided paired t test with n pairs when the true mean difference is
+    ``diff`` and the differences' standard deviation is ``sd``.
+
+    With T ~ noncentral t(df = n-1, nc = diff·sqrt(n)/sd) and c = t_{1-alpha/2, n-1}, power =
+    P(T > c) + P(T < -c) (Cohen 1988, ch. 2; the matched-pairs t test of G*Power). NaN for
+    n < 2 or sd <= 0.
+    """
+    from scipy import stats
+
+    if n < 2 or not sd > 0.0 or not math.isfinite(diff):
+        return math.nan
+    df = n - 1
+    crit = float(stats.t.ppf(1.0 - alpha / 2.0, df))
+    nc = abs(diff) * math.sqrt(n) / sd
+    return float(stats.nct.sf(crit, df, nc) + stats.nct.cdf(-crit, df, nc))
+
+
+def seeds_for_power(diff: float, sd: float, *, power: float = POWER, alpha: float = ALPHA,
+                    max_seeds: int = 10_000) -> int | None:
+    """Smallest number of paired seeds n >= 2 whose paired t test reaches ``power`` for a true
+    mean difference ``diff`` with differences of standard deviation ``sd``; None when even
+    ``max_seeds`` do not (a zero or vanishing difference). Power grows with n, so the search
+    doubles n, then bisects."""
+    if not 0.0 < power < 1.0:
+        raise ValueError(f"power must be in (0, 1), got {power}")
+    if not sd > 0.0 or not math.isfinite(diff) or diff == 0.0:
+        return None
+    hi = 2
+    while paired_t_power(hi, diff, sd, alpha=alpha) < power:
+        if hi >= max_seeds:
+            return None
+        hi = min(2 * hi, max_seeds)
+    lo = max(2, hi // 2)
+    if paired_t_power(lo, diff, sd, alpha=alpha) >= power:
+        return lo
+    while hi - lo > 1:  # power(lo) < target <= power(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if paired_t_power(mid, diff, sd, alpha=alpha) >= power else (mid, hi)
+    return hi
+
+
+def detectable_difference(n: int, sd: float, *, power: float = POWER,
+                          alpha: float = ALPHA) -> float:
+    """The smallest true mean difference that n paired seeds detect with the given power
+    (two-sided paired t test at ``alpha``; differences of standard deviation ``sd``): the
+    root of paired_t_power(n, diff, sd) = power. NaN for n < 2 or sd <= 0."""
+    from scipy import optimize
+
+    if not 0.0 < power < 1.0:
+        raise ValueError(f"power must be in (0, 1), got {power}")
+    if n < 2 or not sd > 0.0:
+        return math.nan
+    hi = sd
+    while paired_t_power(n, hi, sd, alpha=alpha) < power:
+        hi *= 2.0
+    return float(optimize.brentq(
+        lambda x: paired_t_power(n, x, sd, alpha=alpha) - power, 0.0, hi, xtol=1e-12 * sd))
