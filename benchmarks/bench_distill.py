@@ -28,12 +28,12 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from _timing import timed_passes
 from bench_emo import CpuPeak, CudaPeak  # same folder: the memory probes
 
 CASES = ("ce", "kl_torch", "kl_distill", "emo_ref", "emo_chunked", "emo_chunked_none")
@@ -87,14 +87,7 @@ def run_worker(args: argparse.Namespace) -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     probe: CpuPeak | CudaPeak = CudaPeak() if cuda else CpuPeak()
     probe.start()
-    times = []
-    for i in range(args.warmup + args.reps):
-        sync()
-        t0 = time.perf_counter()
-        run()
-        sync()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
+    times = timed_passes(run, warmup=args.warmup, reps=args.reps, sync=sync)
     print(json.dumps({"time_s": statistics.median(times), "extra_bytes": probe.extra_bytes(),
                       "mem_method": probe.method}))  # fmt: skip
 

@@ -48,12 +48,13 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from _timing import timed_passes
 
 LOGIT_CASES = ("ce", "ref", "official", "chunked", "chunked_bf16")
 LINEAR_CASES = ("unfused_ce", "unfused_emo", "fused_ce", "fused_emo")
@@ -209,14 +210,7 @@ def run_worker(args: argparse.Namespace) -> None:
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     probe: CpuPeak | CudaPeak = CudaPeak() if device.startswith("cuda") else CpuPeak()
     probe.start()
-    times = []
-    for i in range(args.warmup + args.reps):
-        sync()
-        t0 = time.perf_counter()
-        run()
-        sync()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
+    times = timed_passes(run, warmup=args.warmup, reps=args.reps, sync=sync)
     extra = probe.extra_bytes()
     print(
         json.dumps(

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from _rss import peak_rss_mib, reset_peak_rss, rss_mib
 from _table import print_ratio_table
+from _timing import timed_passes
 
 METHODS = ("logits_ce", "logits_ntil", "ce", "ce_ntil", "tailr", "cce_torch")
 
@@ -98,20 +99,19 @@ def child(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     h, w, labels = make_inputs(args.rows, args.hidden, args.vocab)
     loss_fn = build(args.method, args.vocab)
-    base = rss_mib()
-    reset = False
-    times = []
-    for i in range(args.warmup + args.reps):
+    probe = {"base": rss_mib(), "reset": False}
+
+    def clear_grads() -> None:
         h.grad, w.grad = None, None
-        if i == args.warmup and args.warmup > 0:
-            # After the warm-up (torch.compile's compilation included) measure from here on:
-            # "5" in clear_refs resets the peak RSS (VmHWM) on Linux.
-            base, reset = rss_mib(), reset_peak_rss()
-        start = time.perf_counter()
-        loss_fn(h, w, labels).backward()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - start)
-    peak = peak_rss_mib(reset)
+
+    def start_probe() -> None:
+        # After the warm-up (torch.compile's compilation included) measure from here on:
+        # "5" in clear_refs resets the peak RSS (VmHWM) on Linux.
+        probe["base"], probe["reset"] = rss_mib(), reset_peak_rss()
+
+    times = timed_passes(lambda: loss_fn(h, w, labels).backward(), warmup=args.warmup,
+                         reps=args.reps, before_each=clear_grads, after_warmup=start_probe)
+    base, peak = probe["base"], peak_rss_mib(bool(probe["reset"]))
     print(json.dumps({"time": statistics.median(times), "peak": peak - base}))
 
 

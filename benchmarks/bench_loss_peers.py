@@ -44,7 +44,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 
 import torch
@@ -52,6 +51,7 @@ import torch.nn.functional as F
 
 from _rss import peak_rss_mib, reset_peak_rss, rss_mib
 from _table import print_ratio_table
+from _timing import timed_passes
 
 METHODS = ("logits_ce", "emdlm_ce", "cce_torch", "liger_flce")
 PEERS = ("cce_torch", "liger_flce")
@@ -104,19 +104,22 @@ def child(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     h, w, labels = make_inputs(args.rows, args.hidden, args.vocab[0])
     loss_fn = build(args.child)
-    times, loss = [], float("nan")
-    base, reset = rss_mib(), False
-    for i in range(args.warmup + args.reps):
+    state = {"base": rss_mib(), "reset": False, "loss": float("nan")}
+
+    def clear_grads() -> None:
         h.grad, w.grad = None, None
-        if i == args.warmup:
-            base, reset = rss_mib(), reset_peak_rss()
-        start = time.perf_counter()
+
+    def start_probe() -> None:
+        state["base"], state["reset"] = rss_mib(), reset_peak_rss()
+
+    def step() -> None:
         out = loss_fn(h, w, labels)
         out.backward()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - start)
-            loss = float(out.detach())
-        del out
+        state["loss"] = out.detach()  # read after the clock stops (float() would sync)
+
+    times = timed_passes(step, warmup=args.warmup, reps=args.reps, before_each=clear_grads,
+                         after_warmup=start_probe)
+    base, reset, loss = state["base"], bool(state["reset"]), float(state["loss"])
     if not reset:
         raise RuntimeError("cannot reset the peak RSS (/proc/self/clear_refs): no fair peak")
     peak = peak_rss_mib(reset) - base

@@ -34,11 +34,12 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from _timing import timed_passes
 
 METHODS = ("ce", "ntil_fused", "ntil_official", "ntil_reference", "digit_emd", "ntloss")
 
@@ -131,15 +132,12 @@ def measure(method: str, args: argparse.Namespace) -> dict[str, float]:
         peak = torch.cuda.max_memory_allocated() - before
     else:  # ru_maxrss is in KiB on Linux
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-    times = []
-    for i in range(args.warmup + args.reps):
+
+    def clear_grad() -> None:
         logits.grad = None
-        _sync(args.device)
-        start = time.perf_counter()
-        loss_fn(logits, labels).backward()
-        _sync(args.device)
-        if i >= args.warmup:
-            times.append(time.perf_counter() - start)
+
+    times = timed_passes(lambda: loss_fn(logits, labels).backward(), warmup=args.warmup,
+                         reps=args.reps, sync=lambda: _sync(args.device), before_each=clear_grad)
     return {"time_s": statistics.median(times), "peak_bytes": float(peak)}
 
 
