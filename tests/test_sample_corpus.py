@@ -90,3 +90,44 @@ def test_model_folder_as_cost_embedding(folder: Path) -> None:
         load_cost_embedding(str(folder), model=None, vocab_size=7)
     with pytest.raises(ConfigError, match="not a causal-LM folder"):
         load_cost_embedding(str(folder.parent), model=None, vocab_size=7)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("shard", [None, "20KB"])
+def test_cost_embedding_folder_is_read_without_building_the_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tied: bool, shard: str | None
+) -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from emdlm.models import output_embedding_from_folder
+
+    config = LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                         num_attention_heads=2, num_key_value_heads=2, vocab_size=101,
+                         tie_word_embeddings=tied, bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    kwargs = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(tmp_path / "m", **kwargs)
+    assert (tmp_path / "m" / "model.safetensors.index.json").is_file() == bool(shard)
+
+    def no_full_load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the whole model was loaded")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_full_load)
+    head = output_embedding_from_folder(tmp_path / "m")
+    assert torch.equal(head, model.get_output_embeddings().weight.detach())
+    emb = load_cost_embedding(str(tmp_path / "m"), model=None, vocab_size=101)
+    assert emb.dtype == torch.float32 and torch.equal(emb, head.float())
+
+
+def test_cost_embedding_folder_without_safetensors_loads_the_model(
+    folder: Path, tmp_path: Path
+) -> None:
+    from emdlm.models import output_embedding_from_folder
+
+    model = GPT2LMHeadModel.from_pretrained(folder)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    for name in ("config.json",):
+        (tmp_path / name).write_bytes((folder / name).read_bytes())
+    head = output_embedding_from_folder(tmp_path)  # no safetensors: the model is loaded
+    assert torch.equal(head, model.lm_head.weight.detach())

@@ -155,6 +155,59 @@ def check_vocab(model: Any, tokenizer: Any) -> None:
         )
 
 
+def output_embedding_from_folder(folder: Path) -> torch.Tensor:
+    """The output embedding (LM head weight) [V, d] of the causal LM saved in ``folder``.
+
+    Read from the folder's safetensors files alone when they hold it (a skeleton of the model on
+    the meta device names the head's parameter, tied or not; ``model.safetensors`` or the shards
+    of ``model.safetensors.index.json``): no model is built, so an 8B checkpoint costs its
+    ~1 GB head, not 16 GB. Otherwise (``.bin`` weights, renamed keys) the model is loaded.
+    No remote code either way.
+
+    Raises:
+        ConfigError: ``folder`` is not a causal-LM folder.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{folder}: not a causal-LM folder ({err})") from err
+    head = getattr(skeleton.get_output_embeddings(), "weight", None)
+    names = [n for n, p in skeleton.named_parameters(remove_duplicate=False) if p is head]
+    weight = _safetensors_tensor(folder, names)
+    if head is not None and weight is not None and weight.shape == head.shape:
+        return weight
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=False)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{folder}: not a causal-LM folder ({err})") from err
+    return model.get_output_embeddings().weight.detach()
+
+
+def _safetensors_tensor(folder: Path, names: list[str]) -> torch.Tensor | None:
+    """The first of ``names`` stored in the folder's safetensors weights (None if none is)."""
+    import json
+
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        files = {name: folder / weight_map[name] for name in names if name in weight_map}
+    elif (folder / "model.safetensors").is_file():
+        files = dict.fromkeys(names, folder / "model.safetensors")
+    else:
+        return None
+    for name, file in files.items():
+        with safe_open(str(file), framework="pt") as fh:
+            if name in fh.keys():  # noqa: SIM118 (safe_open has no __contains__)
+                return fh.get_tensor(name)
+    return None
+
+
 def apply_lora(model: Any, *, r: int, alpha: int, dropout: float, target_modules: Any) -> Any:
     """Wrap ``model`` with a peft LoRA adapter (only the adapter is trained)."""
     from peft import LoraConfig as PeftLoraConfig

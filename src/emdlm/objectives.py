@@ -59,18 +59,15 @@ def objective_class(name: str) -> type[nn.Module]:
 
 def _folder_output_embedding(folder: Path) -> torch.Tensor:
     """The output embedding [V, d] of the causal LM saved in ``folder`` (a Hugging Face folder;
-    no remote code), e.g. a pre-trained oracle's head for a student trained from scratch."""
-    from transformers import AutoModelForCausalLM
-
-    from emdlm.losses.emo import cost_embedding_from
+    no remote code), e.g. a pre-trained oracle's head for a student trained from scratch; read
+    from its safetensors without building the model where possible."""
+    from emdlm.models import output_embedding_from_folder
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=False)
-    except (OSError, ValueError) as err:
-        raise ConfigError(
-            f"cost embedding folder {folder}: not a causal-LM folder ({err})"
-        ) from err
-    return cost_embedding_from(model)
+        weight = output_embedding_from_folder(folder)
+    except ConfigError as err:
+        raise ConfigError(f"cost embedding folder: {err}") from err
+    return weight.detach().to(torch.float32, copy=True)
 
 
 def load_cost_embedding(
