@@ -235,3 +235,14 @@ def test_report_has_power_planning_figures(made):
     assert "### Power of the final comparison" in report
     assert row in report.splitlines()
     assert 2 <= need <= 6  # a difference these 6 seeds already show (t p = 0.013) needs <= 6
+
+
+def test_report_has_the_baseline_plateau_check(made):
+    _, _, result = made
+    report = result.report.read_text()
+    before, last = np.mean(ERRORS["ce"][10]), np.mean(ERRORS["ce"][20])
+    line = next(ln for ln in report.splitlines() if ln.startswith("Plateau check"))
+    assert line.startswith("Plateau check, baseline `ce` (mean over seeds), steps 10 → 20: ")
+    assert (f"abs_error_mean {before:.4g} → {last:.4g} ({(last - before) / before:+.1%})"
+            in line)
+    assert "exact_match 0.5 → 0.5 (+0.0%)" in line

@@ -366,6 +366,30 @@ def _power_lines(final: dict[str, dict[str, dict[int, float]]], exp: Experiment,
     return [*lines, ""] if len(lines) > 6 else []
 
 
+def _plateau_lines(table: Table, exp: Experiment, metrics: Sequence[str]) -> list[str]:
+    """Has the baseline stopped improving? Its key metrics (mean over the seeds evaluated at
+    both steps) at the last two evaluated steps and the relative change between them."""
+    parts, span = [], ""
+    for metric in metrics:
+        by_seed = table.get(metric, {}).get(exp.baseline, {})
+        steps = sorted({s for seed_steps in by_seed.values() for s in seed_steps})
+        if len(steps) < 2:
+            continue
+        before, last = steps[-2], steps[-1]
+        pairs = [(v[before], v[last]) for v in by_seed.values() if before in v and last in v]
+        pairs = [(a, b) for a, b in pairs if math.isfinite(a) and math.isfinite(b)]
+        if not pairs:
+            continue
+        a, b = (float(np.mean(x)) for x in zip(*pairs, strict=True))
+        change = f" ({(b - a) / abs(a):+.1%})" if a != 0 else ""
+        parts.append(f"{metric} {_fmt(a)} → {_fmt(b)}{change}")
+        span = span or f"steps {before} → {last}"
+    if not parts:
+        return []
+    return [f"Plateau check, baseline `{exp.baseline}` (mean over seeds), {span}: "
+            + "; ".join(parts) + "."]
+
+
 def _task_section(exp: Experiment, task: str, rows: Sequence[Row],
                   plots: dict[str, list[str]], floor: Sequence[str] = (),
                   components: Sequence[str] = ()) -> list[str]:
@@ -386,7 +410,8 @@ def _task_section(exp: Experiment, task: str, rows: Sequence[Row],
             mean, std, n = mean_std(list(final[m].get(variant, {}).values()))
             cells.append(f"{_fmt(mean)} ± {_fmt(std)} ({n})")
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
-    lines += ["", *floor]
+    lines += ["", *floor, *([""] if floor else []), *_plateau_lines(
+        table, exp, [m for m in key_metrics(metrics) if not is_extra_metric(m)])]
     key = key_metrics(metrics) or metrics[:4]
     lines += ["", "### Final checkpoint: paired difference against the baseline", "",
               "Lower is better for "
