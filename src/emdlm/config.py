@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ import yaml
 
 OBJECTIVES = ("ce", "emd", "ntil", "emo", "tailr", "mixce", "emo_distill", "kl_distill")
 DISTILL_OBJECTIVES = ("emo_distill", "kl_distill")  # the objectives that take a teacher
+#: λ schedules of the numeric term (emdlm.training.lam_schedule).
+LAM_SCHEDULES = ("constant", "linear", "cosine")
 EVAL_KINDS = ("number", "clock", "box", "boxes", "text", "choice")
 DATA_SPLITS = ("train", "dev", "test")  # "dev" only where the task or dataset has one
 
@@ -120,6 +123,10 @@ class ObjectiveConfig:
     name: str = "ce"
     params: dict[str, Any] = field(default_factory=dict)
     cost_embedding: str | None = None
+    # emd / ntil: λ over training, from the objective's own λ to lam_final
+    # ("constant" | "linear" | "cosine"; emdlm.training.lam_schedule)
+    lam_schedule: str = "constant"
+    lam_final: float = 0.0
 
 
 @dataclass
@@ -225,6 +232,7 @@ class RunConfig:
                 raise ConfigError(f"{name}: give exactly one of 'path' or 'task'")
             check_choice(f"{name}.split", src.split, DATA_SPLITS)
         self._validate_teacher()
+        self._validate_lam_schedule()
         t = self.train
         for key in ("batch_size", "grad_accum", "logging_steps", "save_steps"):
             if getattr(t, key) < 1:
@@ -239,6 +247,20 @@ class RunConfig:
         check_choice("data.on_truncate", self.data.on_truncate, ("warn", "error"))
         check_choice("data.on_drop", self.data.on_drop, ("warn", "error"))
         self._validate_optim_names()
+
+    def _validate_lam_schedule(self) -> None:
+        """A λ schedule only for the objectives with a numeric term weight λ (emd, ntil)."""
+        o = self.objective
+        check_choice("objective.lam_schedule", o.lam_schedule, LAM_SCHEDULES)
+        if o.lam_schedule != "constant" and o.name not in ("emd", "ntil"):
+            raise ConfigError(
+                f"objective.lam_schedule={o.lam_schedule} schedules the numeric term's λ of "
+                f"emd / ntil; objective {o.name!r} has none"
+            )
+        if not (isinstance(o.lam_final, (int, float)) and math.isfinite(o.lam_final)
+                and o.lam_final >= 0):
+            raise ConfigError(f"objective.lam_final must be a finite number >= 0, got "
+                              f"{o.lam_final!r}")
 
     def _validate_teacher(self) -> None:
         """A teacher exactly for the distillation objectives (before anything is loaded)."""

@@ -610,6 +610,12 @@ def train(run: PreparedRun, callbacks: list[Any] | None = None) -> dict[str, Any
     )
     logger = _step_logger(compute_loss, out, cfg.train.tensorboard)
     stopper = _GracefulStop()
+    schedule = []
+    if cfg.objective.lam_schedule != "constant":
+        from emdlm.training.lam_schedule import lam_schedule_callback
+
+        schedule = [lam_schedule_callback(run.loss_fn, cfg.objective.lam_schedule,
+                                          cfg.objective.lam_final)]
     trainer_cls = atomic_checkpoint_trainer(Trainer)
     if run.teacher is not None:  # the teacher's logits on every batch, for the distill loss
         trainer_cls = with_teacher(trainer_cls, run.teacher, compute_loss)
@@ -626,7 +632,7 @@ def train(run: PreparedRun, callbacks: list[Any] | None = None) -> dict[str, Any
         ),
         processing_class=run.tokenizer,  # checkpoints carry the tokenizer (eval works on them)
         compute_loss_func=compute_loss,
-        callbacks=[logger, stopper.callback, *(callbacks or [])],
+        callbacks=[*schedule, logger, stopper.callback, *(callbacks or [])],
     )
     start_run_console(trainer)  # world size + launcher check (rank 0), tidy console lines
     resume = str(run.resume_from) if run.resume_from is not None else None
