@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from _experiment import FAKE_BASE
 from emdlm.experiments import expand_grid, write_outputs
 from emdlm.experiments.components import (
     TRAIN_LOG,
@@ -15,14 +16,6 @@ from emdlm.experiments.components import (
 )
 from emdlm.experiments.grid import parse_experiment
 from emdlm.experiments.runner import CELL_DONE
-
-BASE = {
-    "model": {"name": "tiny-gpt2"},
-    "tokenizer": "char",
-    "data": {"train": {"task": "arithmetic", "n": 8},
-             "eval": {"task": "arithmetic", "n": 4, "split": "test"}},
-    "train": {"max_steps": 20, "save_steps": 20},
-}
 
 
 def _log(n_steps: int, ce_at, extra=None) -> list[dict]:
@@ -57,7 +50,7 @@ def test_read_train_log_keeps_numbers_only(tmp_path) -> None:
 
 @pytest.fixture
 def grid(tmp_path):
-    exp = parse_experiment({"name": "fake", "base": BASE, "seeds": [0, 1],
+    exp = parse_experiment({"name": "fake", "base": FAKE_BASE, "seeds": [0, 1],
                             "variants": {"ce": [], "ntil": ["objective.name=ntil"]},
                             "output_dir": str(tmp_path / "out")})
     cells = expand_grid(exp)

@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 
+from _experiment import FAKE_BASE
 from emdlm.experiments import expand_grid, write_outputs
 from emdlm.experiments.grid import parse_experiment
 from emdlm.experiments.runner import CELL_DONE, _models_to_evaluate, eval_dir
@@ -21,13 +22,6 @@ from emdlm.experiments.stats import (
     seeds_for_power,
 )
 
-BASE = {
-    "model": {"name": "tiny-gpt2"},
-    "tokenizer": "char",
-    "data": {"train": {"task": "arithmetic", "n": 8},
-             "eval": {"task": "arithmetic", "n": 4, "split": "test"}},
-    "train": {"max_steps": 20, "save_steps": 10},
-}
 SEEDS = [0, 1, 2, 3, 4, 5]
 # abs_error_mean at steps 10 and 20, per variant and seed
 ERRORS = {
@@ -52,7 +46,7 @@ def _fake_cell(cell, errors_by_step):
 
 @pytest.fixture
 def made(tmp_path):
-    exp = parse_experiment({"name": "fake", "base": BASE, "seeds": SEEDS,
+    exp = parse_experiment({"name": "fake", "base": FAKE_BASE, "seeds": SEEDS,
                             "variants": {"ce": [], "ntil": ["objective.name=ntil"]},
                             "output_dir": str(tmp_path / "out")})
     cells = expand_grid(exp)
@@ -128,7 +122,7 @@ CHOICE = {"ce": [0.50, 0.52, 0.48, 0.55, 0.51, 0.49], "ntil": [0.53, 0.56, 0.50,
 
 
 def test_extra_evaluations_are_reported_with_their_prefix(tmp_path):
-    exp = parse_experiment({"name": "fake", "base": BASE, "seeds": SEEDS,
+    exp = parse_experiment({"name": "fake", "base": FAKE_BASE, "seeds": SEEDS,
                             "variants": {"ce": [], "ntil": ["objective.name=ntil"]},
                             "eval": {"extra": {"choice": ["eval.kind=choice"]}},
                             "output_dir": str(tmp_path / "out")})
@@ -165,7 +159,7 @@ def test_single_step_grid_plots_final_values_and_a_text_note(tmp_path):
             for m in ("mauve", "ppl_test")]
     assert not plot_learning_curves(rows, "default", ["ce", "emo"], tmp_path / "c.png")
     assert not (tmp_path / "c.png").exists()
-    exp = parse_experiment({"name": "t", "base": BASE, "seeds": [0, 1],
+    exp = parse_experiment({"name": "t", "base": FAKE_BASE, "seeds": [0, 1],
                             "variants": {"ce": [], "emo": ["objective.name=ce"]},
                             "eval": {"checkpoints": "final"},
                             "output_dir": str(tmp_path / "out")})

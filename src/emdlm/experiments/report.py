@@ -21,7 +21,7 @@ import csv
 import json
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -308,17 +308,10 @@ def _fmt_p(p: float) -> str:
     return "–" if math.isnan(p) else f"{p:.3g}"
 
 
-def _paired(values: dict[str, dict[int, float]], baseline: str, variant: str) -> Any:
-    seeds = sorted(set(values.get(baseline, {})) & set(values.get(variant, {})))
-    return compare_paired([values[baseline][s] for s in seeds],
-                          [values[variant][s] for s in seeds])
-
-
-def _comparison_table(per_variant: dict[str, dict[str, dict[int, float]]], exp: Experiment,
-                      metrics: Sequence[str]) -> list[str]:
-    """Markdown rows: variant - baseline per metric with CI, p-values, n and note."""
-    lines = ["| metric | variant | mean diff (variant − baseline) | 95% bootstrap CI | "
-             "p Wilcoxon | p paired t | seeds | note |", "|---|---|---|---|---|---|---|---|"]
+def _paired_values(per_variant: dict[str, dict[str, dict[int, float]]], exp: Experiment,
+                   metrics: Sequence[str]) -> Iterator[tuple[str, str, list[float], list[float]]]:
+    """(metric, variant, baseline values, variant values) over the seeds both have, for each
+    metric and each variant other than the baseline that has it."""
     for metric in metrics:
         values = per_variant.get(metric, {})
         if exp.baseline not in values:
@@ -326,12 +319,23 @@ def _comparison_table(per_variant: dict[str, dict[str, dict[int, float]]], exp: 
         for variant in exp.variants:
             if variant == exp.baseline or variant not in values:
                 continue
-            c = _paired(values, exp.baseline, variant)
-            lines.append(
-                f"| {metric} | {variant} | {_fmt(c.mean_diff)} | [{_fmt(c.ci_low)}, "
-                f"{_fmt(c.ci_high)}] | {_fmt_p(c.p_wilcoxon)} | {_fmt_p(c.p_ttest)} | {c.n} | "
-                f"{c.note} |"
-            )
+            seeds = sorted(set(values[exp.baseline]) & set(values[variant]))
+            yield (metric, variant, [values[exp.baseline][s] for s in seeds],
+                   [values[variant][s] for s in seeds])
+
+
+def _comparison_table(per_variant: dict[str, dict[str, dict[int, float]]], exp: Experiment,
+                      metrics: Sequence[str]) -> list[str]:
+    """Markdown rows: variant - baseline per metric with CI, p-values, n and note."""
+    lines = ["| metric | variant | mean diff (variant − baseline) | 95% bootstrap CI | "
+             "p Wilcoxon | p paired t | seeds | note |", "|---|---|---|---|---|---|---|---|"]
+    for metric, variant, base, other in _paired_values(per_variant, exp, metrics):
+        c = compare_paired(base, other)
+        lines.append(
+            f"| {metric} | {variant} | {_fmt(c.mean_diff)} | [{_fmt(c.ci_low)}, "
+            f"{_fmt(c.ci_high)}] | {_fmt_p(c.p_wilcoxon)} | {_fmt_p(c.p_ttest)} | {c.n} | "
+            f"{c.note} |"
+        )
     return lines
 
 
@@ -346,23 +350,15 @@ def _power_lines(final: dict[str, dict[str, dict[int, float]]], exp: Experiment,
              "not evidence of an effect (a small observed difference needs many seeds).", "",
              "| metric | variant | seeds | sd of differences | smallest detectable difference "
              "| seeds for the observed difference |", "|---|---|---|---|---|---|"]
-    for metric in metrics:
-        values = final.get(metric, {})
-        if exp.baseline not in values:
+    for metric, variant, base, other in _paired_values(final, exp, metrics):
+        d = paired_differences(base, other)
+        if d.size < 2:
             continue
-        for variant in exp.variants:
-            if variant == exp.baseline or variant not in values:
-                continue
-            seeds = sorted(set(values[exp.baseline]) & set(values[variant]))
-            d = paired_differences([values[exp.baseline][s] for s in seeds],
-                                   [values[variant][s] for s in seeds])
-            if d.size < 2:
-                continue
-            sd = float(d.std(ddof=1))
-            need = seeds_for_power(float(d.mean()), sd)
-            lines.append(f"| {metric} | {variant} | {d.size} | {_fmt(sd)} | "
-                         f"{_fmt(detectable_difference(int(d.size), sd))} | "
-                         f"{need if need is not None else '> 10000'} |")
+        sd = float(d.std(ddof=1))
+        need = seeds_for_power(float(d.mean()), sd)
+        lines.append(f"| {metric} | {variant} | {d.size} | {_fmt(sd)} | "
+                     f"{_fmt(detectable_difference(int(d.size), sd))} | "
+                     f"{need if need is not None else '> 10000'} |")
     return [*lines, ""] if len(lines) > 6 else []
 
 
