@@ -126,7 +126,24 @@ def test_numeric_extras_from_predictions():
     assert out["within_5pct"] == pytest.approx(3 / 5)
     logs = [math.log10(1 + e) for e in (0.0, 3.0, 1.0, 1.0)]
     assert out["log10_error_mean"] == pytest.approx(sum(logs) / 4)
+    assert out["magnitude_error_rate"] == 0.0 and out["sign_error_rate"] == 0.0
     assert numeric_extras([{"reference": "a", "prediction": "a", "correct": True}]) == {}
+
+
+def test_magnitude_and_sign_errors_by_hand():
+    rows = [
+        {"reference": "9", "prediction": "909", "abs_error": 900.0},  # 1 digit -> 3: magnitude
+        {"reference": "1004", "prediction": "104", "abs_error": 900.0},  # 4 -> 3 digits
+        {"reference": "0", "prediction": "5", "abs_error": 5.0},  # |x| < 10 both: same order
+        {"reference": "-12", "prediction": "12", "abs_error": 24.0},  # sign only
+        {"reference": "-1/11", "prediction": "-2/3", "abs_error": 0.576},  # both below 1
+        {"reference": "7", "prediction": "x", "abs_error": None},  # unparsed: not counted
+    ]
+    out = numeric_extras(rows)
+    assert out["magnitude_error_rate"] == pytest.approx(2 / 5)
+    assert out["sign_error_rate"] == pytest.approx(1 / 5)
+    unparsed_only = numeric_extras([{"reference": "7", "prediction": "x", "abs_error": None}])
+    assert math.isnan(unparsed_only["magnitude_error_rate"])
 
 
 @pytest.mark.parametrize(("dz", "n", "power_at_n"), [

@@ -51,6 +51,8 @@ METRIC_ORDER: tuple[tuple[str, str], ...] = (
     ("within_5pct", "higher"),
     ("rel_error_mean", "lower"),
     ("rel_error_median", "lower"),
+    ("magnitude_error_rate", "lower"),
+    ("sign_error_rate", "lower"),
     ("parse_failure_rate", "lower"),
     ("exact_match", "higher"),
     ("perplexity", "lower"),
@@ -103,6 +105,11 @@ def numeric_extras(predictions: Sequence[dict[str, Any]]) -> dict[str, float]:
     * ``within_1pct`` / ``within_5pct``: share of ALL answers with |p - r| / max(|r|, 1) <=
       0.01 / 0.05 (unparsed answers count as misses; the floor of 1 matches the relative error
       of :func:`emdlm.metrics.numeric_errors`).
+    * ``magnitude_error_rate``: share of parsed answers whose order of magnitude
+      floor(log10(max(|x|, 1))) differs from the reference's: for integers, a wrong number of
+      digits ('9+0=' answered '909'), an error the token-level digit terms cannot see.
+    * ``sign_error_rate``: share of parsed answers negative where the reference is not, or
+      the reverse.
     Empty dict when the rows carry no ``abs_error`` (not a numeric task).
     """
     from emdlm.metrics import parse_number
@@ -115,11 +122,23 @@ def numeric_extras(predictions: Sequence[dict[str, Any]]) -> dict[str, float]:
     ref = np.array([parse_number(str(r["reference"])) for r in predictions], dtype=np.float64)
     parsed = np.isfinite(err)
     rel = np.where(parsed, err / np.maximum(np.abs(ref), 1.0), np.inf)
-    return {
+    out = {
         "log10_error_mean": float(np.log10(1.0 + err[parsed]).mean()) if parsed.any() else math.nan,
         "within_1pct": float(np.count_nonzero(rel <= 0.01)) / n,
         "within_5pct": float(np.count_nonzero(rel <= 0.05)) / n,
+        "magnitude_error_rate": math.nan,
+        "sign_error_rate": math.nan,
     }
+    pred = np.array([parse_number(str(r["prediction"])) if r["abs_error"] is not None else None
+                     for r in predictions], dtype=np.float64)
+    both = parsed & np.isfinite(pred) & np.isfinite(ref)
+    if both.any():
+        p, r = pred[both], ref[both]
+        order_p = np.floor(np.log10(np.maximum(np.abs(p), 1.0)))
+        order_r = np.floor(np.log10(np.maximum(np.abs(r), 1.0)))
+        out["magnitude_error_rate"] = float(np.mean(order_p != order_r))
+        out["sign_error_rate"] = float(np.mean((p < 0) != (r < 0)))
+    return out
 
 
 def clock_extras(predictions: Sequence[dict[str, Any]]) -> dict[str, float]:
