@@ -53,6 +53,7 @@ def test_callback_sets_lam_from_the_global_step() -> None:
     ({"objective": {"name": "ce", "lam_schedule": "linear"}}, "has none"),
     ({"objective": {"name": "ntil", "lam_schedule": "cosin"}}, "did you mean 'cosine'"),
     ({"objective": {"name": "ntil", "lam_schedule": "linear", "lam_final": -1}}, "lam_final"),
+    ({"objective": {"name": "ntil", "lam_final": 0.1}}, "no effect with"),
 ])
 def test_config_checks(changes: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -261,6 +261,9 @@ class RunConfig:
                 and o.lam_final >= 0):
             raise ConfigError(f"objective.lam_final must be a finite number >= 0, got "
                               f"{o.lam_final!r}")
+        if o.lam_schedule == "constant" and o.lam_final != 0:
+            raise ConfigError(f"objective.lam_final={o.lam_final} has no effect with "
+                              "objective.lam_schedule=constant; set lam_schedule=linear or cosine")
 
     def _validate_teacher(self) -> None:
         """A teacher exactly for the distillation objectives (before anything is loaded)."""

@@ -610,7 +610,7 @@ def train(run: PreparedRun, callbacks: list[Any] | None = None) -> dict[str, Any
     )
     logger = _step_logger(compute_loss, out, cfg.train.tensorboard)
     stopper = _GracefulStop()
-    schedule = []
+    schedule: list[Any] = []
     if cfg.objective.lam_schedule != "constant":
         from emdlm.training.lam_schedule import lam_schedule_callback
 
