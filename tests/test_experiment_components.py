@@ -70,12 +70,12 @@ def test_summary_averages_finished_seeds(grid) -> None:
     _, cells = grid
     summary = component_summary(cells, "default")
     # ce: start mean over steps 1-2 = 10 - 0.375 = 9.625, seeds 0 and 1 -> 10.125
-    assert summary["ce"]["ce"]["start"] == pytest.approx(10.125)
-    assert summary["ce"]["ce"]["end"] == pytest.approx(10.0 - 4.875 + 0.5)
-    # ntil: only seed 0 is finished
-    assert summary["ntil"]["ce"]["start"] == pytest.approx(9.625)
-    assert summary["ntil"]["ntil"]["end"] == pytest.approx(3.0 - 1.95)
-    assert "ntil" not in summary["ce"]
+    assert summary["ce"].seeds == 2 and summary["ntil"].seeds == 1  # ntil seed 1 unfinished
+    assert summary["ce"].means["ce"]["start"] == pytest.approx(10.125)
+    assert summary["ce"].means["ce"]["end"] == pytest.approx(10.0 - 4.875 + 0.5)
+    assert summary["ntil"].means["ce"]["start"] == pytest.approx(9.625)
+    assert summary["ntil"].means["ntil"]["end"] == pytest.approx(3.0 - 1.95)
+    assert "ntil" not in summary["ce"].means
 
 
 def test_report_has_the_components_table(grid) -> None:

@@ -13,6 +13,7 @@ import json
 import math
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from emdlm.experiments.grid import Cell
@@ -59,23 +60,31 @@ def window_means(records: Sequence[dict[str, float]]) -> dict[str, dict[str, flo
     return dict(out)
 
 
-def component_summary(cells: Sequence[Cell], task: str
-                      ) -> dict[str, dict[str, dict[str, float]]]:
-    """variant -> component -> window -> mean over the task's finished cells (seeds)."""
+@dataclass
+class VariantComponents:
+    """One variant's components: component -> window -> mean over its ``seeds`` finished runs."""
+
+    seeds: int
+    means: dict[str, dict[str, float]]
+
+
+def component_summary(cells: Sequence[Cell], task: str) -> dict[str, VariantComponents]:
+    """variant -> its components' window means over the task's finished cells (seeds)."""
     per_seed: dict[str, list[dict[str, dict[str, float]]]] = defaultdict(list)
     for cell in cells:
         log = cell.train_dir / TRAIN_LOG
         if cell.task == task and (cell.folder / CELL_DONE).is_file() and log.is_file():
             per_seed[cell.variant].append(window_means(read_train_log(log)))
-    summary: dict[str, dict[str, dict[str, float]]] = {}
+    summary: dict[str, VariantComponents] = {}
     for variant, seeds in per_seed.items():
         acc: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         for seed in seeds:
             for component, windows in seed.items():
                 for window, value in windows.items():
                     acc[component][window].append(value)
-        summary[variant] = {c: {w: sum(v) / len(v) for w, v in ws.items()}
-                            for c, ws in acc.items()}
+        summary[variant] = VariantComponents(
+            seeds=len(seeds),
+            means={c: {w: sum(v) / len(v) for w, v in ws.items()} for c, ws in acc.items()})
     return summary
 
 
@@ -84,7 +93,7 @@ def component_lines(cells: Sequence[Cell], task: str, variants: Sequence[str]) -
     summary = component_summary(cells, task)
     if not summary:
         return []
-    components = sorted({c for v in summary.values() for c in v},
+    components = sorted({c for v in summary.values() for c in v.means},
                         key=lambda c: (c not in ("loss", "ce"), c != "loss", c))
     names = [w for w, _, _ in WINDOWS]
     lines = ["### Training-loss components (train_log.jsonl)", "",
@@ -100,10 +109,8 @@ def component_lines(cells: Sequence[Cell], task: str, variants: Sequence[str]) -
             continue
         row = []
         for component in components:
-            windows = summary[variant].get(component, {})
+            windows = summary[variant].means.get(component, {})
             row.append(" → ".join(f"{windows[w]:.3g}" if w in windows else "–" for w in names)
                        if windows else "–")
-        n = sum(1 for c in cells if c.task == task and c.variant == variant
-                and (c.folder / CELL_DONE).is_file() and (c.train_dir / TRAIN_LOG).is_file())
-        lines.append(f"| {variant} ({n}) | " + " | ".join(row) + " |")
+        lines.append(f"| {variant} ({summary[variant].seeds}) | " + " | ".join(row) + " |")
     return [*lines, ""]
