@@ -363,22 +363,23 @@ def _power_lines(final: dict[str, dict[str, dict[int, float]]], exp: Experiment,
     """Planning figures from the seeds' spread: per metric and variant, the standard deviation
     of the paired differences, the smallest true difference these seeds detect with 80 % power,
     and the seeds needed for 80 % power if the true difference were the observed one."""
-    lines = ["### Power of the final comparison (planning figures for the next grid)", "",
-             f"Paired t test, two-sided, alpha 0.05, power {POWER:.0%}, with the standard "
-             "deviation of these seeds' paired differences. These size a future grid; they are "
-             "not evidence of an effect (a small observed difference needs many seeds).", "",
-             "| metric | variant | seeds | sd of differences | smallest detectable difference "
-             "| seeds for the observed difference |", "|---|---|---|---|---|---|"]
+    rows = []
+    header = ["### Power of the final comparison (planning figures for the next grid)", "",
+              f"Paired t test, two-sided, alpha 0.05, power {POWER:.0%}, with the standard "
+              "deviation of these seeds' paired differences. These size a future grid; they are "
+              "not evidence of an effect (a small observed difference needs many seeds).", "",
+              "| metric | variant | seeds | sd of differences | smallest detectable difference "
+              "| seeds for the observed difference |", "|---|---|---|---|---|---|"]
     for metric, variant, base, other in _paired_values(final, exp, metrics):
         d = paired_differences(base, other)
         if d.size < 2:
             continue
         sd = float(d.std(ddof=1))
         need = seeds_for_power(float(d.mean()), sd)
-        lines.append(f"| {metric} | {variant} | {d.size} | {_fmt(sd)} | "
-                     f"{_fmt(detectable_difference(int(d.size), sd))} | "
-                     f"{need if need is not None else '> 10000'} |")
-    return [*lines, ""] if len(lines) > 6 else []
+        rows.append(f"| {metric} | {variant} | {d.size} | {_fmt(sd)} | "
+                    f"{_fmt(detectable_difference(int(d.size), sd))} | "
+                    f"{need if need is not None else '> 10000'} |")
+    return [*header, *rows, ""] if rows else []
 
 
 def _plateau_lines(table: Table, exp: Experiment, metrics: Sequence[str]) -> list[str]:
