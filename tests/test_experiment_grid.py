@@ -139,3 +139,21 @@ def test_extra_evaluations_stack_on_the_eval_overrides(tmp_path):
     assert all(c.extra_evals == {"other": ["data.eval.n=7", "data.eval.split=dev",
                                            "data.eval.n=3"]} for c in cells)
     assert all(c.eval_overrides == ["data.eval.n=7"] for c in cells)
+
+
+def test_command_line_base_overrides_win_over_the_files_base_overrides(tmp_path):
+    # a packaged experiment sets train.max_steps in base_overrides; the user's
+    # base.train.max_steps on the command line must not be silently overwritten by it
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(_exp(tmp_path, base="arithmetic_ce",
+                                        base_overrides=["train.max_steps=3000",
+                                                        "train.save_steps=500"])))
+    exp = load_experiment(path, ["base.train.max_steps=4"])
+    cfg = build_config(expand_grid(exp)[0].config)
+    assert cfg.train.max_steps == 4 and cfg.train.save_steps == 500
+    replaced = load_experiment(path, ["base_overrides=[train.save_steps=2]"])
+    cfg = build_config(expand_grid(replaced)[0].config)
+    assert cfg.train.save_steps == 2 and cfg.train.max_steps != 3000
+    packaged = load_experiment("arithmetic_how_fast", ["base.train.max_steps=5",
+                                                       f"output_dir={tmp_path / 'x'}"])
+    assert {build_config(c.config).train.max_steps for c in expand_grid(packaged)} == {5}

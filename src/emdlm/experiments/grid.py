@@ -275,14 +275,29 @@ def load_experiment(path: str | Path, overrides: list[str] | None = None) -> Exp
     """Load an experiment file (or packaged name), apply dotted overrides, validate.
 
     Overrides address the experiment mapping: ``seeds=[0,1] workers=1
-    base.train.max_steps=20 output_dir=runs/x``; a base given as a path is read first so
-    ``base.*`` overrides reach into it.
+    base.train.max_steps=20 output_dir=runs/x``. Order: the base (a name or path is read
+    first), then the file's ``base_overrides``, then the command line's ``base.*`` overrides,
+    so what the user types wins over what the file sets (``base_overrides=[...]`` on the
+    command line replaces the file's list).
     """
     data, folder = load_experiment_dict(path)
-    data = dict(data)
-    data["base"] = _resolve_base(data.get("base"), folder)
-    data = apply_overrides(data, overrides or [])
+    overrides = overrides or []
+    reaches_base = [item for item in overrides if _reaches_into_base(item)]
+    data = apply_overrides(dict(data), [item for item in overrides if item not in reaches_base])
+    base = apply_overrides(
+        _resolve_base(data.get("base"), folder),
+        _override_list(data.get("base_overrides"), "experiment.base_overrides"),
+    )
+    data["base"] = base
+    data["base_overrides"] = []
+    data = apply_overrides(data, reaches_base)
     return parse_experiment(data, folder)
+
+
+def _reaches_into_base(item: str) -> bool:
+    """``base.train.max_steps=20`` changes the base run config (``base=name`` replaces it)."""
+    path, _ = parse_override(item)
+    return len(path) > 1 and path[0] == "base"
 
 
 def expand_grid(exp: Experiment) -> list[Cell]:
