@@ -79,14 +79,16 @@ def test_csv_has_extras_and_null_metrics_as_nan(made):
     _, _, result = made
     with result.results_csv.open() as fh:
         rows = list(csv.DictReader(fh))
-    assert len(rows) == 2 * 6 * 2 * 8  # variants x seeds x steps x metrics
+    assert len(rows) == 2 * 6 * 2 * 10  # variants x seeds x steps x metrics
     # "n" is not a metric; null (NaN in metrics.json) stays as nan
     metrics = {r["metric"] for r in rows}
     assert metrics == {"exact_match", "abs_error_mean", "abs_error_median",
                        "log10_error_mean", "within_1pct", "within_5pct",
-                       "magnitude_error_rate", "sign_error_rate"}
+                       "magnitude_error_rate", "sign_error_rate", "digit_accuracy",
+                       "leading_digit_accuracy"}
     # the one parsed answer ("2" for "2") has the right magnitude and sign
     assert {r["value"] for r in rows if r["metric"].endswith("error_rate")} == {"0.0"}
+    assert {r["value"] for r in rows if r["metric"].endswith("digit_accuracy")} == {"1.0"}
     median = [r for r in rows if r["metric"] == "abs_error_median"]
     assert all(r["value"] == "nan" for r in median)
     within = [float(r["value"]) for r in rows if r["metric"] == "within_1pct"]

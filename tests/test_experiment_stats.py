@@ -188,3 +188,29 @@ def test_power_edge_cases():
     assert math.isnan(detectable_difference(1, 1.0))
     with pytest.raises(ValueError, match="power"):
         seeds_for_power(1.0, 1.0, power=1.0)
+
+
+def test_digit_accuracies_by_hand():
+    from emdlm.experiments.report import digit_accuracies
+
+    pred = np.array([104.0, 1004.0, 909.0, -57.0, 0.0, 2.5])
+    ref = np.array([1004.0, 1004.0, 9.0, 67.0, 10.0, 3.0])
+    digit, lead = digit_accuracies(pred, ref)
+    # 104 vs 1004: units 4=4, tens 0=0, hundreds 1!=0, thousands missing -> 2 of 4, lead wrong
+    # 1004 vs 1004: 4 of 4, lead right;  909 vs 9: units 9=9 -> 1 of 1, lead right
+    # -57 vs 67 (signs not compared): units 7=7, tens 5!=6 -> 1 of 2, lead wrong
+    # 0 vs 10: units 0=0, tens missing -> 1 of 2, lead wrong;  2.5 vs 3: not integers, left out
+    assert digit == pytest.approx((2 + 4 + 1 + 1 + 1) / (4 + 4 + 1 + 2 + 2))
+    assert lead == pytest.approx(2 / 5)
+    assert all(math.isnan(x) for x in digit_accuracies(np.array([0.5]), np.array([1.0])))
+
+
+def test_numeric_extras_report_digit_accuracies():
+    rows = [
+        {"reference": "12345", "prediction": "12355", "abs_error": 10.0},
+        {"reference": "-6/11", "prediction": "-2/3", "abs_error": 0.12},  # not integers
+        {"reference": "7", "prediction": "x", "abs_error": None},  # unparsed: not counted
+    ]
+    out = numeric_extras(rows)
+    assert out["digit_accuracy"] == pytest.approx(4 / 5)
+    assert out["leading_digit_accuracy"] == 1.0

@@ -53,6 +53,8 @@ METRIC_ORDER: tuple[tuple[str, str], ...] = (
     ("rel_error_median", "lower"),
     ("magnitude_error_rate", "lower"),
     ("sign_error_rate", "lower"),
+    ("digit_accuracy", "higher"),
+    ("leading_digit_accuracy", "higher"),
     ("parse_failure_rate", "lower"),
     ("exact_match", "higher"),
     ("perplexity", "lower"),
@@ -110,6 +112,9 @@ def numeric_extras(predictions: Sequence[dict[str, Any]]) -> dict[str, float]:
       digits ('9+0=' answered '909'), an error the token-level digit terms cannot see.
     * ``sign_error_rate``: share of parsed answers negative where the reference is not, or
       the reverse.
+    * ``digit_accuracy`` / ``leading_digit_accuracy``: see :func:`digit_accuracies` (integer
+      answers only): how many of the reference's digits the answer has right at their place
+      value, which shows partial progress where exact match is near 0.
     Empty dict when the rows carry no ``abs_error`` (not a numeric task).
     """
     from emdlm.metrics import parse_number
@@ -138,7 +143,40 @@ def numeric_extras(predictions: Sequence[dict[str, Any]]) -> dict[str, float]:
         order_r = np.floor(np.log10(np.maximum(np.abs(r), 1.0)))
         out["magnitude_error_rate"] = float(np.mean(order_p != order_r))
         out["sign_error_rate"] = float(np.mean((p < 0) != (r < 0)))
+    out["digit_accuracy"], out["leading_digit_accuracy"] = digit_accuracies(pred[both], ref[both])
     return out
+
+
+_EXACT_INT = 2.0**53  # floats below this hold every integer exactly
+
+
+def digit_accuracies(pred: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
+    """Place-value digit accuracy of integer answers against integer references.
+
+    The digits of |p| and |r| are aligned from the units place (place k is
+    floor(|x| / 10^k) mod 10, for k below the number's digit count; 0 has one digit).
+    ``digit_accuracy`` = sum over answers of the reference places where the answer has the same
+    digit / the total count of reference digits (an answer with fewer digits misses the places
+    it lacks). ``leading_digit_accuracy`` = share of answers with the reference's most
+    significant digit at its place. Signs are not compared (``sign_error_rate`` does). Pairs
+    where either value is not an integer below 2^53 are left out; NaN when none is left.
+    Example: reference 1004, answer 104, (reference, answer) digit per place from the units:
+    (4, 4), (0, 0), (0, 1), (1, none): 2 of 4 digits right, leading digit wrong.
+    """
+    p, r = np.abs(pred), np.abs(ref)
+    ok = (np.isfinite(p) & np.isfinite(r) & (p == np.floor(p)) & (r == np.floor(r))
+          & (p < _EXACT_INT) & (r < _EXACT_INT))
+    if not ok.any():
+        return math.nan, math.nan
+    p, r = p[ok].astype(np.int64), r[ok].astype(np.int64)
+    digits_p = np.array([len(str(x)) for x in p.tolist()])
+    digits_r = np.array([len(str(x)) for x in r.tolist()])
+    places = np.arange(int(digits_r.max()), dtype=np.int64)[None, :]  # [1, K]
+    scale = np.power(np.int64(10), places)
+    same = ((p[:, None] // scale) % 10) == ((r[:, None] // scale) % 10)
+    same &= (places < digits_p[:, None]) & (places < digits_r[:, None])
+    lead = same[np.arange(len(r)), digits_r - 1]
+    return float(same.sum() / digits_r.sum()), float(lead.mean())
 
 
 def clock_extras(predictions: Sequence[dict[str, Any]]) -> dict[str, float]:
