@@ -245,3 +245,22 @@ def test_report_has_the_baseline_plateau_check(made):
     assert (f"abs_error_mean {before:.4g} → {last:.4g} ({(last - before) / before:+.1%})"
             in line)
     assert "exact_match 0.5 → 0.5 (+0.0%)" in line
+
+
+def test_report_has_digit_accuracy_by_place(made):
+    exp, cells, _ = made
+    # ntil's final answers: '104' for 1004 (units and tens right, hundreds wrong, thousands
+    # missing) on even seeds, '1004' (all right) on odd seeds; ce keeps '2' for '2'
+    for cell in cells:
+        if cell.variant == "ntil":
+            answer = "104" if cell.seed % 2 == 0 else "1004"
+            row = {"prompt": "1000+4=", "reference": "1004", "prediction": answer,
+                   "correct": answer == "1004", "abs_error": abs(1004 - int(answer))}
+            (eval_dir(cell.folder, 20) / "predictions.jsonl").write_text(json.dumps(row) + "\n")
+    report = write_outputs(exp, cells, command="emdlm experiment -c fake").report.read_text()
+    lines = report.splitlines()
+    assert "### Digit accuracy by place value (final checkpoint, integer answers)" in lines
+    assert "| variant | 10^0 | 10^1 | 10^2 | 10^3 |" in lines
+    assert "| ce (6) | 1.000 ± 0.000 | – | – | – |" in lines
+    half = f"0.500 ± {np.std([0, 1] * 3, ddof=1):.3f}"
+    assert f"| ntil (6) | 1.000 ± 0.000 | 1.000 ± 0.000 | {half} | {half} |" in lines

@@ -191,7 +191,7 @@ def test_power_edge_cases():
 
 
 def test_digit_accuracies_by_hand():
-    from emdlm.experiments.report import digit_accuracies
+    from emdlm.experiments.digits import digit_accuracies
 
     pred = np.array([104.0, 1004.0, 909.0, -57.0, 0.0, 2.5])
     ref = np.array([1004.0, 1004.0, 9.0, 67.0, 10.0, 3.0])
@@ -214,3 +214,14 @@ def test_numeric_extras_report_digit_accuracies():
     out = numeric_extras(rows)
     assert out["digit_accuracy"] == pytest.approx(4 / 5)
     assert out["leading_digit_accuracy"] == 1.0
+
+
+def test_place_accuracies_by_hand():
+    from emdlm.experiments.digits import place_accuracies
+
+    # units: 4=4, 4=4, 9=9 -> 3/3; tens: 0=0, 0=0 (909 vs 9: the reference has no tens) -> 2/2;
+    # hundreds: 1!=0, 0=0 -> 1/2; thousands: missing, 1=1 -> 1/2
+    pred = np.array([104.0, 1004.0, 909.0])
+    ref = np.array([1004.0, 1004.0, 9.0])
+    assert place_accuracies(pred, ref) == pytest.approx([1.0, 1.0, 0.5, 0.5])
+    assert place_accuracies(np.array([np.nan]), np.array([3.0])) == []

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from emdlm.experiments.components import component_lines
+from emdlm.experiments.digits import digit_accuracies, parsed_answers, place_accuracy_lines
 from emdlm.experiments.grid import Cell, Experiment
 from emdlm.experiments.runner import CELL_DONE, ERROR_FILE, EVAL_DIR
 from emdlm.experiments.stats import (
@@ -112,19 +113,18 @@ def numeric_extras(predictions: Sequence[dict[str, Any]]) -> dict[str, float]:
       digits ('9+0=' answered '909'), an error the token-level digit terms cannot see.
     * ``sign_error_rate``: share of parsed answers negative where the reference is not, or
       the reverse.
-    * ``digit_accuracy`` / ``leading_digit_accuracy``: see :func:`digit_accuracies` (integer
-      answers only): how many of the reference's digits the answer has right at their place
-      value, which shows partial progress where exact match is near 0.
+    * ``digit_accuracy`` / ``leading_digit_accuracy``: how many of the reference's digits
+      the answer has right at their place value (integer answers only; see
+      :func:`emdlm.experiments.digits.digit_accuracies`): partial progress where exact match
+      is near 0.
     Empty dict when the rows carry no ``abs_error`` (not a numeric task).
     """
-    from emdlm.metrics import parse_number
-
     if not predictions or "abs_error" not in predictions[0]:
         return {}
     n = len(predictions)
     err = np.array([np.nan if r["abs_error"] is None else r["abs_error"] for r in predictions],
                    dtype=np.float64)
-    ref = np.array([parse_number(str(r["reference"])) for r in predictions], dtype=np.float64)
+    pred, ref = parsed_answers(predictions)
     parsed = np.isfinite(err)
     rel = np.where(parsed, err / np.maximum(np.abs(ref), 1.0), np.inf)
     out = {
@@ -134,8 +134,6 @@ def numeric_extras(predictions: Sequence[dict[str, Any]]) -> dict[str, float]:
         "magnitude_error_rate": math.nan,
         "sign_error_rate": math.nan,
     }
-    pred = np.array([parse_number(str(r["prediction"])) if r["abs_error"] is not None else None
-                     for r in predictions], dtype=np.float64)
     both = parsed & np.isfinite(pred) & np.isfinite(ref)
     if both.any():
         p, r = pred[both], ref[both]
@@ -145,38 +143,6 @@ def numeric_extras(predictions: Sequence[dict[str, Any]]) -> dict[str, float]:
         out["sign_error_rate"] = float(np.mean((p < 0) != (r < 0)))
     out["digit_accuracy"], out["leading_digit_accuracy"] = digit_accuracies(pred[both], ref[both])
     return out
-
-
-_EXACT_INT = 2.0**53  # floats below this hold every integer exactly
-
-
-def digit_accuracies(pred: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
-    """Place-value digit accuracy of integer answers against integer references.
-
-    The digits of |p| and |r| are aligned from the units place (place k is
-    floor(|x| / 10^k) mod 10, for k below the number's digit count; 0 has one digit).
-    ``digit_accuracy`` = sum over answers of the reference places where the answer has the same
-    digit / the total count of reference digits (an answer with fewer digits misses the places
-    it lacks). ``leading_digit_accuracy`` = share of answers with the reference's most
-    significant digit at its place. Signs are not compared (``sign_error_rate`` does). Pairs
-    where either value is not an integer below 2^53 are left out; NaN when none is left.
-    Example: reference 1004, answer 104, (reference, answer) digit per place from the units:
-    (4, 4), (0, 0), (0, 1), (1, none): 2 of 4 digits right, leading digit wrong.
-    """
-    p, r = np.abs(pred), np.abs(ref)
-    ok = (np.isfinite(p) & np.isfinite(r) & (p == np.floor(p)) & (r == np.floor(r))
-          & (p < _EXACT_INT) & (r < _EXACT_INT))
-    if not ok.any():
-        return math.nan, math.nan
-    p, r = p[ok].astype(np.int64), r[ok].astype(np.int64)
-    digits_p = np.array([len(str(x)) for x in p.tolist()])
-    digits_r = np.array([len(str(x)) for x in r.tolist()])
-    places = np.arange(int(digits_r.max()), dtype=np.int64)[None, :]  # [1, K]
-    scale = np.power(np.int64(10), places)
-    same = ((p[:, None] // scale) % 10) == ((r[:, None] // scale) % 10)
-    same &= (places < digits_p[:, None]) & (places < digits_r[:, None])
-    lead = same[np.arange(len(r)), digits_r - 1]
-    return float(same.sum() / digits_r.sum()), float(lead.mean())
 
 
 def clock_extras(predictions: Sequence[dict[str, Any]]) -> dict[str, float]:
@@ -542,8 +508,10 @@ def write_report(exp: Experiment, cells: Sequence[Cell], rows: Sequence[Row], pa
         "",
     ]
     for task in exp.tasks:
-        lines += _task_section(exp, task, rows, plots or {}, _floor_lines(cells, task),
-                               component_lines(cells, task, list(exp.variants)))
+        lines += _task_section(
+            exp, task, rows, plots or {}, _floor_lines(cells, task),
+            [*place_accuracy_lines(cells, task, list(exp.variants), read_predictions),
+             *component_lines(cells, task, list(exp.variants))])
     if failed:
         lines += ["## Failed cells", ""]
         for c in failed:
