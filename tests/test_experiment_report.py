@@ -206,7 +206,7 @@ def test_report_states_the_constant_answer_floor(made):
     _, _, result = made
     report = result.report.read_text()
     # the fake predictions: references "2" and "18" (both parse; the second answer did not)
-    assert ("Floor, the same 2 test problems answered with one constant: 0 gives "
+    assert ("Floor, the same 2 (2 distinct) test problems answered with one constant: 0 gives "
             "abs_error_mean 10, median 10,") in report
     assert "the test median (10, the best constant for abs_error_mean) gives abs_error_mean 8," \
         in report
@@ -264,3 +264,14 @@ def test_report_has_digit_accuracy_by_place(made):
     assert "| ce (6) | 1.000 ± 0.000 | – | – | – |" in lines
     half = f"0.500 ± {np.std([0, 1] * 3, ddof=1):.3f}"
     assert f"| ntil (6) | 1.000 ± 0.000 | 1.000 ± 0.000 | {half} | {half} |" in lines
+
+
+def test_floor_line_counts_distinct_test_problems(made):
+    exp, cells, _ = made
+    row = {"prompt": "9+0=", "reference": "9", "prediction": "9", "correct": True,
+           "abs_error": 0.0}
+    for cell in cells:  # a test set drawn with replacement can repeat a small problem
+        (eval_dir(cell.folder, 20) / "predictions.jsonl").write_text(
+            (json.dumps(row) + "\n") * 3)
+    report = write_outputs(exp, cells, command="emdlm experiment -c fake").report.read_text()
+    assert "Floor, the same 3 (1 distinct) test problems answered with one constant" in report

@@ -19,10 +19,9 @@ from typing import Any
 import numpy as np
 
 from emdlm.experiments.grid import Cell
-from emdlm.experiments.runner import CELL_DONE, EVAL_DIR
+from emdlm.experiments.runner import CELL_DONE, final_predictions
 
 _EXACT_INT = 2.0**53  # floats below this hold every integer exactly
-PREDICTIONS = "predictions.jsonl"
 
 
 def parsed_answers(predictions: Sequence[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
@@ -83,16 +82,6 @@ def place_accuracies(pred: np.ndarray, ref: np.ndarray) -> list[float]:
     return (same.sum(axis=0) / has_place.sum(axis=0)).tolist() if same.size else []
 
 
-def final_predictions(cell: Cell) -> Path | None:
-    """The predictions of a finished cell's last evaluated step (None if there are none)."""
-    if not (cell.folder / CELL_DONE).is_file():
-        return None
-    steps = sorted((cell.folder / EVAL_DIR).glob("step-*"),
-                   key=lambda d: int(d.name.split("-")[-1]))
-    path = steps[-1] / PREDICTIONS if steps else None
-    return path if path is not None and path.is_file() else None
-
-
 def place_accuracy_lines(cells: Sequence[Cell], task: str, variants: Sequence[str],
                          read: Callable[[Path], list[dict[str, Any]]]) -> list[str]:
     """A Markdown table: per variant, the final checkpoint's accuracy at each place value, mean
@@ -100,7 +89,8 @@ def place_accuracy_lines(cells: Sequence[Cell], task: str, variants: Sequence[st
     answers are not integers."""
     per_variant: dict[str, list[list[float]]] = defaultdict(list)
     for cell in cells:
-        path = final_predictions(cell) if cell.task == task else None
+        finished = cell.task == task and (cell.folder / CELL_DONE).is_file()
+        path = final_predictions(cell.folder) if finished else None
         rows = read(path) if path is not None else []
         if rows and "abs_error" in rows[0]:
             accuracy = place_accuracies(*parsed_answers(rows))

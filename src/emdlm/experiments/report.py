@@ -31,7 +31,7 @@ import numpy as np
 from emdlm.experiments.components import component_lines
 from emdlm.experiments.digits import digit_accuracies, parsed_answers, place_accuracy_lines
 from emdlm.experiments.grid import Cell, Experiment
-from emdlm.experiments.runner import CELL_DONE, ERROR_FILE, EVAL_DIR
+from emdlm.experiments.runner import CELL_DONE, ERROR_FILE, EVAL_DIR, final_predictions
 from emdlm.experiments.stats import (
     POWER,
     compare_paired,
@@ -198,11 +198,10 @@ def _floor_lines(cells: Sequence[Cell], task: str) -> list[str]:
     for cell in cells:
         if cell.task != task or not (cell.folder / CELL_DONE).is_file():
             continue
-        steps = sorted((cell.folder / EVAL_DIR).glob("step-*/predictions.jsonl"),
-                       key=lambda p: int(p.parent.name.split("-")[-1]))
-        if not steps:
+        path = final_predictions(cell.folder)
+        if path is None:
             continue
-        preds = read_predictions(steps[-1])
+        preds = read_predictions(path)
         if not preds or "abs_error" not in preds[0]:
             return []
         floor = constant_answer_floor([r["reference"] for r in preds])
@@ -212,7 +211,9 @@ def _floor_lines(cells: Sequence[Cell], task: str) -> list[str]:
             f"abs_error_mean {_fmt(c['abs_error_mean'])}, median {_fmt(c['abs_error_median'])}, "
             f"log10_error_mean {_fmt(c['log10_error_mean'])}, exact_match "
             f"{_fmt(c['exact_match'])}" for c in (floor["0"], floor["median"]))
-        return [f"Floor, the same {len(preds)} test problems answered with one constant: "
+        distinct = len({r.get("prompt") for r in preds}) if "prompt" in preds[0] else None
+        count = f"{len(preds)}" + (f" ({distinct} distinct)" if distinct is not None else "")
+        return [f"Floor, the same {count} test problems answered with one constant: "
                 f"0 gives {zero}; the test median ({floor['median']['constant']:g}, the best "
                 f"constant for abs_error_mean) gives {median}. A variant that does not beat "
                 "them has not learned the task."]

@@ -66,6 +66,13 @@ def eval_dir(cell_folder: Path, step: int, extra: str | None = None) -> Path:
     return (base if extra is None else base / extra) / f"step-{step}"
 
 
+def final_predictions(cell_folder: Path) -> Path | None:
+    """``predictions.jsonl`` of a cell's last evaluated step (None when no step has one)."""
+    files = sorted((cell_folder / EVAL_DIR).glob("step-*/predictions.jsonl"),
+                   key=lambda p: int(p.parent.name.split("-")[-1]))
+    return files[-1] if files else None
+
+
 def _saved_checkpoints(train_dir: Path) -> dict[int, Path]:
     """step -> checkpoint folder, for every checkpoint-<step> the run kept."""
     out: dict[int, Path] = {}
