@@ -20,6 +20,7 @@ import numpy as np
 
 from emdlm.experiments.grid import Cell
 from emdlm.experiments.runner import CELL_DONE, final_predictions
+from emdlm.experiments.stats import mean_std
 
 _EXACT_INT = 2.0**53  # floats below this hold every integer exactly
 
@@ -111,11 +112,10 @@ def place_accuracy_lines(cells: Sequence[Cell], task: str, variants: Sequence[st
             continue
         row = []
         for k in range(n_places):
-            values = np.array([a[k] for a in seeds if len(a) > k], dtype=np.float64)
-            if not values.size:  # no reference of this variant's runs has the place
+            mean, std, n = mean_std([a[k] for a in seeds if len(a) > k])
+            if not n:  # no reference of this variant's runs has the place
                 row.append("–")
                 continue
-            std = f"{values.std(ddof=1):.3f}" if values.size > 1 else "–"
-            row.append(f"{values.mean():.3f} ± {std}")
+            row.append(f"{mean:.3f} ± " + ("–" if math.isnan(std) else f"{std:.3f}"))
         lines.append(f"| {variant} ({len(seeds)}) | " + " | ".join(row) + " |")
     return [*lines, ""]
