@@ -133,6 +133,10 @@ def test_second_invocation_skips_finished_cells(grid, tmp_path):
     assert done.stat().st_mtime_ns == before
     assert (half / "train" / "train_summary.json").stat().st_mtime_ns == summary_mtime
     assert json.loads(step3.read_text()) == old  # same model, greedy decoding: same metrics
+    # its wall time covers only this invocation, and the record and the report say so
+    assert json.loads((half / CELL_DONE).read_text())["resumed"] is True
+    assert json.loads(done.read_text())["resumed"] is False
+    assert "1 of them resumed an interrupted run" in again.report.read_text()
 
 
 def test_worker_processes_record_failures(tmp_path):

@@ -492,7 +492,11 @@ def write_report(exp: Experiment, cells: Sequence[Cell], rows: Sequence[Row], pa
     """report.md: header (command, grid, cost), one section per task, failed cells."""
     done = [c for c in cells if (c.folder / CELL_DONE).is_file()]
     failed = [c for c in cells if (c.folder / ERROR_FILE).is_file()]
-    wall = sum(json.loads((c.folder / CELL_DONE).read_text()).get("wall_s", 0.0) for c in done)
+    records = [json.loads((c.folder / CELL_DONE).read_text()) for c in done]
+    wall = sum(r.get("wall_s", 0.0) for r in records)
+    resumed = sum(bool(r.get("resumed")) for r in records)
+    resumed_note = (f" {resumed} of them resumed an interrupted run: their wall times count only "
+                    "the part after the resume, so the sum under-counts." if resumed else "")
     lines = [f"# Experiment `{exp.name}`", ""]
     if command:
         lines += ["Produced by:", "", "```", command, "```", ""]
@@ -501,7 +505,7 @@ def write_report(exp: Experiment, cells: Sequence[Cell], rows: Sequence[Row], pa
         f"{', '.join(map(str, exp.seeds))}; tasks: {', '.join(exp.tasks)}.",
         f"Cells finished: {len(done)}/{len(cells)}; failed: {len(failed)}. Sum of the finished "
         f"cells' wall times: {wall:.0f} s at {exp.threads_per_worker} thread(s) each "
-        f"(CPU time ≈ {wall * exp.threads_per_worker:.0f} s).",
+        f"(CPU time ≈ {wall * exp.threads_per_worker:.0f} s).{resumed_note}",
         "",
         "The variants of one seed share the training data, its order and the initial weights: "
         "differences are paired by seed. Metric values are on the test set given by the "

@@ -6,7 +6,8 @@ Cell folder ``<output_dir>/<task>/<variant>/seed<k>/``:
 * ``train/``: the training run (``checkpoint-<step>`` folders, final model, train_log.jsonl).
 * ``eval/step-<N>/``: ``metrics.json`` and ``predictions.jsonl`` of the model at step N.
 * ``eval/<name>/step-<N>/``: the same for each ``eval.extra`` evaluation of the final model.
-* ``cell_done.json``: written last; a cell that has it is skipped by later invocations.
+* ``cell_done.json``: written last; a cell that has it is skipped by later invocations. Its
+  ``wall_s`` is this invocation's time; ``resumed`` says an earlier one did part of the work.
 * ``error.txt``: the traceback of a failed cell (the other cells go on).
 
 A cell interrupted half-way continues where it stopped: training resumes from its newest
@@ -151,6 +152,8 @@ def run_cell(cell: Cell) -> CellOutcome:
     if done.is_file():
         return CellOutcome(cell.key, "skipped")
     start = time.perf_counter()
+    # an earlier invocation's work (checkpoints, evaluations) is not in this wall time
+    resumed = cell.train_dir.exists()
     try:
         cell.folder.mkdir(parents=True, exist_ok=True)
         (cell.folder / ERROR_FILE).unlink(missing_ok=True)
@@ -166,7 +169,8 @@ def run_cell(cell: Cell) -> CellOutcome:
         record = {
             "task": cell.task, "variant": cell.variant, "seed": cell.seed,
             "final_step": int(summary["global_step"]),
-            "evaluated_steps": sorted(metrics), "wall_s": wall, "train_summary": summary,
+            "evaluated_steps": sorted(metrics), "wall_s": wall, "resumed": resumed,
+            "train_summary": summary,
         }
         done.write_text(json.dumps(record, indent=2, default=str) + "\n")
         return CellOutcome(cell.key, "done", wall)
