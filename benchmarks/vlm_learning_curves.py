@@ -7,9 +7,13 @@ Per task: one ``emdlm train`` run (CE) of the packaged clock model (``clock_ce.y
 ``model``, ``optim`` and ``train`` settings) on that task's generator, saving a checkpoint
 every ``--every`` steps; every checkpoint is then evaluated greedily on the held-out split
 (``emdlm eval`` metrics of the task's kind: clock -> exact match and time gap; grounding ->
-Acc@0.5 / mean IoU; text_detection -> F1 at IoU 0.5). Also printed: images per second of the
-generator (render + PNG into a fresh cache), of the collator (decode + image processor +
-template) and training steps per second, so that one sees whether data is the bottleneck.
+Acc@0.5 / mean IoU; text_detection -> F1 at IoU 0.5), plus two perplexities of the held-out
+answers: with their own images (``perplexity``) and with every image swapped for the next
+row's (``perplexity_other_images``, both from ``emdlm eval``). Equal values mean the model
+ignores the image; the gap is how much of what it learned comes from the picture. Also
+printed: images per second of the generator (render + PNG into a fresh cache), of the collator
+(decode + image processor + template) and training steps per second, so that one sees whether
+data is the bottleneck.
 
 Prints a Markdown table per task (step, train loss, held-out metrics) and the throughput line.
 """
@@ -24,14 +28,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+IMAGE_USE = ("perplexity", "perplexity_other_images")
 # task -> (eval kind, answer length in tokens for generation, extra data params, metrics shown)
 TASKS: dict[str, tuple[str, int, list[str], tuple[str, ...]]] = {
     "clock": ("clock", 6, [], ("exact_match", "hour_accuracy", "minute_accuracy",
-                                "time_gap_mean_worst", "parse_failure_rate")),
+                                "time_gap_mean_worst", "parse_failure_rate", *IMAGE_USE)),
     "grounding": ("box", 24, ["image_size=112"], ("acc_iou50", "mean_iou",
-                                                  "parse_failure_rate")),
+                                                  "parse_failure_rate", *IMAGE_USE)),
     "text_detection": ("boxes", 64, ["image_size=112"], ("f1", "precision", "recall",
-                                                          "parse_failure_rate")),
+                                                          "parse_failure_rate", *IMAGE_USE)),
 }
 
 
@@ -139,7 +144,8 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="run-config overrides after the task's, e.g. model.name=tiny-llava")
     parser.add_argument("--from-run", default=None,
-                        help="a finished clock_ce run folder with checkpoints: evaluate only")
+                        help="a finished run folder of this script (or clock_ce) with its "
+                             "checkpoints and run_config.yaml: evaluate only")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -152,11 +158,13 @@ def main() -> None:
     cache = out / "cache"
     print(f"torch threads {torch.get_num_threads()}")
     for task in args.tasks.split(","):
-        if task not in TASKS or (args.from_run and task != "clock"):
+        if task not in TASKS:
             raise SystemExit(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
-        if args.from_run:  # evaluate the checkpoints of a finished clock_ce run
+        if args.from_run:  # evaluate the checkpoints of a finished run
             run_dir = Path(args.from_run)
-            cfg = load_config("clock_ce", [f"output_dir={run_dir}"])
+            cfg = load_config(str(run_dir / "run_config.yaml"), [f"output_dir={run_dir}"])
+            if (cfg.data.eval.task or "clock") != task:
+                raise SystemExit(f"{run_dir} trained {cfg.data.eval.task!r}, not {task!r}")
             summary = json.loads((run_dir / "train_summary.json").read_text())
             steps_per_s = summary["global_step"] / summary["train_runtime"]
             timing = "training loop only"

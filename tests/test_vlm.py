@@ -17,6 +17,7 @@ from emdlm.data import IGNORE_INDEX
 from emdlm.models import load_tokenizer
 from emdlm.vlm.collator import VLMCollator
 from emdlm.vlm.data import load_image_examples
+from emdlm.vlm.generate import other_images
 from emdlm.vlm.models import (
     QWEN_VL_TOKENS,
     build_vlm,
@@ -300,9 +301,11 @@ def test_train_vlm_frozen_vision_then_eval_clock(tmp_path: Path, objective: str)
     assert (out / "preprocessor_config.json").is_file()
     result = evaluate_run(out, cfg)
     metrics = result["metrics"]
-    for key in ("exact_match", "time_gap_mean_worst", "parse_failure_rate", "perplexity"):
+    for key in ("exact_match", "time_gap_mean_worst", "parse_failure_rate", "perplexity",
+                "perplexity_other_images"):
         assert key in metrics, key
     assert metrics["n"] == 8 and np.isfinite(metrics["perplexity"])
+    assert np.isfinite(metrics["perplexity_other_images"])
     preds = [json.loads(x) for x in (out / "eval" / "predictions.jsonl").read_text().splitlines()]
     assert len(preds) == 8 and preds[0]["image"].endswith("0.png")
     with Image.open(out / "eval" / "contact_sheet.png") as sheet:
@@ -336,7 +339,7 @@ def test_lora_on_a_vlm_targets_the_language_model_only(tmp_path: Path, name: str
 def test_tiny_vlm_learns_an_answer_that_depends_on_the_image(tmp_path: Path) -> None:
     """Black image -> "1_00", white image -> "7_30": only the image tells them apart, so
     greedy answers right on both means pixels reach the loss through the vision tower."""
-    from emdlm.vlm.generate import generate_vlm_answers
+    from emdlm.vlm.generate import generate_vlm_answers, vlm_perplexity
 
     torch.manual_seed(0)
     tok, built = _built("tiny-qwen2-vl", image_size=56)
@@ -353,6 +356,22 @@ def test_tiny_vlm_learns_an_answer_that_depends_on_the_image(tmp_path: Path) -> 
         loss.backward()
         opt.step()
     assert generate_vlm_answers(built.model, col, rows, max_new_tokens=6) == ["1_00", "7_30"]
+    # the answers come from the image: shown each other's image, the model is far less sure
+    own = vlm_perplexity(built.model, col, rows)
+    swapped = vlm_perplexity(built.model, col, other_images(rows, "image"))
+    print(f"perplexity own images {own:.3f}, other images {swapped:.3f}")
+    assert own < 1.5 and swapped > 3 * own
+
+
+def test_other_images_shifts_images_by_one_row_and_keeps_the_text() -> None:
+    rows = [{"image": f"{i}.png", "prompt": f"p{i}", "completion": f"c{i}"} for i in range(3)]
+    swapped = other_images(rows, "image")
+    assert [r["image"] for r in swapped] == ["1.png", "2.png", "0.png"]
+    assert [(r["prompt"], r["completion"]) for r in swapped] == [(f"p{i}", f"c{i}")
+                                                                for i in range(3)]
+    assert rows[0]["image"] == "0.png"  # the input is not changed
+    with pytest.raises(ValueError, match="at least 2 rows"):
+        other_images(rows[:1], "image")
 
 
 def test_demo_clock_runs_ce_and_ntil_side_by_side(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Greedy (or sampled) answers and completion perplexity of a VLM on image rows.
+"""Greedy (or sampled) answers and completion perplexity of a VLM on image rows, and the rows
+with their images swapped (:func:`other_images`) to measure how much the answers use the image.
 
 Same conventions as :func:`emdlm.evaluation.generate_answers`: an explicit GenerationConfig
 (the checkpoint's own generation defaults are not used), stop per row at EOS or a stop string,
@@ -91,3 +92,16 @@ def vlm_perplexity(
     finally:
         collator.generation = was_generation
     return math.exp(total / count) if count else float("nan")
+
+
+def other_images(rows: Sequence[dict[str, Any]], image_key: str) -> list[dict[str, Any]]:
+    """The rows with row i showing row i+1's image (the last row the first one's), prompts and
+    answers unchanged. ``vlm_perplexity`` on them against the rows' own perplexity says how much
+    of what the model predicts comes from the picture: equal values, the image is ignored.
+
+    Raises ValueError for fewer than 2 rows (nothing to swap with).
+    """
+    if len(rows) < 2:
+        raise ValueError(f"other_images needs at least 2 rows to swap images, got {len(rows)}")
+    return [{**row, image_key: rows[(i + 1) % len(rows)][image_key]}
+            for i, row in enumerate(rows)]

@@ -113,14 +113,17 @@ def evaluate_vlm(
     """``emdlm eval`` for a VLM folder: image rows of ``cfg.data.eval`` (checked), greedy (or
     sampled, per ``cfg.eval``) answers with the images, then
     :func:`emdlm.metrics.compute_task_metrics` of ``eval.kind`` (clock, box, boxes, number;
-    same keys as for text models) plus the completions' perplexity. Parse failures count as
+    same keys as for text models) plus the completions' perplexity, with their own images
+    (``perplexity``) and with each row shown the next row's image
+    (``perplexity_other_images``, 2+ rows; equal to ``perplexity`` when the model ignores the
+    image, :func:`emdlm.vlm.generate.other_images`). Parse failures count as
     wrong, never dropped. ``sheet``: where to write a contact sheet (PNG) of the first 32 test
     images with gold and predicted answers (kinds clock / box / boxes, images given as paths).
     Returns (metrics, one prediction row per example)."""
     from emdlm.evaluation import _cut_at_stop, _per_example_fields
     from emdlm.metrics import compute_task_metrics
     from emdlm.models import load_tokenizer as load_tok
-    from emdlm.vlm.generate import generate_vlm_answers, vlm_perplexity
+    from emdlm.vlm.generate import generate_vlm_answers, other_images, vlm_perplexity
 
     e = cfg.eval
     if e.kind in ("text", "choice"):
@@ -141,6 +144,9 @@ def evaluate_vlm(
     refs = [_cut_at_stop(r["completion"], stop_at).strip() for r in rows]
     metrics: dict[str, Any] = compute_task_metrics(preds, refs, e.kind)
     metrics["perplexity"] = vlm_perplexity(model, collator, rows, batch_size=e.batch_size)
+    if len(rows) >= 2:  # the same answers shown the next row's image: does the model look?
+        metrics["perplexity_other_images"] = vlm_perplexity(
+            model, collator, other_images(rows, cfg.data.image_key), batch_size=e.batch_size)
     key = cfg.data.image_key
     if sheet is not None and e.kind in ("clock", "box", "boxes") and all(
         isinstance(r[key], str) for r in rows
