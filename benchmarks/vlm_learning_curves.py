@@ -163,7 +163,7 @@ def main() -> None:
         if args.from_run:  # evaluate the checkpoints of a finished run
             run_dir = Path(args.from_run)
             cfg = load_config(str(run_dir / "run_config.yaml"), [f"output_dir={run_dir}"])
-            if (cfg.data.eval.task or "clock") != task:
+            if cfg.data.eval.task != task:
                 raise SystemExit(f"{run_dir} trained {cfg.data.eval.task!r}, not {task!r}")
             summary = json.loads((run_dir / "train_summary.json").read_text())
             steps_per_s = summary["global_step"] / summary["train_runtime"]

@@ -143,11 +143,11 @@ def evaluate_vlm(
     preds = [p.strip() for p in preds]
     refs = [_cut_at_stop(r["completion"], stop_at).strip() for r in rows]
     metrics: dict[str, Any] = compute_task_metrics(preds, refs, e.kind)
+    key = cfg.data.image_key
     metrics["perplexity"] = vlm_perplexity(model, collator, rows, batch_size=e.batch_size)
     if len(rows) >= 2:  # the same answers shown the next row's image: does the model look?
         metrics["perplexity_other_images"] = vlm_perplexity(
-            model, collator, other_images(rows, cfg.data.image_key), batch_size=e.batch_size)
-    key = cfg.data.image_key
+            model, collator, other_images(rows, key), batch_size=e.batch_size)
     if sheet is not None and e.kind in ("clock", "box", "boxes") and all(
         isinstance(r[key], str) for r in rows
     ):
