@@ -275,3 +275,22 @@ def test_floor_line_counts_distinct_test_problems(made):
             (json.dumps(row) + "\n") * 3)
     report = write_outputs(exp, cells, command="emdlm experiment -c fake").report.read_text()
     assert "Floor, the same 3 (1 distinct) test problems answered with one constant" in report
+
+
+def test_report_of_a_two_seed_pilot_with_a_large_effect(tmp_path):
+    # the paired differences (-20.0, -21.0) have dz ~ 29: the power search passes nc > 9, where
+    # scipy's noncentral t returned NaN and the report crashed (a partial 8000-step grid did)
+    exp = parse_experiment({"name": "pilot", "base": FAKE_BASE, "seeds": [0, 1],
+                            "variants": {"ce": [], "ntil": ["objective.name=ntil"]},
+                            "output_dir": str(tmp_path / "out")})
+    cells = expand_grid(exp)
+    errors = {"ce": (30.0, 32.0), "ntil": (10.0, 11.0)}
+    for cell in cells:
+        _fake_cell(cell, {10: errors[cell.variant][cell.seed] + 5.0,
+                          20: errors[cell.variant][cell.seed]})
+    report = write_outputs(exp, cells, command="emdlm experiment -c pilot").report.read_text()
+    sd = float(np.std([-20.0, -21.0], ddof=1))
+    row = (f"| abs_error_mean | ntil | 2 | {sd:.4g} | {detectable_difference(2, sd):.4g} | "
+           f"{seeds_for_power(-20.5, sd)} |")
+    assert row in report.splitlines()
+    assert seeds_for_power(-20.5, sd) == 2

@@ -178,6 +178,41 @@ def test_detectable_difference_inverts_power():
     assert detectable_difference(10, 1.0) == pytest.approx(0.996, abs=1e-3)
 
 
+@pytest.mark.parametrize(("n", "dz"), [(2, 10.0), (3, 8.0)])
+def test_paired_t_power_with_few_seeds_and_a_large_effect(n, dz):
+    # nc = dz·sqrt(n) = 14.1 / 13.9: scipy 1.17's nct.sf is NaN there; the simulated share of
+    # rejections is the independent truth
+    rng = np.random.default_rng(1)
+    d = rng.normal(dz, 1.0, size=(100_000, n))
+    simulated = float(np.mean(stats.ttest_1samp(d, 0.0, axis=1).pvalue < 0.05))
+    assert paired_t_power(n, dz, 1.0) == pytest.approx(simulated, abs=0.006)
+
+
+def test_paired_t_power_equals_scipy_nct_where_scipy_is_finite():
+    for n in (2, 3, 5, 10):
+        df = n - 1
+        crit = float(stats.t.ppf(0.975, df))
+        for nc in (0.0, 0.5, 2.0, 4.0, 7.0):
+            expected = float(stats.nct.sf(crit, df, nc) + stats.nct.cdf(-crit, df, nc))
+            assert paired_t_power(n, nc / math.sqrt(n), 1.0) == pytest.approx(expected, abs=1e-9)
+
+
+def test_two_seeds_give_finite_planning_figures():
+    # two seeds is a common pilot; for df = 1 the 80 %-power root lies beyond nc = 9, where
+    # scipy's nct.sf is NaN: the simulated rejection rate at the root is the check
+    for sd in (0.001, 1.0, 5.0):
+        mde = detectable_difference(2, sd)
+        assert math.isfinite(mde)
+        assert paired_t_power(2, mde, sd) == pytest.approx(0.8, abs=1e-9)
+    d = np.random.default_rng(2).normal(detectable_difference(2, 1.0), 1.0, size=(100_000, 2))
+    assert float(np.mean(stats.ttest_1samp(d, 0.0, axis=1).pvalue < 0.05)) == pytest.approx(
+        0.8, abs=0.006)
+    assert seeds_for_power(20.0, 1.0) == 2   # power 0.974 with two seeds
+    need = seeds_for_power(6.0, 1.0)         # two seeds are not enough for dz = 6
+    assert paired_t_power(need - 1, 6.0, 1.0) < 0.8 <= paired_t_power(need, 6.0, 1.0)
+    assert need == 3
+
+
 def test_power_edge_cases():
     assert math.isnan(paired_t_power(1, 1.0, 1.0))
     assert math.isnan(paired_t_power(5, 1.0, 0.0))
