@@ -113,6 +113,9 @@ def test_checkpoints_to_evaluate(made):
         (cell.train_dir / f"checkpoint-{step}").mkdir(parents=True)
     assert _models_to_evaluate(cell, 20) == {10: cell.train_dir / "checkpoint-10",
                                              20: cell.train_dir}  # final model replaces ckpt
+    # a checkpoint an interrupted run saved at its stop (step 7, save_steps 10) is not evaluated
+    (cell.train_dir / "checkpoint-7").mkdir()
+    assert list(_models_to_evaluate(cell, 20)) == [10, 20]
     cell.checkpoints = "final"
     assert _models_to_evaluate(cell, 20) == {20: cell.train_dir}
     cell.checkpoints = [10]

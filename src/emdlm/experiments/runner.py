@@ -86,10 +86,17 @@ def _saved_checkpoints(train_dir: Path) -> dict[int, Path]:
 
 def _models_to_evaluate(cell: Cell, final_step: int) -> dict[int, Path]:
     """step -> model folder: the chosen checkpoints plus the final model (which replaces a
-    checkpoint of the same step: the weights are the same)."""
+    checkpoint of the same step: the weights are the same).
+
+    ``all`` means the scheduled checkpoints, every ``train.save_steps``: a checkpoint that an
+    interrupted run saved at its stop (Ctrl-C, a killed session) is for resuming only, and
+    would give that seed a learning-curve point the other seeds lack."""
+    from emdlm.config import build_config
+
     saved = _saved_checkpoints(cell.train_dir)
     if cell.checkpoints == "all":
-        chosen = dict(saved)
+        every = build_config(cell.config).train.save_steps
+        chosen = {step: path for step, path in saved.items() if step % every == 0}
     elif cell.checkpoints == "final":
         chosen = {}
     else:
