@@ -199,7 +199,7 @@ def test_paired_t_power_equals_scipy_nct_where_scipy_is_finite():
 
 def test_two_seeds_give_finite_planning_figures():
     # two seeds is a common pilot; for df = 1 the 80 %-power root lies beyond nc = 9, where
-    # scipy's nct.sf is NaN: the simulated rejection rate at the root is the check
+    # scipy's noncentral t is NaN in patches: the simulated rejection rate at the root is the check
     for sd in (0.001, 1.0, 5.0):
         mde = detectable_difference(2, sd)
         assert math.isfinite(mde)

@@ -186,7 +186,7 @@ def paired_t_power(n: int, diff: float, sd: float, *, alpha: float = ALPHA) -> f
     P(T > c) + P(T < -c) (Cohen 1988, ch. 2; the matched-pairs t test of G*Power). Computed
     from T = (Z + nc) / S with Z standard normal and S = sqrt(chi2_df / df) independent:
     power = E_S[Phi(nc - c·S) + Phi(-nc - c·S)], one integral over S's (scaled chi) density.
-    Not scipy's ``nct.sf``: scipy 1.17 returns NaN there for nc above ~9 (measured: df = 1..9),
+    Not scipy's ``nct``: scipy 1.17 returns NaN in patches of nc above ~9 (measured: df = 1..9),
     which is where few seeds and a large effect land. NaN for n < 2 or sd <= 0.
     """
     from scipy import integrate, special, stats
