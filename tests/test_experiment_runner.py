@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import time
 
 import pytest
 import yaml
@@ -12,7 +13,13 @@ from typer.testing import CliRunner
 from emdlm.cli import app
 from emdlm.experiments import expand_grid, run_experiment
 from emdlm.experiments.grid import parse_experiment
-from emdlm.experiments.runner import CELL_DONE, ERROR_FILE, run_cells
+from emdlm.experiments.runner import (
+    CELL_DONE,
+    ERROR_FILE,
+    WALL_TIME_FILE,
+    _WallLedger,
+    run_cells,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -133,10 +140,56 @@ def test_second_invocation_skips_finished_cells(grid, tmp_path):
     assert done.stat().st_mtime_ns == before
     assert (half / "train" / "train_summary.json").stat().st_mtime_ns == summary_mtime
     assert json.loads(step3.read_text()) == old  # same model, greedy decoding: same metrics
-    # its wall time covers only this invocation, and the record and the report say so
-    assert json.loads((half / CELL_DONE).read_text())["resumed"] is True
-    assert json.loads(done.read_text())["resumed"] is False
-    assert "1 of them resumed an interrupted run" in again.report.read_text()
+    # its wall time adds this invocation's to the time the first one left in the ledger
+    first = json.loads(done.read_text())
+    assert first["resumed"] is False and first["wall_complete"] is True
+    assert first["wall_s"] == pytest.approx(first["wall_s_this_invocation"])
+    record = json.loads((half / CELL_DONE).read_text())
+    ledger = json.loads((half / WALL_TIME_FILE).read_text())
+    assert record["resumed"] is True and record["wall_complete"] is True
+    assert ledger["earlier_s"] > 0 and record["wall_s"] == pytest.approx(
+        ledger["earlier_s"] + record["wall_s_this_invocation"])
+    assert "resumed an interrupted run" not in again.report.read_text()
+
+
+def test_resumed_cell_without_ledger_is_reported_as_under_counted(grid):
+    """A cell begun before the time ledger existed (or whose ledger is gone): its earlier
+    time is unknown, and the report says the sum under-counts."""
+    path, result = grid
+    half = result.output_dir / "default" / "ce" / "seed1"
+    (half / CELL_DONE).unlink()
+    (half / WALL_TIME_FILE).unlink()
+    again = run_experiment(path, progress=False)
+    record = json.loads((half / CELL_DONE).read_text())
+    assert record["resumed"] is True and record["wall_complete"] is False
+    assert record["wall_s"] == pytest.approx(record["wall_s_this_invocation"])
+    assert "1 of them resumed an interrupted run whose time was not recorded" in (
+        again.report.read_text())
+
+
+def test_wall_ledger_survives_a_killed_invocation(tmp_path):
+    """The heartbeat rewrites the ledger while the cell runs; an invocation killed without
+    warning (no __exit__) leaves its time, which the next invocation adds."""
+    folder = tmp_path / "cell"
+    folder.mkdir()
+    killed = _WallLedger(folder, resumed=False, heartbeat_s=0.01)
+    killed.write()
+    killed._thread.start()
+    deadline = time.monotonic() + 10
+    while json.loads((folder / WALL_TIME_FILE).read_text())["this_s"] < 0.05:
+        assert time.monotonic() < deadline, "the heartbeat never rewrote the ledger"
+        time.sleep(0.01)
+    killed._stop.set()  # the process dies here: no final write
+    killed._thread.join()
+    left = json.loads((folder / WALL_TIME_FILE).read_text())
+    assert left["earlier_s"] == 0.0
+    with _WallLedger(folder, resumed=True) as next_one:
+        assert next_one.complete and next_one.earlier_s == pytest.approx(left["this_s"])
+    final = json.loads((folder / WALL_TIME_FILE).read_text())
+    assert final["earlier_s"] == pytest.approx(left["this_s"]) and final["this_s"] > 0
+    # a torn ledger: the time is unknown, not zero
+    (folder / WALL_TIME_FILE).write_text('{"earlier_s": 1.0')
+    assert not _WallLedger(folder, resumed=True).complete
 
 
 def test_worker_processes_record_failures(tmp_path):

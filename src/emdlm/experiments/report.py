@@ -494,9 +494,10 @@ def write_report(exp: Experiment, cells: Sequence[Cell], rows: Sequence[Row], pa
     failed = [c for c in cells if (c.folder / ERROR_FILE).is_file()]
     records = [json.loads((c.folder / CELL_DONE).read_text()) for c in done]
     wall = sum(r.get("wall_s", 0.0) for r in records)
-    resumed = sum(bool(r.get("resumed")) for r in records)
-    resumed_note = (f" {resumed} of them resumed an interrupted run: their wall times count only "
-                    "the part after the resume, so the sum under-counts." if resumed else "")
+    unknown = sum(not r.get("wall_complete", not r.get("resumed")) for r in records)
+    resumed_note = (f" {unknown} of them resumed an interrupted run whose time was not recorded: "
+                    "their wall times count only the part after the resume, so the sum "
+                    "under-counts." if unknown else "")
     lines = [f"# Experiment `{exp.name}`", ""]
     if command:
         lines += ["Produced by:", "", "```", command, "```", ""]

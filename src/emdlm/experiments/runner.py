@@ -7,7 +7,12 @@ Cell folder ``<output_dir>/<task>/<variant>/seed<k>/``:
 * ``eval/step-<N>/``: ``metrics.json`` and ``predictions.jsonl`` of the model at step N.
 * ``eval/<name>/step-<N>/``: the same for each ``eval.extra`` evaluation of the final model.
 * ``cell_done.json``: written last; a cell that has it is skipped by later invocations. Its
-  ``wall_s`` is this invocation's time; ``resumed`` says an earlier one did part of the work.
+  ``wall_s`` is the cell's time over every invocation that worked on it (see ``wall_time.json``);
+  ``resumed`` says an earlier invocation did part of the work, ``wall_complete`` whether the
+  earlier invocations' time is in ``wall_s`` (False for a cell begun before the ledger existed).
+* ``wall_time.json``: the cell's time ledger, ``{"earlier_s", "this_s"}``, rewritten every
+  ``WALL_HEARTBEAT_S`` seconds while the cell runs, so a killed invocation (a session stop,
+  SIGKILL) leaves its time behind, short by at most one heartbeat.
 * ``error.txt``: the traceback of a failed cell (the other cells go on).
 
 A cell interrupted half-way continues where it stopped: training resumes from its newest
@@ -27,6 +32,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -41,6 +47,8 @@ from emdlm.experiments.grid import Cell
 CELL_DONE = "cell_done.json"
 ERROR_FILE = "error.txt"
 EVAL_DIR = "eval"
+WALL_TIME_FILE = "wall_time.json"
+WALL_HEARTBEAT_S = 30.0
 
 
 @dataclass
@@ -153,34 +161,92 @@ def _evaluate(cell: Cell, final_step: int) -> dict[int, dict[str, Any]]:
     return results
 
 
+class _WallLedger:
+    """The time one cell has taken over all invocations, kept in ``wall_time.json``.
+
+    A daemon thread rewrites the file every ``heartbeat_s`` seconds (atomically: temp file +
+    ``os.replace``), so an invocation killed without warning still leaves its time for the
+    next one to add. ``complete`` is False when an earlier invocation left work (a train
+    folder) but no ledger: its time is unknown."""
+
+    def __init__(self, folder: Path, *, resumed: bool, heartbeat_s: float = WALL_HEARTBEAT_S):
+        self.path = folder / WALL_TIME_FILE
+        self.heartbeat_s = heartbeat_s
+        self.earlier_s = 0.0
+        self.complete = True
+        if self.path.is_file():
+            try:
+                old = json.loads(self.path.read_text())
+                self.earlier_s = float(old["earlier_s"]) + float(old["this_s"])
+            except (ValueError, KeyError, TypeError):  # torn or foreign file: time unknown
+                self.complete = False
+        elif resumed:
+            self.complete = False
+        self._start = time.perf_counter()
+        self._end: float | None = None  # set when the invocation's work ends
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+
+    @property
+    def this_s(self) -> float:
+        return (self._end or time.perf_counter()) - self._start
+
+    @property
+    def total_s(self) -> float:
+        return self.earlier_s + self.this_s
+
+    def write(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"earlier_s": self.earlier_s, "this_s": self.this_s}) + "\n")
+        os.replace(tmp, self.path)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            with contextlib.suppress(OSError):  # a full disk must not kill the cell
+                self.write()
+
+    def __enter__(self) -> _WallLedger:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._end = time.perf_counter()
+        self._stop.set()
+        self._thread.join()
+        with contextlib.suppress(OSError):
+            self.write()
+
+
 def run_cell(cell: Cell) -> CellOutcome:
     """Train and evaluate one cell; never raises (a failure goes to ``error.txt``)."""
     done = cell.folder / CELL_DONE
     if done.is_file():
         return CellOutcome(cell.key, "skipped")
     start = time.perf_counter()
-    # an earlier invocation's work (checkpoints, evaluations) is not in this wall time
-    resumed = cell.train_dir.exists()
+    resumed = cell.train_dir.exists()  # an earlier invocation did part of the work
     try:
         cell.folder.mkdir(parents=True, exist_ok=True)
         (cell.folder / ERROR_FILE).unlink(missing_ok=True)
+        ledger = _WallLedger(cell.folder, resumed=resumed)
+        ledger.write()  # the first write fails here, not in the heartbeat thread
     except OSError as err:  # no folder: nowhere to write error.txt either
         return CellOutcome(cell.key, "failed", 0.0, f"cannot create {cell.folder}: {err}")
     try:
-        summary = _train(cell)
-        metrics = _evaluate(cell, int(summary["global_step"]))
-        if not cell.keep_checkpoints:
-            for ckpt in _saved_checkpoints(cell.train_dir).values():
-                shutil.rmtree(ckpt)
-        wall = time.perf_counter() - start
+        with ledger:
+            summary = _train(cell)
+            metrics = _evaluate(cell, int(summary["global_step"]))
+            if not cell.keep_checkpoints:
+                for ckpt in _saved_checkpoints(cell.train_dir).values():
+                    shutil.rmtree(ckpt)
         record = {
             "task": cell.task, "variant": cell.variant, "seed": cell.seed,
             "final_step": int(summary["global_step"]),
-            "evaluated_steps": sorted(metrics), "wall_s": wall, "resumed": resumed,
-            "train_summary": summary,
+            "evaluated_steps": sorted(metrics), "wall_s": ledger.total_s,
+            "wall_s_this_invocation": ledger.this_s, "resumed": resumed,
+            "wall_complete": ledger.complete, "train_summary": summary,
         }
         done.write_text(json.dumps(record, indent=2, default=str) + "\n")
-        return CellOutcome(cell.key, "done", wall)
+        return CellOutcome(cell.key, "done", ledger.this_s)
     except Exception as err:  # a failed cell is recorded and the grid goes on
         if _is_interrupt(err):
             raise  # Ctrl-C stops the grid; its checkpoint lets the next invocation resume
