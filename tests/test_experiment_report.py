@@ -297,3 +297,20 @@ def test_report_of_a_two_seed_pilot_with_a_large_effect(tmp_path):
            f"{seeds_for_power(-20.5, sd)} |")
     assert row in report.splitlines()
     assert seeds_for_power(-20.5, sd) == 2
+
+
+def test_report_names_the_evaluation_split(made, tmp_path):
+    """A grid evaluated on the dev split says so (it once read "the test set" whatever the
+    config), and the test grid names its test split."""
+    _, _, result = made
+    assert "Metric values are on task arithmetic (test) (data.eval)." in (
+        result.report.read_text())
+    exp = parse_experiment({"name": "dev", "base": FAKE_BASE, "seeds": [0, 1],
+                            "variants": {"ce": []}, "output_dir": str(tmp_path / "dev"),
+                            "eval": {"overrides": ["data.eval.split=dev"]}})
+    cells = expand_grid(exp)
+    for cell in cells:
+        _fake_cell(cell, {10: 3.0, 20: 2.0})
+    report = write_outputs(exp, cells).report.read_text()
+    assert "Metric values are on task arithmetic (dev) (data.eval)." in report
+    assert "test set" not in report

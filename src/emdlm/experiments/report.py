@@ -472,6 +472,18 @@ def _threshold_lines(em: dict[str, dict[int, dict[int, float]]], exp: Experiment
     return [*lines, ""]
 
 
+def _eval_data_note(cells: Sequence[Cell]) -> str:
+    """Which data the metrics are on, e.g. "task arithmetic (dev)": a grid evaluated on the
+    dev split must not read as a test result."""
+    from emdlm.config import apply_overrides, build_config
+
+    sources = sorted({
+        build_config(apply_overrides(c.config, c.eval_overrides)).data.eval.describe()
+        for c in cells
+    })
+    return f"Metric values are on {' / '.join(sources) or 'no evaluation data'} (data.eval)."
+
+
 def _metrics_note(metrics: set[str]) -> str:
     """How to read the metrics present: numeric errors, and / or the text protocol's."""
     note = ""
@@ -509,8 +521,8 @@ def write_report(exp: Experiment, cells: Sequence[Cell], rows: Sequence[Row], pa
         f"(CPU time ≈ {wall * exp.threads_per_worker:.0f} s).{resumed_note}",
         "",
         "The variants of one seed share the training data, its order and the initial weights: "
-        "differences are paired by seed. Metric values are on the test set given by the "
-        "config." + _metrics_note({r.metric for r in rows}),
+        "differences are paired by seed. " + _eval_data_note(cells)
+        + _metrics_note({r.metric for r in rows}),
         "",
     ]
     for task in exp.tasks:
