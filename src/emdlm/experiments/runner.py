@@ -189,7 +189,8 @@ class _WallLedger:
 
     @property
     def this_s(self) -> float:
-        return (self._end or time.perf_counter()) - self._start
+        end = self._end if self._end is not None else time.perf_counter()
+        return end - self._start
 
     @property
     def total_s(self) -> float:
