@@ -223,7 +223,6 @@ def run_cell(cell: Cell) -> CellOutcome:
     done = cell.folder / CELL_DONE
     if done.is_file():
         return CellOutcome(cell.key, "skipped")
-    start = time.perf_counter()
     resumed = cell.train_dir.exists()  # an earlier invocation did part of the work
     try:
         cell.folder.mkdir(parents=True, exist_ok=True)
@@ -252,7 +251,7 @@ def run_cell(cell: Cell) -> CellOutcome:
         if _is_interrupt(err):
             raise  # Ctrl-C stops the grid; its checkpoint lets the next invocation resume
         (cell.folder / ERROR_FILE).write_text(traceback.format_exc())
-        return CellOutcome(cell.key, "failed", time.perf_counter() - start,
+        return CellOutcome(cell.key, "failed", ledger.this_s,
                            f"{type(err).__name__}: {err}")
 
 
