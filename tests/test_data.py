@@ -267,3 +267,32 @@ def test_mathematics_dataset_difficulty_levels():
     assert mean_len(easy) < mean_len(full)
     with pytest.raises(ValueError, match="difficulty must be 'all' or one of easy"):
         generate_task("arithmetic__mixed", n=1, difficulty="trivial")
+
+
+def test_split_left_out_is_the_roles_split(tmp_path):
+    """data.eval without `split` scores the test split (not the training problems), data.train
+    without one trains on "train"; an explicit split is kept, and the saved config says which."""
+    import yaml
+
+    from emdlm.config import load_config
+
+    cfg = load_config(None, ["data.train.task=arithmetic", "data.eval.task=arithmetic"])
+    assert (cfg.data.train.split, cfg.data.eval.split) == ("train", "test")
+    assert cfg.data.eval.describe() == "task arithmetic (test)"
+    cfg = load_config(None, ["data.eval.task=arithmetic", "data.eval.split=dev"])
+    assert cfg.data.eval.split == "dev"
+    saved = yaml.safe_load(yaml.safe_dump(cfg.to_dict()))
+    assert saved["data"]["eval"]["split"] == "dev"
+    with pytest.raises(ConfigError, match=r"data\.eval\.split"):
+        load_config(None, ["data.eval.task=arithmetic", "data.eval.split=validation"])
+    # the rows are the test split's, and a source built on its own outside a DataConfig keeps
+    # the old meaning ("train")
+    cfg = load_config(None, ["data.eval.task=arithmetic", "data.eval.n=40"])
+    rows = load_examples(cfg.data.eval, seed=0)
+    assert rows == load_examples(DataSourceConfig(task="arithmetic", n=40, split="test"), seed=0)
+    lone = DataSourceConfig(task="arithmetic", n=40)
+    assert lone.resolved_split == "train"
+    train_rows = load_examples(lone, seed=0)
+    assert train_rows == load_examples(
+        DataSourceConfig(task="arithmetic", n=40, split="train"), seed=0)
+    assert {r["prompt"] for r in rows}.isdisjoint(r["prompt"] for r in train_rows)

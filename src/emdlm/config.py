@@ -79,18 +79,31 @@ class ModelConfig:
 class DataSourceConfig:
     """One data source: exactly one of ``path`` (a .jsonl file with prompt/completion or text
     fields, or a folder saved by ``datasets.save_to_disk``) or ``task`` (a registered generator,
-    see :mod:`emdlm.tasks`, with ``n`` examples of ``split`` and ``params``)."""
+    see :mod:`emdlm.tasks`, with ``n`` examples of ``split`` and ``params``).
+
+    ``split`` left out (None) means the role's split: "train" for ``data.train``, "test" for
+    ``data.eval`` (:class:`DataConfig` fills it in), so an evaluation source never scores the
+    training split unless it says so."""
 
     path: str | None = None
     task: str | None = None
     n: int = 1000
-    split: str = "train"
+    split: str | None = None
     seed: int | None = None  # None: the run seed
     params: dict[str, Any] = field(default_factory=dict)
     limit: int | None = None  # keep only the first `limit` examples
 
     def describe(self) -> str:
-        return self.path if self.path is not None else f"task {self.task} ({self.split})"
+        return self.path if self.path is not None else f"task {self.task} ({self.resolved_split})"
+
+    @property
+    def resolved_split(self) -> str:
+        """``split``, or "train" for a source built outside a :class:`DataConfig` without one."""
+        return self.split if self.split is not None else "train"
+
+    def with_default_split(self, split: str) -> DataSourceConfig:
+        """This source, with ``split`` filled in where it was left out."""
+        return self if self.split is not None else dataclasses.replace(self, split=split)
 
 
 @dataclass
@@ -109,6 +122,14 @@ class DataConfig:
     # which numbers NTIL / digit EMD score (a row's "number_scope" field overrides it): "all",
     # "answer" (the task's answer pattern), "answer:<task>" or "regex:<pattern>" (emdlm.data)
     number_scope: str = "all"
+
+    def __post_init__(self) -> None:
+        # a source's split defaults to its role: train data from "train", evaluation data from
+        # "test" (a default of "train" for both scored training problems as held-out ones)
+        if self.train is not None:
+            self.train = self.train.with_default_split("train")
+        if self.eval is not None:
+            self.eval = self.eval.with_default_split("test")
 
 
 @dataclass
@@ -230,7 +251,7 @@ class RunConfig:
                 continue
             if (src.path is None) == (src.task is None):
                 raise ConfigError(f"{name}: give exactly one of 'path' or 'task'")
-            check_choice(f"{name}.split", src.split, DATA_SPLITS)
+            check_choice(f"{name}.split", src.resolved_split, DATA_SPLITS)
         self._validate_teacher()
         self._validate_lam_schedule()
         t = self.train

@@ -259,8 +259,8 @@ def load_examples(src: DataSourceConfig, *, seed: int) -> list[dict[str, Any]]:
 
         try:
             rows = generate_task(
-                src.task, n=src.n, split=src.split, seed=seed if src.seed is None else src.seed,
-                **src.params,
+                src.task, n=src.n, split=src.resolved_split,
+                seed=seed if src.seed is None else src.seed, **src.params,
             )
         except ValueError as err:
             raise ConfigError(str(err)) from err
@@ -268,7 +268,7 @@ def load_examples(src: DataSourceConfig, *, seed: int) -> list[dict[str, Any]]:
         assert src.path is not None
         p = Path(src.path)
         if p.is_dir():
-            rows = _read_saved_dataset(p, src.split)
+            rows = _read_saved_dataset(p, src.resolved_split)
         elif p.is_file():
             rows = read_jsonl(p)
         else:
