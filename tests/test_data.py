@@ -269,7 +269,7 @@ def test_mathematics_dataset_difficulty_levels():
         generate_task("arithmetic__mixed", n=1, difficulty="trivial")
 
 
-def test_split_left_out_is_the_roles_split(tmp_path):
+def test_split_left_out_is_the_roles_split():
     """data.eval without `split` scores the test split (not the training problems), data.train
     without one trains on "train"; an explicit split is kept, and the saved config says which."""
     import yaml
