@@ -248,6 +248,8 @@ def test_report_has_the_baseline_plateau_check(made):
     assert (f"abs_error_mean {before:.4g} → {last:.4g} ({(last - before) / before:+.1%})"
             in line)
     assert "exact_match 0.5 → 0.5 (+0.0%)" in line
+    assert line.endswith("the plateau test is a longer schedule, paired by seed "
+                         "(`base.train.max_steps=<2x>` into a new folder; docs/experiments.md).")
 
 
 def test_report_has_digit_accuracy_by_place(made):

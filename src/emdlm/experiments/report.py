@@ -387,6 +387,12 @@ def _power_lines(final: dict[str, dict[str, dict[int, float]]], exp: Experiment,
     return [*header, *rows, ""] if rows else []
 
 
+WITHIN_SCHEDULE_CAVEAT = (
+    "Both steps lie in one learning-rate schedule, whose decay flattens the curve at its end "
+    "whether or not the model has more to learn; the plateau test is a longer schedule, paired "
+    "by seed (`base.train.max_steps=<2x>` into a new folder; docs/experiments.md).")
+
+
 def _plateau_lines(table: Table, exp: Experiment, metrics: Sequence[str]) -> list[str]:
     """Has the baseline stopped improving? Its key metrics (mean over the seeds evaluated at
     both steps) at the last two evaluated steps and the relative change between them."""
@@ -408,7 +414,7 @@ def _plateau_lines(table: Table, exp: Experiment, metrics: Sequence[str]) -> lis
     if not parts:
         return []
     return [f"Plateau check, baseline `{exp.baseline}` (mean over seeds), {span}: "
-            + "; ".join(parts) + "."]
+            + "; ".join(parts) + ". " + WITHIN_SCHEDULE_CAVEAT]
 
 
 def _task_section(exp: Experiment, task: str, rows: Sequence[Row],
