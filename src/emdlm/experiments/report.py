@@ -388,9 +388,10 @@ def _power_lines(final: dict[str, dict[str, dict[int, float]]], exp: Experiment,
 
 
 WITHIN_SCHEDULE_CAVEAT = (
-    "Both steps lie in one learning-rate schedule, whose decay flattens the curve at its end "
-    "whether or not the model has more to learn; the plateau test is a longer schedule, paired "
-    "by seed (`base.train.max_steps=<2x>` into a new folder; docs/experiments.md).")
+    "Both steps lie in one learning-rate schedule, and a decaying one (cosine, linear) flattens "
+    "the curve at its end whether or not the model has more to learn; the plateau test is a "
+    "longer schedule, paired by seed (`base.train.max_steps=<2x>` into a new folder; "
+    "docs/experiments.md).")
 
 
 def _plateau_lines(table: Table, exp: Experiment, metrics: Sequence[str]) -> list[str]:
