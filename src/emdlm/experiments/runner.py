@@ -23,6 +23,16 @@ has started its thread pools) with ``torch.set_num_threads(threads_per_worker)``
 is one single-thread worker per CPU core: on the 2-core development machine two 1-thread runs
 side by side finish sooner than the same runs one after the other with 2 threads each (figures
 in docs/experiments.md). ``workers=1`` runs the cells in this process.
+
+Stopping: one folder, one writer. Ctrl-C reaches every process of the grid (the terminal
+signals the whole process group); ``SIGTERM`` to the runner (``kill``, a scheduler's time
+limit) is turned into the same thing: the runner passes SIGINT to its workers and to itself.
+Each interrupted training run saves a checkpoint after its current step, the queued cells
+are cancelled, and the runner exits with KeyboardInterrupt. A worker whose runner died
+without a word (SIGKILL, the out-of-memory killer) notices within ``RUNNER_POLL_S`` seconds
+that it was orphaned, interrupts its cell the same way and exits without starting another
+one: otherwise it would go on training the queued cells, unseen, beside the next invocation
+that resumes the same folders.
 """
 
 from __future__ import annotations
@@ -31,14 +41,16 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from multiprocessing import get_context
+from multiprocessing import active_children, get_context
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +61,11 @@ ERROR_FILE = "error.txt"
 EVAL_DIR = "eval"
 WALL_TIME_FILE = "wall_time.json"
 WALL_HEARTBEAT_S = 30.0
+RUNNER_POLL_S = 1.0  # how often a worker checks that its runner is alive
+ORPHAN_GRACE_S = 120.0  # how long an orphaned worker waits for its cell to save and unwind
+
+_cell_running = threading.Event()  # set in a worker while run_cell works on a cell
+_orphaned = threading.Event()  # set in a worker once its runner is gone
 
 
 @dataclass
@@ -219,7 +236,19 @@ class _WallLedger:
 
 
 def run_cell(cell: Cell) -> CellOutcome:
-    """Train and evaluate one cell; never raises (a failure goes to ``error.txt``)."""
+    """Train and evaluate one cell; never raises (a failure goes to ``error.txt``), except
+    for an interrupt (Ctrl-C, SIGTERM to the runner, an orphaned worker), which stops the grid.
+    A worker whose runner is gone starts no cell: nobody would collect it."""
+    if _orphaned.is_set():
+        return CellOutcome(cell.key, "failed", error="the experiment runner is gone")
+    _cell_running.set()
+    try:
+        return _run_cell(cell)
+    finally:
+        _cell_running.clear()
+
+
+def _run_cell(cell: Cell) -> CellOutcome:
     done = cell.folder / CELL_DONE
     if done.is_file():
         return CellOutcome(cell.key, "skipped")
@@ -261,8 +290,50 @@ def _is_interrupt(err: BaseException) -> bool:
     return train is not None and isinstance(err, train.TrainingInterrupted)
 
 
+@contextlib.contextmanager
+def _sigterm_as_ctrl_c() -> Iterator[None]:
+    """While the grid runs in the main thread, SIGTERM to the runner acts as a Ctrl-C to the
+    whole grid (see :func:`_forward_sigterm`)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+    previous = signal.signal(signal.SIGTERM, _forward_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _forward_sigterm(signum: int, frame: Any) -> None:
+    """SIGINT to every worker process, then to the runner itself."""
+    for worker in active_children():
+        if worker.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker.pid, signal.SIGINT)
+    signal.raise_signal(signal.SIGINT)
+
+
+def _watch_runner(runner_pid: int, poll_s: float = RUNNER_POLL_S,
+                  grace_s: float = ORPHAN_GRACE_S) -> None:
+    """A worker's watchdog thread: once the worker's parent is no longer ``runner_pid`` (the
+    runner died; the worker was re-parented), start no further cell, interrupt the running one
+    as a Ctrl-C would (its training saves a checkpoint after the current step), wait up to
+    ``grace_s`` for it to unwind and end the process."""
+    while os.getppid() == runner_pid:
+        time.sleep(poll_s)
+    _orphaned.set()
+    if _cell_running.is_set():
+        os.kill(os.getpid(), signal.SIGINT)
+        deadline = time.monotonic() + grace_s
+        while _cell_running.is_set() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    os._exit(1)
+
+
 def _init_worker(threads: int) -> None:
-    """Pin a worker's intra-op threads before any torch work."""
+    """Pin a worker's intra-op threads before any torch work; watch the runner."""
+    threading.Thread(target=_watch_runner, args=(os.getppid(),), daemon=True,
+                     name="emdlm-runner-watch").start()
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["MKL_NUM_THREADS"] = str(threads)
     import torch
@@ -328,8 +399,9 @@ def run_cells(
     on_outcome: Callable[[CellOutcome], None] | None = None,
 ) -> list[CellOutcome]:
     """Run every cell (finished ones are skipped) with ``workers`` processes; returns the
-    outcomes in the cells' order. Ctrl-C stops the grid with KeyboardInterrupt (an interrupted
-    cell keeps its checkpoint and resumes from it on the next invocation)."""
+    outcomes in the cells' order. Ctrl-C, or SIGTERM to this process, stops the grid with
+    KeyboardInterrupt (an interrupted cell keeps its checkpoint and resumes from it on the next
+    invocation)."""
     if workers < 1 or threads < 1:
         raise ValueError(f"workers and threads must be >= 1, got {workers}, {threads}")
     display = _Progress(len(cells), progress)
@@ -349,10 +421,11 @@ def run_cells(
             todo.append(cell)
     display.update(min(workers, len(todo)))
     try:
-        if workers == 1 or len(todo) <= 1:
-            _run_here(todo, threads, record)
-        else:
-            _run_pool(todo, min(workers, len(todo)), threads, record)
+        with _sigterm_as_ctrl_c():
+            if workers == 1 or len(todo) <= 1:
+                _run_here(todo, threads, record)
+            else:
+                _run_pool(todo, min(workers, len(todo)), threads, record)
     except Exception as err:
         if _is_interrupt(err):  # one Ctrl-C reaches training as TrainingInterrupted
             raise KeyboardInterrupt(str(err)) from err
@@ -379,33 +452,44 @@ def _run_here(cells: list[Cell], threads: int, record: Callable[..., None]) -> N
 def _run_pool(
     cells: list[Cell], workers: int, threads: int, record: Callable[..., None]
 ) -> None:
+    """Run the cells in ``workers`` spawned processes. Only as many cells as there are workers
+    are handed to the pool at a time: ProcessPoolExecutor counts a queued call as running (it
+    cannot be cancelled), so after a Ctrl-C a worker would start the queued cells."""
+    queued = list(reversed(cells))  # pop() hands them over in the cells' order
+    pending: dict[Future[CellOutcome], Cell] = {}
     with ProcessPoolExecutor(
         max_workers=workers, mp_context=get_context("spawn"), initializer=_init_worker,
         initargs=(threads,),
     ) as pool:
-        pending: dict[Future[CellOutcome], Cell] = {pool.submit(run_cell, c): c for c in cells}
         try:
-            _collect(pending, workers, record)
-        except BaseException:  # Ctrl-C: start no further cell
+            while queued or pending:
+                while queued and len(pending) < workers:
+                    cell = queued.pop()
+                    try:
+                        pending[pool.submit(run_cell, cell)] = cell
+                    except BrokenProcessPool as err:  # a worker died: no cell can start
+                        record(_worker_died(cell, err), len(pending))
+                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    cell = pending.pop(fut)
+                    record(_pool_outcome(fut, cell), min(workers, len(pending) + len(queued)))
+        except BaseException:  # Ctrl-C / SIGTERM: start no further cell
             pool.shutdown(wait=False, cancel_futures=True)
             raise
 
 
-def _collect(
-    pending: dict[Future[CellOutcome], Cell], workers: int, record: Callable[..., None]
-) -> None:
-    """Record the outcomes as the workers finish them."""
-    while pending:
-        finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-        for fut in finished:
-            cell = pending.pop(fut)
-            try:
-                outcome = fut.result()
-            except Exception as err:
-                if _is_interrupt(err):
-                    raise
-                # the worker itself died (e.g. killed for memory)
-                with contextlib.suppress(OSError):
-                    (cell.folder / ERROR_FILE).write_text(f"worker process died: {err!r}\n")
-                outcome = CellOutcome(cell.key, "failed", error=repr(err))
-            record(outcome, min(workers, len(pending)))
+def _pool_outcome(fut: Future[CellOutcome], cell: Cell) -> CellOutcome:
+    """The outcome of a finished future; a worker that died (e.g. killed for memory) fails
+    its cell. An interrupt is raised."""
+    try:
+        return fut.result()
+    except Exception as err:
+        if _is_interrupt(err):
+            raise
+        return _worker_died(cell, err)
+
+
+def _worker_died(cell: Cell, err: Exception) -> CellOutcome:
+    with contextlib.suppress(OSError):
+        (cell.folder / ERROR_FILE).write_text(f"worker process died: {err!r}\n")
+    return CellOutcome(cell.key, "failed", error=repr(err))
