@@ -261,3 +261,24 @@ def test_a_cell_whose_eval_cannot_generate_fails_before_training(tmp_path):
         cell / ERROR_FILE).read_text()
     assert not (cell / "train" / "train_summary.json").exists()
     assert not list((cell / "train").glob("checkpoint-*"))
+
+
+def test_a_cell_another_process_holds_is_left_alone(tmp_path):
+    """The same grid started twice on one folder: the second invocation reports the held cell
+    (naming the holder's pid) and writes nothing into it; once released, the cell runs."""
+    fcntl = pytest.importorskip("fcntl")
+    from emdlm.experiments import runner
+
+    data = {"base": BASE, "variants": {"ce": []}, "output_dir": str(tmp_path / "grid")}
+    (cell,) = expand_grid(parse_experiment(data))
+    cell.folder.mkdir(parents=True)
+    with open(cell.folder / runner.LOCK_FILE, "w") as other:  # the "other process"
+        other.write("4242\n")
+        other.flush()
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        (outcome,) = run_cells([cell], workers=1, threads=1, progress=False)
+        assert outcome.status == "failed"
+        assert "in use by another process (pid 4242)" in outcome.error
+        assert sorted(p.name for p in cell.folder.iterdir()) == [runner.LOCK_FILE]
+    (outcome,) = run_cells([cell], workers=1, threads=1, progress=False)  # released
+    assert outcome.status == "done" and (cell.folder / CELL_DONE).is_file()

@@ -14,6 +14,8 @@ Cell folder ``<output_dir>/<task>/<variant>/seed<k>/``:
   ``WALL_HEARTBEAT_S`` seconds while the cell runs, so a killed invocation (a session stop,
   SIGKILL) leaves its time behind, short by at most one heartbeat.
 * ``error.txt``: the traceback of a failed cell (the other cells go on).
+* ``cell.lock``: held (``flock``) by the process working on the cell; a second invocation on
+  the same folder leaves a held cell alone and reports it.
 
 A cell interrupted half-way continues where it stopped: training resumes from its newest
 checkpoint (same result as an uninterrupted run) and evaluated steps are not evaluated again.
@@ -56,8 +58,14 @@ from typing import Any
 
 from emdlm.experiments.grid import Cell
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not on POSIX
+    fcntl = None  # type: ignore[assignment]
+
 CELL_DONE = "cell_done.json"
 ERROR_FILE = "error.txt"
+LOCK_FILE = "cell.lock"
 EVAL_DIR = "eval"
 WALL_TIME_FILE = "wall_time.json"
 WALL_HEARTBEAT_S = 30.0
@@ -238,23 +246,66 @@ class _WallLedger:
 def run_cell(cell: Cell) -> CellOutcome:
     """Train and evaluate one cell; never raises (a failure goes to ``error.txt``), except
     for an interrupt (Ctrl-C, SIGTERM to the runner, an orphaned worker), which stops the grid.
-    A worker whose runner is gone starts no cell: nobody would collect it."""
+    A worker whose runner is gone starts no cell: nobody would collect it. A cell another
+    process holds (``cell.lock``) is left alone and reported as failed."""
     if _orphaned.is_set():
         return CellOutcome(cell.key, "failed", error="the experiment runner is gone")
-    _cell_running.set()
-    try:
-        return _run_cell(cell)
-    finally:
-        _cell_running.clear()
+    if (cell.folder / CELL_DONE).is_file():
+        return CellOutcome(cell.key, "skipped")
+    with contextlib.ExitStack() as held:
+        try:
+            cell.folder.mkdir(parents=True, exist_ok=True)
+            held.enter_context(_hold_cell(cell.folder))
+        except CellInUseError as err:
+            return CellOutcome(cell.key, "failed", error=str(err))
+        except OSError as err:  # no folder: nowhere to write error.txt either
+            return CellOutcome(cell.key, "failed", 0.0, f"cannot create {cell.folder}: {err}")
+        _cell_running.set()
+        try:
+            return _run_cell(cell)
+        finally:
+            _cell_running.clear()
+
+
+class CellInUseError(RuntimeError):
+    """Another process holds the cell's lock (the same grid started twice on one folder)."""
+
+
+@contextlib.contextmanager
+def _hold_cell(folder: Path) -> Iterator[None]:
+    """Hold ``<folder>/cell.lock`` while this process works on the cell: an exclusive
+    ``flock``, which the OS releases when the process ends, however it ends (so a killed run
+    leaves no stale lock). Raises :class:`CellInUseError` naming the holder's pid. Where
+    ``fcntl`` does not exist (Windows) cells are not locked."""
+    if fcntl is None:  # pragma: no cover - not on POSIX
+        yield
+        return
+    with open(folder / LOCK_FILE, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            raise CellInUseError(
+                f"{folder} is in use by another process (pid {holder}); is the same grid "
+                "running twice on this output_dir? The cell was left alone"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _run_cell(cell: Cell) -> CellOutcome:
     done = cell.folder / CELL_DONE
-    if done.is_file():
+    if done.is_file():  # finished by another invocation while this one waited
         return CellOutcome(cell.key, "skipped")
     resumed = cell.train_dir.exists()  # an earlier invocation did part of the work
     try:
-        cell.folder.mkdir(parents=True, exist_ok=True)
         (cell.folder / ERROR_FILE).unlink(missing_ok=True)
         ledger = _WallLedger(cell.folder, resumed=resumed)
         ledger.write()  # the first write fails here, not in the heartbeat thread
