@@ -10,6 +10,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from _experiment import TINY_BASE
 from emdlm.cli import app
 from emdlm.experiments import expand_grid, run_experiment
 from emdlm.experiments.grid import parse_experiment
@@ -24,21 +25,7 @@ from emdlm.experiments.runner import (
 pytestmark = pytest.mark.slow
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-BASE = {
-    "model": {"name": "tiny-gpt2", "params": {"n_layer": 1, "n_head": 2, "n_embd": 32,
-                                              "n_positions": 32}},
-    "tokenizer": "char",
-    "data": {
-        "train": {"task": "arithmetic", "n": 128, "params": {"max_digits": 2, "ops": "+-"}},
-        "eval": {"task": "arithmetic", "n": 8, "split": "test",
-                 "params": {"max_digits": 2, "ops": "+-"}},
-        "max_length": 24,
-    },
-    "optim": {"lr": 1.0e-2},
-    "train": {"batch_size": 16, "max_steps": 20, "save_steps": 10, "logging_steps": 10,
-              "tensorboard": False},
-    "eval": {"kind": "number", "max_new_tokens": 4, "batch_size": 16},
-}
+BASE = TINY_BASE
 VARIANTS = {
     "ce": ["objective.name=ce"],
     "ntil": ["objective.name=ntil", "objective.params.value_mode=expected"],

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from _experiment import TINY_BASE
+
 pytestmark = pytest.mark.slow
 psutil = pytest.importorskip("psutil")  # installed with accelerate
 
@@ -40,21 +42,10 @@ if __name__ == "__main__":  # spawned workers import this file again
         sys.exit(130)
 """
 
-BASE = {
-    "model": {"name": "tiny-gpt2", "params": {"n_layer": 1, "n_head": 2, "n_embd": 16,
-                                              "n_positions": 32}},
-    "tokenizer": "char",
-    "data": {
-        "train": {"task": "arithmetic", "n": 64, "params": {"max_digits": 2, "ops": "+-"}},
-        "eval": {"task": "arithmetic", "n": 4, "split": "test",
-                 "params": {"max_digits": 2, "ops": "+-"}},
-        "max_length": 24,
-    },
-    # far more steps than the test waits for: only a stop ends these runs
-    "train": {"batch_size": 8, "max_steps": 1_000_000, "save_steps": 5, "logging_steps": 1,
-              "tensorboard": False},
-    "eval": {"kind": "number", "max_new_tokens": 4, "batch_size": 4},
-}
+# far more steps than the test waits for: only a stop ends these runs
+BASE = {**TINY_BASE,
+        "train": {"batch_size": 8, "max_steps": 1_000_000, "save_steps": 5, "logging_steps": 1,
+                  "tensorboard": False}}
 
 
 def _start_grid(tmp_path: Path) -> tuple[subprocess.Popen, list[Path]]:
@@ -102,15 +93,17 @@ def _logged_steps(folder: Path) -> int:
     return max(steps, default=0)
 
 
-def _assert_stopped(folders: list[Path]) -> None:
+def _assert_stopped(folders: list[Path], steps_at_stop: list[int]) -> None:
     """No writer is left: the logs stop growing, the waiting cell never started, and each
-    interrupted cell kept a checkpoint and is not marked done or failed."""
+    interrupted cell saved a checkpoint at the step it stopped in (as after a Ctrl-C, not only
+    the scheduled ones) and is not marked done or failed."""
     before = [_logged_steps(f) for f in folders[:2]]
     time.sleep(2.0)
     assert [_logged_steps(f) for f in folders[:2]] == before, "a worker is still training"
     assert not folders[2].exists(), "the waiting cell was started after the stop"
-    for f in folders[:2]:
-        assert any((f / "train").glob("checkpoint-*"))
+    for f, at_stop in zip(folders[:2], steps_at_stop, strict=True):
+        newest = max(int(p.name.split("-")[-1]) for p in (f / "train").glob("checkpoint-*"))
+        assert newest >= at_stop
         assert not (f / "cell_done.json").exists() and not (f / "error.txt").exists()
 
 
@@ -131,11 +124,7 @@ def test_sigterm_to_the_runner_stops_the_grid_like_ctrl_c(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 130  # the runner's KeyboardInterrupt
         assert _gone(workers, timeout=30), "worker processes outlived the runner"
-        _assert_stopped(folders)
-        # each run saved a checkpoint at the step it stopped in, not only the scheduled ones
-        for f, at_stop in zip(folders[:2], steps_at_stop, strict=True):
-            newest = max(int(p.name.split("-")[-1]) for p in (f / "train").glob("checkpoint-*"))
-            assert newest >= at_stop
+        _assert_stopped(folders, steps_at_stop)
     finally:
         _kill_all(proc, workers)
 
@@ -149,9 +138,6 @@ def test_workers_of_a_killed_runner_stop_and_start_nothing(tmp_path):
         proc.send_signal(signal.SIGKILL)  # no handler runs: the workers must notice
         proc.wait(timeout=30)
         assert _gone(workers, timeout=60), "orphaned workers kept running"
-        _assert_stopped(folders)
-        for f, at_stop in zip(folders[:2], steps_at_stop, strict=True):
-            newest = max(int(p.name.split("-")[-1]) for p in (f / "train").glob("checkpoint-*"))
-            assert newest >= at_stop  # interrupted as by a Ctrl-C: a checkpoint at its stop
+        _assert_stopped(folders, steps_at_stop)
     finally:
         _kill_all(proc, workers)
