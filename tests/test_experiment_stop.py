@@ -115,29 +115,23 @@ def _kill_all(proc: subprocess.Popen, workers: list[int]) -> None:
             psutil.Process(pid).kill()
 
 
-def test_sigterm_to_the_runner_stops_the_grid_like_ctrl_c(tmp_path):
+@pytest.mark.parametrize(
+    ("sig", "exit_code"),
+    [
+        (signal.SIGTERM, 130),  # handled: SIGINT to the workers, the runner's KeyboardInterrupt
+        (signal.SIGKILL, -signal.SIGKILL),  # no handler runs: the orphaned workers must notice
+    ],
+    ids=["sigterm", "sigkill"],
+)
+def test_a_stopped_runner_leaves_no_writer(tmp_path, sig, exit_code):
     proc, folders = _start_grid(tmp_path)
     workers: list[int] = []
     try:
         workers = _wait_until_training(proc, folders)
         steps_at_stop = [_logged_steps(f) for f in folders[:2]]
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=120) == 130  # the runner's KeyboardInterrupt
-        assert _gone(workers, timeout=30), "worker processes outlived the runner"
-        _assert_stopped(folders, steps_at_stop)
-    finally:
-        _kill_all(proc, workers)
-
-
-def test_workers_of_a_killed_runner_stop_and_start_nothing(tmp_path):
-    proc, folders = _start_grid(tmp_path)
-    workers: list[int] = []
-    try:
-        workers = _wait_until_training(proc, folders)
-        steps_at_stop = [_logged_steps(f) for f in folders[:2]]
-        proc.send_signal(signal.SIGKILL)  # no handler runs: the workers must notice
-        proc.wait(timeout=30)
-        assert _gone(workers, timeout=60), "orphaned workers kept running"
+        proc.send_signal(sig)
+        assert proc.wait(timeout=120) == exit_code
+        assert _gone(workers, timeout=60), "worker processes outlived the runner"
         _assert_stopped(folders, steps_at_stop)
     finally:
         _kill_all(proc, workers)
