@@ -29,8 +29,8 @@ in docs/experiments.md). ``workers=1`` runs the cells in this process.
 Stopping: one folder, one writer. Ctrl-C reaches every process of the grid (the terminal
 signals the whole process group); ``SIGTERM`` to the runner (``kill``, a scheduler's time
 limit) is turned into the same thing: the runner passes SIGINT to its workers and to itself.
-Each interrupted training run saves a checkpoint after its current step, the queued cells
-are cancelled, and the runner exits with KeyboardInterrupt. A worker whose runner died
+Each interrupted training run saves a checkpoint after its current step, no further cell
+starts, and the runner exits with KeyboardInterrupt. A worker whose runner died
 without a word (SIGKILL, the out-of-memory killer) notices within ``RUNNER_POLL_S`` seconds
 that it was orphaned, interrupts its cell the same way and exits without starting another
 one: otherwise it would go on training the queued cells, unseen, beside the next invocation
@@ -250,8 +250,6 @@ def run_cell(cell: Cell) -> CellOutcome:
     process holds (``cell.lock``) is left alone and reported as failed."""
     if _orphaned.is_set():
         return CellOutcome(cell.key, "failed", error="the experiment runner is gone")
-    if (cell.folder / CELL_DONE).is_file():
-        return CellOutcome(cell.key, "skipped")
     with contextlib.ExitStack() as held:
         try:
             cell.folder.mkdir(parents=True, exist_ok=True)
@@ -302,7 +300,7 @@ def _hold_cell(folder: Path) -> Iterator[None]:
 
 def _run_cell(cell: Cell) -> CellOutcome:
     done = cell.folder / CELL_DONE
-    if done.is_file():  # finished by another invocation while this one waited
+    if done.is_file():  # checked under the lock: another invocation may have just finished it
         return CellOutcome(cell.key, "skipped")
     resumed = cell.train_dir.exists()  # an earlier invocation did part of the work
     try:
