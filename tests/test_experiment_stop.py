@@ -3,7 +3,7 @@
 SIGTERM to the runner must stop the grid as a Ctrl-C does (each training run saves a checkpoint
 after its step, no queued cell starts), and workers whose runner was killed outright must stop
 too: otherwise they go on training, unseen, beside the next invocation that resumes the same
-folders. Real processes and real (tiny) training: the runner runs as a script."""
+folders. Real processes and real (tiny) training: the runner is the `emdlm experiment` command."""
 
 from __future__ import annotations
 
@@ -24,24 +24,6 @@ from _experiment import TINY_BASE
 pytestmark = pytest.mark.slow
 psutil = pytest.importorskip("psutil")  # installed with accelerate
 
-RUNNER = """
-import sys
-
-import yaml
-
-from emdlm.experiments import expand_grid
-from emdlm.experiments.grid import parse_experiment
-from emdlm.experiments.runner import run_cells
-
-if __name__ == "__main__":  # spawned workers import this file again
-    with open(sys.argv[1]) as f:
-        cells = expand_grid(parse_experiment(yaml.safe_load(f)))
-    try:
-        run_cells(cells, workers=2, threads=1, progress=False)
-    except KeyboardInterrupt:
-        sys.exit(130)
-"""
-
 # far more steps than the test waits for: only a stop ends these runs
 BASE = {**TINY_BASE,
         "train": {"batch_size": 8, "max_steps": 1_000_000, "save_steps": 5, "logging_steps": 1,
@@ -50,12 +32,12 @@ BASE = {**TINY_BASE,
 
 def _start_grid(tmp_path: Path) -> tuple[subprocess.Popen, list[Path]]:
     """Three cells on two workers: two start, the third waits for a free worker."""
-    exp = {"base": BASE, "variants": {"ce": []}, "seeds": [0, 1, 2],
+    exp = {"base": BASE, "variants": {"ce": []}, "seeds": [0, 1, 2], "workers": 2,
            "output_dir": str(tmp_path / "grid")}
     (tmp_path / "exp.yaml").write_text(yaml.safe_dump(exp))
-    (tmp_path / "runner.py").write_text(RUNNER)
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "runner.py"),
-                             str(tmp_path / "exp.yaml")], cwd=tmp_path,
+    # the user's command, `emdlm experiment -c exp.yaml --no-progress`, as its own process
+    proc = subprocess.Popen([sys.executable, "-m", "emdlm.cli", "experiment", "-c",
+                             str(tmp_path / "exp.yaml"), "--no-progress"], cwd=tmp_path,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     folders = [tmp_path / "grid" / "default" / "ce" / f"seed{k}" for k in range(3)]
     return proc, folders
@@ -118,7 +100,7 @@ def _kill_all(proc: subprocess.Popen, workers: list[int]) -> None:
 @pytest.mark.parametrize(
     ("sig", "exit_code"),
     [
-        (signal.SIGTERM, 130),  # handled: SIGINT to the workers, the runner's KeyboardInterrupt
+        (signal.SIGTERM, 130),  # handled: SIGINT to the workers; the CLI's interrupted exit
         (signal.SIGKILL, -signal.SIGKILL),  # no handler runs: the orphaned workers must notice
     ],
     ids=["sigterm", "sigkill"],
