@@ -24,7 +24,7 @@ import re
 import shutil
 import sys
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -340,5 +340,31 @@ def atomic_checkpoint_trainer(base: type) -> type:
                 )
             self.accelerator.wait_for_everyone()
 
+        def _issue_warnings_after_load(self, load_result: Any) -> None:
+            # transformers 5.23 warns "missing keys ['lm_head.weight']" on every resume of a
+            # model whose head is tied to its input embedding (saved once, under the
+            # embedding's name): keys that share their tensor with a loaded key are not missing.
+            tied = tied_missing_keys(self.model, load_result.missing_keys)
+            if tied and hasattr(load_result, "_replace"):
+                kept = [key for key in load_result.missing_keys if key not in tied]
+                load_result = load_result._replace(missing_keys=kept)
+            super()._issue_warnings_after_load(load_result)
+
     AtomicCheckpointTrainer.__name__ = f"Atomic{base.__name__}"
     return AtomicCheckpointTrainer
+
+
+def tied_missing_keys(model: Any, missing_keys: Sequence[str]) -> set[str]:
+    """The keys of ``missing_keys`` whose parameter is the same tensor as a key that was loaded
+    (a tied LM head: ``lm_head.weight`` is ``transformer.wte.weight``), so nothing is missing."""
+    missing = set(missing_keys)
+    names_by_tensor: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_by_tensor.setdefault(id(param), []).append(name)
+    return {
+        name
+        for names in names_by_tensor.values()
+        if any(other not in missing for other in names)
+        for name in names
+        if name in missing
+    }
