@@ -308,6 +308,7 @@ def atomic_checkpoint_trainer(base: type) -> type:
     saves into ``tmp-checkpoint-<step>/checkpoint-<step>`` (its own save code, unchanged: the
     run folder it sees is redirected while it saves), every process waits for the others (each
     writes its RNG state), and rank 0 renames the folder into place and rotates old checkpoints.
+    On resume, a tied head is not reported as a missing key (:func:`tied_missing_keys`).
     """
     from transformers.trainer_utils import rotate_checkpoints
 
