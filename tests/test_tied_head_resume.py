@@ -51,4 +51,3 @@ def test_resume_warning_names_only_really_missing_keys(tmp_path, monkeypatch, ti
     else:
         expected = f"There were missing keys in the checkpoint model loaded: {warned}."
         assert missing_messages == [expected]
-
