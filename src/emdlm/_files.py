@@ -1,13 +1,34 @@
-"""Whole-or-nothing file writes for caches that several processes share."""
+"""Whole-or-nothing file writes and exclusive file locks for folders that several processes
+share (image caches, experiment cells)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not on POSIX
+    fcntl = None  # type: ignore[assignment]
+try:
+    import msvcrt
+except ImportError:  # not on Windows
+    msvcrt = None  # type: ignore[assignment]
+
+#: Windows locks a byte range, and a locked range cannot be read by other processes; the lock
+#: sits on one byte far past any content, so the holder's pid written at the start stays readable.
+WINDOWS_LOCK_OFFSET = 1 << 30
+#: How often a blocking lock is retried on Windows (msvcrt has no wait-forever mode).
+WINDOWS_RETRY_S = 0.1
+
+
+class LockHeldError(BlockingIOError):
+    """Another process holds the lock (raised by :func:`exclusive_lock` with ``blocking=False``)."""
 
 
 @contextlib.contextmanager
@@ -30,3 +51,55 @@ def atomic_write(path: Path, *, binary: bool = False) -> Iterator[IO[Any]]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+@contextlib.contextmanager
+def exclusive_lock(fh: IO[Any], *, blocking: bool) -> Iterator[None]:
+    """Hold an exclusive advisory lock on the open file ``fh`` for the ``with`` block.
+
+    POSIX: ``flock`` on the whole file. Windows: ``msvcrt.locking`` on one byte at
+    :data:`WINDOWS_LOCK_OFFSET`. Either way the OS drops the lock when the process ends,
+    however it ends, so a killed holder leaves no stale lock. ``blocking=False`` raises
+    :class:`LockHeldError` at once if another process holds it; ``blocking=True`` waits.
+    Where neither exists the block runs unlocked (the atomic writes still keep files whole).
+    """
+    if fcntl is not None:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            raise LockHeldError(f"{getattr(fh, 'name', fh)} is locked by another process") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+        return
+    if msvcrt is None:  # pragma: no cover - neither POSIX nor Windows
+        yield
+        return
+    fh.flush()
+    fd = fh.fileno()
+    while True:
+        try:
+            _locking_at(fd, msvcrt.LK_NBLCK)
+            break
+        except OSError:
+            if not blocking:
+                raise LockHeldError(
+                    f"{getattr(fh, 'name', fh)} is locked by another process") from None
+            time.sleep(WINDOWS_RETRY_S)
+    try:
+        yield
+    finally:
+        fh.flush()
+        _locking_at(fd, msvcrt.LK_UNLCK)
+
+
+def _locking_at(fd: int, mode: int) -> None:
+    """``msvcrt.locking`` of the byte at :data:`WINDOWS_LOCK_OFFSET`, leaving the descriptor's
+    position where it was (msvcrt locks from the current position)."""
+    position = os.lseek(fd, 0, os.SEEK_CUR)
+    os.lseek(fd, WINDOWS_LOCK_OFFSET, os.SEEK_SET)
+    try:
+        msvcrt.locking(fd, mode, 1)
+    finally:
+        os.lseek(fd, position, os.SEEK_SET)

@@ -56,12 +56,8 @@ from multiprocessing import active_children, get_context
 from pathlib import Path
 from typing import Any
 
+from emdlm._files import LockHeldError, exclusive_lock
 from emdlm.experiments.grid import Cell
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - not on POSIX
-    fcntl = None  # type: ignore[assignment]
 
 CELL_DONE = "cell_done.json"
 ERROR_FILE = "error.txt"
@@ -271,17 +267,14 @@ class CellInUseError(RuntimeError):
 
 @contextlib.contextmanager
 def _hold_cell(folder: Path) -> Iterator[None]:
-    """Hold ``<folder>/cell.lock`` while this process works on the cell: an exclusive
-    ``flock``, which the OS releases when the process ends, however it ends (so a killed run
-    leaves no stale lock). Raises :class:`CellInUseError` naming the holder's pid. Where
-    ``fcntl`` does not exist (Windows) cells are not locked."""
-    if fcntl is None:  # pragma: no cover - not on POSIX
-        yield
-        return
-    with open(folder / LOCK_FILE, "a+") as f:
+    """Hold ``<folder>/cell.lock`` while this process works on the cell: an exclusive lock
+    (``flock``; ``msvcrt.locking`` on Windows), which the OS releases when the process ends,
+    however it ends (so a killed run leaves no stale lock). Raises :class:`CellInUseError`
+    naming the holder's pid."""
+    with open(folder / LOCK_FILE, "a+") as f, contextlib.ExitStack() as held:
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            held.enter_context(exclusive_lock(f, blocking=False))
+        except LockHeldError:
             f.seek(0)
             holder = f.read().strip() or "unknown"
             raise CellInUseError(
@@ -292,10 +285,7 @@ def _hold_cell(folder: Path) -> Iterator[None]:
         f.truncate()
         f.write(f"{os.getpid()}\n")
         f.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        yield
 
 
 def _run_cell(cell: Cell) -> CellOutcome:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from emdlm._files import atomic_write
+from emdlm._files import atomic_write, exclusive_lock
 
 RGB = tuple[int, int, int]
 
@@ -266,19 +266,10 @@ def _render_missing(
 
 @contextlib.contextmanager
 def _folder_lock(folder: Path) -> Iterator[None]:
-    """An exclusive advisory lock on ``folder/.lock`` (fcntl, POSIX); no lock where fcntl is
-    missing (the atomic writes still keep every file whole there)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX
+    """An exclusive lock on ``folder/.lock`` (``flock``; ``msvcrt.locking`` on Windows), waited
+    for: one process renders a cache while the others wait and then reuse it."""
+    with (folder / _LOCK).open("a") as fh, exclusive_lock(fh, blocking=True):
         yield
-        return
-    with (folder / _LOCK).open("a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _write_manifest(folder: Path, key: dict[str, Any], rows: list[dict[str, Any]]) -> None:
