@@ -8,7 +8,7 @@ import yaml
 
 from emdlm.config import ConfigError, build_config
 from emdlm.experiments import expand_grid, load_experiment
-from emdlm.experiments.grid import packaged_experiments, parse_experiment
+from emdlm.experiments.grid import packaged_experiments, parse_experiment, select_cells
 
 TINY_BASE = {
     "model": {"name": "tiny-gpt2", "params": {"n_layer": 1, "n_head": 2, "n_embd": 32,
@@ -157,3 +157,18 @@ def test_command_line_base_overrides_win_over_the_files_base_overrides(tmp_path)
     packaged = load_experiment("arithmetic_how_fast", ["base.train.max_steps=5",
                                                        f"output_dir={tmp_path / 'x'}"])
     assert {build_config(c.config).train.max_steps for c in expand_grid(packaged)} == {5}
+
+
+def test_select_cells_by_shell_pattern_keeps_grid_order(tmp_path):
+    cells = expand_grid(parse_experiment(_exp(tmp_path, tasks={"d2": [], "d1": []})))
+    keys = lambda picked: [c.key for c in picked]  # noqa: E731
+    assert keys(select_cells(cells, ["*/ntil/seed1"])) == ["d2/ntil/seed1", "d1/ntil/seed1"]
+    # several patterns: the union, in the grid's order, each cell once
+    assert keys(select_cells(cells, ["d1/*/seed0", "*/ce/seed0"])) == [
+        "d2/ce/seed0", "d1/ce/seed0", "d1/ntil/seed0"]
+    assert keys(select_cells(cells, ["d2/*/seed[01]"])) == [c.key for c in cells[:4]]
+    # a pattern that matches nothing is named, even beside one that matches
+    with pytest.raises(ConfigError, match=r"--only 'd3/\*' matches no cell.*d2/ce/seed0"):
+        select_cells(cells, ["d2/ce/seed0", "d3/*"])
+    with pytest.raises(ConfigError, match="matches no cell"):
+        select_cells(cells, ["ntil/seed1"])  # the task part is required

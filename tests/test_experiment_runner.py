@@ -269,3 +269,24 @@ def test_a_cell_another_process_holds_is_left_alone(tmp_path):
         assert sorted(p.name for p in cell.folder.iterdir()) == [runner.LOCK_FILE]
     (outcome,) = run_cells([cell], workers=1, threads=1, progress=False)  # released
     assert outcome.status == "done" and (cell.folder / CELL_DONE).is_file()
+
+
+def test_only_runs_the_matching_cells_and_reports_what_is_finished(tmp_path):
+    """`--only` runs part of the grid (here one late seed of a non-baseline variant, with the
+    baseline's cells not yet run): the other cells stay untouched and the report is written
+    over the finished ones; a pattern that matches no cell stops before anything runs."""
+    path = _write_exp(tmp_path, variants={k: VARIANTS[k] for k in ("ce", "ntil")})
+    out = tmp_path / "grid" / "default"
+    bad = CliRunner().invoke(app, ["experiment", "-c", str(path), "--no-progress",
+                                   "--only", "*/ntil/seed7"])
+    assert bad.exit_code == 2 and "matches no cell" in bad.output
+    assert not (tmp_path / "grid").exists()
+    res = CliRunner().invoke(app, ["experiment", "-c", str(path), "--no-progress",
+                                   "--only", "*/ntil/seed1"])
+    assert res.exit_code == 0, res.output
+    assert (out / "ntil" / "seed1" / CELL_DONE).is_file()
+    assert not any((out / v / f"seed{s}").exists()
+                   for v, s in [("ce", 0), ("ce", 1), ("ntil", 0)])
+    with (tmp_path / "grid" / "results.csv").open() as fh:
+        cells = {(r["variant"], r["seed"]) for r in csv.DictReader(fh)}
+    assert cells == {("ntil", "1")}

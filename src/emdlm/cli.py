@@ -223,15 +223,21 @@ def experiment(
         bool, typer.Option("--report-only", help="Only rebuild the report from finished cells")
     ] = False,
     progress: Annotated[bool, typer.Option(help="Show the grid's progress display")] = True,
+    only: Annotated[
+        list[str] | None,
+        typer.Option("--only", help="Run only the cells whose task/variant/seed<k> matches this "
+                     "shell pattern (repeatable, e.g. '*/ce/seed4'); the report covers all"),
+    ] = None,
 ) -> None:
     """Run a grid of variants x seeds x tasks (train + eval per cell; finished cells are
     skipped) and write report.md, results.csv and plots/ with paired statistics."""
     from emdlm.experiments import run_experiment
 
-    command = " ".join(["emdlm", "experiment", "-c", config, *(overrides or [])])
+    only_flags = [f"--only {pattern}" for pattern in only or []]
+    command = " ".join(["emdlm", "experiment", "-c", config, *only_flags, *(overrides or [])])
     try:
         result = run_experiment(config, list(overrides or []), progress=progress,
-                                report_only=report_only, command=command)
+                                report_only=report_only, command=command, only=only)
     except ConfigError as err:
         _fail(str(err))
     except KeyboardInterrupt:

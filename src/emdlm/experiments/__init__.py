@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from emdlm.experiments.grid import Cell, Experiment, expand_grid, load_experiment
+from emdlm.experiments.grid import Cell, Experiment, expand_grid, load_experiment, select_cells
 from emdlm.experiments.runner import CellOutcome, default_workers, run_cells
 
 
@@ -47,18 +47,21 @@ def write_outputs(exp: Experiment, cells: list[Cell], *, command: str = "") -> E
 
 def run_experiment(
     config: str | Path, overrides: list[str] | None = None, *, progress: bool = True,
-    report_only: bool = False, command: str = "",
+    report_only: bool = False, command: str = "", only: list[str] | None = None,
 ) -> ExperimentResult:
     """Load, expand (every cell's config is checked first), run the unfinished cells, report.
 
-    ``report_only``: skip running and only aggregate what is finished.
+    ``report_only``: skip running and only aggregate what is finished. ``only``: run just the
+    cells whose ``task/variant/seed<k>`` key matches one of these shell-style patterns
+    (:func:`~emdlm.experiments.grid.select_cells`); the report still covers every finished cell.
     """
     exp = load_experiment(config, overrides)
     cells = expand_grid(exp)
+    to_run = select_cells(cells, only) if only else cells
     outcomes: list[CellOutcome] = []
     if not report_only:
         workers = exp.workers or default_workers()
-        outcomes = run_cells(cells, workers=workers, threads=exp.threads_per_worker,
+        outcomes = run_cells(to_run, workers=workers, threads=exp.threads_per_worker,
                              progress=progress)
     result = write_outputs(exp, cells, command=command)
     result.outcomes = outcomes
@@ -74,5 +77,6 @@ __all__ = [
     "load_experiment",
     "run_cells",
     "run_experiment",
+    "select_cells",
     "write_outputs",
 ]

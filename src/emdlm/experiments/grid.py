@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
@@ -334,6 +335,22 @@ def expand_grid(exp: Experiment) -> list[Cell]:
                                   exp.eval.checkpoints, extra, exp.keep_checkpoints,
                                   exp.threads_per_worker))
     return cells
+
+
+def select_cells(cells: list[Cell], patterns: list[str]) -> list[Cell]:
+    """The cells whose key (``task/variant/seed<k>``) matches one of the shell-style patterns
+    (``fnmatch``: ``*/ce_lr1e-3/seed4``, ``add3/*/seed[01]``), in grid order.
+
+    Lets one invocation run part of a grid (one late seed, one variant) while the report still
+    covers every finished cell. A pattern that matches no cell is an error (a typo would
+    otherwise run nothing and say nothing).
+    """
+    unmatched = [p for p in patterns if not any(fnmatchcase(c.key, p) for c in cells)]
+    if unmatched:
+        sample = ", ".join(c.key for c in cells[:4]) + (", ..." if len(cells) > 4 else "")
+        raise ConfigError(f"--only {', '.join(map(repr, unmatched))} matches no cell of this "
+                          f"grid (cell keys are task/variant/seed<k>: {sample})")
+    return [c for c in cells if any(fnmatchcase(c.key, p) for p in patterns)]
 
 
 def check_run_config(raw: dict[str, Any], where: str) -> RunConfig:
