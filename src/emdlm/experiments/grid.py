@@ -236,7 +236,9 @@ def parse_experiment(data: dict[str, Any], folder: Path = Path(".")) -> Experime
     variants = _named_overrides(data.get("variants"), "experiment.variants", required=True)
     baseline = str(data.get("baseline", next(iter(variants))))
     if baseline not in variants:
-        raise ConfigError(f"experiment.baseline {baseline!r} is not a variant: {list(variants)}")
+        raise ConfigError(f"experiment.baseline {baseline!r} is not a variant: {list(variants)} "
+                          "(to run only some cells of a grid, keep its variants and pass "
+                          "--only task/variant/seed<k> instead)")
     seeds = data.get("seeds", [0])
     if isinstance(seeds, int) and not isinstance(seeds, bool):
         seeds = list(range(seeds))  # "seeds: 5" means seeds 0..4
