@@ -290,3 +290,5 @@ def test_only_runs_the_matching_cells_and_reports_what_is_finished(tmp_path):
     with (tmp_path / "grid" / "results.csv").open() as fh:
         cells = {(r["variant"], r["seed"]) for r in csv.DictReader(fh)}
     assert cells == {("ntil", "1")}
+    report = (tmp_path / "grid" / "report.md").read_text()
+    assert "--only */ntil/seed1" in report and "Cells finished: 1/4" in report
