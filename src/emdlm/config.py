@@ -30,6 +30,8 @@ from typing import Any, get_type_hints
 
 import yaml
 
+from emdlm.yaml_io import DuplicateKeyError, safe_load_unique
+
 OBJECTIVES = ("ce", "emd", "ntil", "emo", "tailr", "mixce", "emo_distill", "kl_distill")
 DISTILL_OBJECTIVES = ("emo_distill", "kl_distill")  # the objectives that take a teacher
 #: λ schedules of the numeric term (emdlm.training.lam_schedule).
@@ -394,7 +396,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not key:
         raise ConfigError(f"override {item!r} has an empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = safe_load_unique(raw) if raw.strip() else ""
+    except DuplicateKeyError as err:
+        raise ConfigError(f"override {item!r}: {err}") from err
     except yaml.YAMLError:
         value = raw
     return key.split("."), value
@@ -421,6 +425,19 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
+def read_yaml_file(path: Path) -> Any:
+    """The YAML document in ``path``; ConfigError naming the file for invalid YAML or a key given
+    twice in one mapping (:func:`emdlm.yaml_io.safe_load_unique`)."""
+    try:
+        return safe_load_unique(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason})") from err
+    except DuplicateKeyError as err:
+        raise ConfigError(f"{path}: {err}") from err
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from err
+
+
 def load_config_dict(path: str | Path | None) -> dict[str, Any]:
     """Raw mapping from a YAML file (a packaged config name like "arithmetic_ntil" also works)."""
     if path is None:
@@ -432,10 +449,7 @@ def load_config_dict(path: str | Path | None) -> dict[str, Any]:
             p = packaged
         else:
             raise ConfigError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{p}: not valid YAML: {err}") from err
+    data = read_yaml_file(p)
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -47,6 +47,7 @@ from emdlm.config import (
     build_config,
     load_config_dict,
     parse_override,
+    read_yaml_file,
 )
 
 EXPERIMENT_KEYS = (
@@ -135,10 +136,7 @@ def load_experiment_dict(path: str | Path) -> tuple[dict[str, Any], Path]:
         if packaged is None:
             raise ConfigError(f"experiment config not found: {path}")
         p = packaged
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{p}: not valid YAML: {err}") from err
+    data = read_yaml_file(p)
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: top level must be a mapping, got {type(data).__name__}")
     return data, p.parent

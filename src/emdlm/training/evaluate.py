@@ -6,9 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from emdlm.config import ConfigError, RunConfig, apply_overrides, build_config, load_config_dict
+from emdlm.config import (
+    ConfigError,
+    RunConfig,
+    apply_overrides,
+    build_config,
+    load_config_dict,
+    read_yaml_file,
+)
 from emdlm.data import load_examples
 
 RUN_CONFIG = "run_config.yaml"
@@ -22,7 +27,7 @@ def resolve_eval_config(
     base: dict[str, Any] = {}
     for candidate in (folder / RUN_CONFIG, folder.parent / RUN_CONFIG):
         if candidate.is_file():  # a run folder, or a checkpoint-N inside one
-            base = yaml.safe_load(candidate.read_text()) or {}
+            base = read_yaml_file(candidate) or {}
             break
     extra = load_config_dict(config)
     merged = _deep_merge(base, extra)

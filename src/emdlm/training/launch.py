@@ -32,6 +32,8 @@ from typing import Any
 import yaml
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
+from emdlm.yaml_io import safe_load_unique
+
 _LOG = logging.getLogger("emdlm")
 # Set in the child by both of accelerate's launchers (single-process and torchrun hand-over).
 _ACCELERATE_MARKERS = ("ACCELERATE_DYNAMO_BACKEND", "ACCELERATE_MIXED_PRECISION")
@@ -100,8 +102,8 @@ def accelerate_requested_processes(argv: Sequence[str]) -> int | None:
     if path is None:
         return None
     try:
-        loaded = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError):
+        loaded = safe_load_unique(Path(path).read_text())
+    except (OSError, yaml.YAMLError):  # a key given twice too: the count is not certain
         return None
     n = loaded.get("num_processes") if isinstance(loaded, dict) else None
     return n if isinstance(n, int) else None
