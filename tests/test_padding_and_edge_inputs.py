@@ -263,3 +263,29 @@ def test_numeric_losses_with_other_label_ranks(char_tokenizer: Any, name: str) -
         assert float(out.loss.detach()) == 0.0
         out.loss.backward()
         assert x.grad is not None and x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.int8, torch.uint8])
+@pytest.mark.parametrize(("name", "path"), CASES)
+def test_narrow_integer_labels_equal_int64_labels(
+    gpt2_tokenizer: Any, name: str, path: str, dtype: torch.dtype
+) -> None:
+    """Valid labels in any accepted integer dtype give the int64 loss and gradient at a real
+    vocabulary size (GPT-2, V = 50257). The range check once compared in the labels' dtype,
+    where V wraps (int16: 50257 -> -15279, int8 / uint8: -> 81): valid labels were "out of
+    range". uint8 cannot hold ignore_index = -100, so its rows are scored in full."""
+    vocab = len(gpt2_tokenizer)
+    info = torch.iinfo(dtype)
+    # char-level ids of "12+34=46" (digits 15-24), plus a token above 81 that fits the dtype
+    ids = gpt2_tokenizer.convert_tokens_to_ids(list("12+34=46"))
+    high = 3510 if info.max >= 3510 else 100  # GPT-2 " 46"-like multi-digit token / 'd'
+    labels = torch.tensor([[*ids, high], [high, *reversed(ids)]])
+    if info.min <= -100:
+        labels[0, :3] = -100  # the prompt "12+" is not scored
+    logits = torch.randn(2, labels.shape[1], vocab, generator=torch.Generator().manual_seed(0))
+    build = BUILDERS[name][path]
+    ref_loss, ref_grad = _run(build(gpt2_tokenizer, vocab), logits, labels)
+    loss, grad = _run(build(gpt2_tokenizer, vocab), logits, labels.to(dtype))
+    assert torch.isfinite(ref_loss) and ref_loss > 0
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    torch.testing.assert_close(grad, ref_grad, rtol=0, atol=0)

@@ -19,8 +19,9 @@ def check_logits_labels(
 ) -> None:
     """Raise a clear error for malformed inputs; no host sync unless validation needs one.
 
-    Checks: logits are floating point with a trailing vocab dim, labels are integer with the
-    logits' leading shape, every non-ignored label lies in [0, V).
+    Checks: logits are floating point with a trailing vocab dim, labels are integer (int64,
+    int32, int16, int8 or uint8; compared as int64) with the logits' leading shape, every
+    non-ignored label lies in [0, V).
     """
     if not torch.is_floating_point(logits):
         raise TypeError(f"logits must be a floating-point tensor, got dtype {logits.dtype}")
@@ -34,6 +35,10 @@ def check_logits_labels(
             f"{tuple(logits.shape[:-1])}, got labels {tuple(labels.shape)}"
         )
     vocab = logits.shape[-1]
+    # Compare in int64: with int16 / int8 / uint8 labels torch casts the Python scalars V and
+    # ignore_index to the labels' dtype, where they wrap (50257 -> -15279 in int16, -100 -> 156
+    # in uint8), so valid labels read as out of range and real ones as ignored.
+    labels = labels.long()
     valid = labels != ignore_index
     # One reduction and a single host sync for the whole batch (not per token).
     bad = valid & ((labels < 0) | (labels >= vocab))
