@@ -44,6 +44,14 @@ def _fake_cell(cell, errors_by_step):
     (cell.folder / CELL_DONE).write_text(json.dumps({"wall_s": 2.0}))
 
 
+def _replace_predictions(folder, rows):
+    """New predictions.jsonl rows for a step, with the row count metrics.json records (n) to
+    match: the report refuses a file whose length disagrees with it (a cut-off write)."""
+    metrics = json.loads((folder / "metrics.json").read_text())
+    (folder / "metrics.json").write_text(json.dumps({**metrics, "n": len(rows)}))
+    (folder / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 @pytest.fixture
 def made(tmp_path):
     exp = parse_experiment({"name": "fake", "base": FAKE_BASE, "seeds": SEEDS,
@@ -142,7 +150,8 @@ def test_extra_evaluations_are_reported_with_their_prefix(tmp_path):
         folder.mkdir(parents=True)
         (folder / "metrics.json").write_text(json.dumps(
             {"accuracy": CHOICE[cell.variant][idx], "chance_rate": 0.5, "n": 152}))
-        (folder / "predictions.jsonl").write_text(json.dumps({"prediction": 1}) + "\n")
+        # one row per scored example: metrics.json's n counts them (a shorter file is cut off)
+        (folder / "predictions.jsonl").write_text((json.dumps({"prediction": 1}) + "\n") * 152)
     result = write_outputs(exp, cells)
     report = result.report.read_text()
     diff = compare_paired(CHOICE["ce"], CHOICE["ntil"])
@@ -261,7 +270,7 @@ def test_report_has_digit_accuracy_by_place(made):
             answer = "104" if cell.seed % 2 == 0 else "1004"
             row = {"prompt": "1000+4=", "reference": "1004", "prediction": answer,
                    "correct": answer == "1004", "abs_error": abs(1004 - int(answer))}
-            (eval_dir(cell.folder, 20) / "predictions.jsonl").write_text(json.dumps(row) + "\n")
+            _replace_predictions(eval_dir(cell.folder, 20), [row])
     report = write_outputs(exp, cells, command="emdlm experiment -c fake").report.read_text()
     lines = report.splitlines()
     assert "### Digit accuracy by place value (final checkpoint, integer answers)" in lines
@@ -276,8 +285,7 @@ def test_floor_line_counts_distinct_test_problems(made):
     row = {"prompt": "9+0=", "reference": "9", "prediction": "9", "correct": True,
            "abs_error": 0.0}
     for cell in cells:  # a test set drawn with replacement can repeat a small problem
-        (eval_dir(cell.folder, 20) / "predictions.jsonl").write_text(
-            (json.dumps(row) + "\n") * 3)
+        _replace_predictions(eval_dir(cell.folder, 20), [row] * 3)
     report = write_outputs(exp, cells, command="emdlm experiment -c fake").report.read_text()
     assert "Floor, the same 3 (1 distinct) test problems answered with one constant" in report
 

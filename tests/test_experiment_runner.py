@@ -181,10 +181,11 @@ def test_wall_ledger_survives_a_killed_invocation(tmp_path):
 
 def test_worker_processes_record_failures(tmp_path):
     """Two spawned workers; each cell fails inside its worker and is reported. (The cells'
-    training is marked finished and they ask for a checkpoint that was never saved, so they
-    fail before any model is loaded: this test is about the pool, not about training.)"""
+    training is marked finished and they ask for a scheduled checkpoint that is not on disk,
+    so they fail before any model is loaded: this test is about the pool, not about training.
+    A step that is no multiple of train.save_steps is refused before any cell starts.)"""
     data = {"base": BASE, "variants": {"ce": []}, "seeds": [0, 1],
-            "eval": {"checkpoints": [5]}, "output_dir": str(tmp_path / "grid")}
+            "eval": {"checkpoints": [10]}, "output_dir": str(tmp_path / "grid")}
     cells = expand_grid(parse_experiment(data))
     for cell in cells:
         cell.train_dir.mkdir(parents=True)
@@ -192,7 +193,7 @@ def test_worker_processes_record_failures(tmp_path):
     outcomes = run_cells(cells, workers=2, threads=1, progress=False)
     assert [o.status for o in outcomes] == ["failed", "failed"]
     for cell in cells:
-        assert "eval.checkpoints [5] were not saved" in (cell.folder / ERROR_FILE).read_text()
+        assert "eval.checkpoints [10] were not saved" in (cell.folder / ERROR_FILE).read_text()
         assert not (cell.folder / CELL_DONE).exists()
 
 

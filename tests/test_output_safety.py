@@ -84,6 +84,27 @@ def test_overwrite_without_manifest_removes_known_names_only(tmp_path):
     assert kept == ["notes.txt"]
 
 
+
+def test_eval_folder_with_a_contact_sheet_or_a_cut_write_is_emdlms(tmp_path):
+    """An unrecorded eval/ that holds a VLM's contact sheet, or the temporary file of a write
+    that was killed (.metrics.json.<random>.tmp), is still emdlm eval's own; one with a user's
+    file, or a look-alike name, is kept."""
+    from emdlm.training.run_folder import clear_run_folder
+
+    out = _fake_old_run(tmp_path / "old")
+    (out / "eval").mkdir()
+    for name in ("predictions.jsonl", "contact_sheet.png", ".metrics.json.k2x9q1.tmp"):
+        (out / "eval" / name).write_text("")
+    removed, kept = clear_run_folder(out)
+    assert "eval" in removed and kept == []
+    out = _fake_old_run(tmp_path / "mine")
+    (out / "eval").mkdir()
+    (out / "eval" / "metrics.json").write_text("{}")
+    (out / "eval" / ".my_notes.tmp").write_text("keep me")
+    removed, kept = clear_run_folder(out)
+    assert "eval" not in removed and kept == ["eval"]
+    assert (out / "eval" / ".my_notes.tmp").exists()
+
 def test_hand_edited_manifest_cannot_reach_outside(tmp_path):
     out = _fake_old_run(tmp_path / "run")
     (tmp_path / "precious.txt").write_text("x")

@@ -1,5 +1,10 @@
 """Whole-or-nothing file writes and exclusive file locks for folders that several processes
-share (image caches, experiment cells)."""
+share (image caches, experiment cells, run folders).
+
+A lock file that names its holder (:func:`hold_lock_file`) holds one line, ``<pid>`` or
+``<pid> <what it is doing>``, written once the lock is taken and cleared before it is released.
+The line is only ever read while another process holds the lock, so the text a killed holder
+leaves behind (SIGKILL: the OS drops the lock, the text stays) never blocks anyone."""
 
 from __future__ import annotations
 
@@ -28,7 +33,12 @@ WINDOWS_RETRY_S = 0.1
 
 
 class LockHeldError(BlockingIOError):
-    """Another process holds the lock (raised by :func:`exclusive_lock` with ``blocking=False``)."""
+    """Another process holds the lock (raised by :func:`exclusive_lock` with ``blocking=False``).
+
+    ``holder``: who holds it as its record says (:func:`lock_holder`), when the lock file has
+    one (:func:`hold_lock_file`, :func:`check_lock_free`); empty otherwise."""
+
+    holder: str = ""
 
 
 @contextlib.contextmanager
@@ -103,3 +113,69 @@ def _locking_at(fd: int, mode: int) -> None:
         msvcrt.locking(fd, mode, 1)
     finally:
         os.lseek(fd, position, os.SEEK_SET)
+
+
+def lock_holder(fh: IO[Any]) -> str:
+    """Who holds the lock on ``fh``, from the record its holder wrote (see the module note):
+    ``"pid 123 (emdlm train)"``, ``"pid 123"``, or ``"pid unknown"`` when the holder has not
+    written its record yet. Read only while another process holds the lock: the record of a
+    holder that died is never taken for a live one (its lock is gone with it)."""
+    fh.seek(0)
+    words = fh.read().strip().split(maxsplit=1)
+    if not words:
+        return "pid unknown"
+    return f"pid {words[0]}" + (f" ({words[1]})" if len(words) > 1 else "")
+
+
+def _held_error(fh: IO[Any], path: Path) -> LockHeldError:
+    err = LockHeldError(f"{path} is locked by another process")
+    err.holder = lock_holder(fh)
+    return err
+
+
+@contextlib.contextmanager
+def hold_lock_file(path: Path, doing: str = "") -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (created if missing, never deleted) for the ``with``
+    block, recording this process as its holder: ``<pid>`` or ``<pid> <doing>`` (e.g.
+    ``"emdlm train"``), cleared again before the lock is released.
+
+    Never waits: raises :class:`LockHeldError` at once, its ``holder`` naming the process that
+    holds the lock. The OS drops the lock when the process ends however it ends, so a killed
+    holder leaves no stale lock. The file is kept so that every process locks the same file
+    (a lock file deleted and created again could be held by two processes at once).
+    """
+    with open(path, "a+", encoding="utf-8") as fh, contextlib.ExitStack() as held:
+        try:
+            held.enter_context(exclusive_lock(fh, blocking=False))
+        except LockHeldError:
+            raise _held_error(fh, path) from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"{os.getpid()} {doing}".rstrip() + "\n")
+        fh.flush()
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):  # a full disk cannot fail the release
+                fh.seek(0)
+                fh.truncate()
+                fh.flush()
+
+
+def check_lock_free(path: Path) -> None:
+    """Raise :class:`LockHeldError` (naming the holder) if another process holds the lock on
+    ``path``; writes nothing (a missing ``path`` is free and is not created). For failing early,
+    before the work that leads up to taking the lock with :func:`hold_lock_file`.
+
+    The lock is taken for an instant to test it, so a process taking it in that instant is
+    refused as if this one held it: a near-miss, not a way to get two holders."""
+    try:
+        fh = open(path, "r+", encoding="utf-8")  # noqa: SIM115 (closed below)
+    except OSError:  # missing, or not ours to open: nothing to test
+        return
+    with fh:
+        try:
+            with exclusive_lock(fh, blocking=False):
+                pass
+        except LockHeldError:
+            raise _held_error(fh, path) from None

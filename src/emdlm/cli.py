@@ -5,8 +5,12 @@
     emdlm demo
 
 Configs are YAML files (or the names of packaged ones, see ``src/emdlm/configs``) overridden by
-dotted ``key=value`` arguments; a few common keys also have flags. Input problems are reported
-before anything is written (exit code 2).
+dotted ``key=value`` arguments; a few common keys also have flags.
+
+Exit codes: 2 for a problem with the input, reported in one line before anything is written
+(this includes a run folder another emdlm process is using); 3 when ``train`` stopped on a
+full disk (one line naming what was being saved and the newest checkpoint, which is intact:
+free space, then ``--resume``); 130 after Ctrl-C.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ ConfigOpt = Annotated[
     str | None,
     typer.Option("--config", "-c", help="YAML config file or packaged config name"),
 ]
+
+
+EXIT_DISK_FULL = 3  # emdlm train stopped on a full disk (the previous checkpoint is intact)
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -86,6 +93,7 @@ def train(
     from emdlm.config import load_config
     from emdlm.training import TrainingInterrupted, run_training
     from emdlm.training.launch import close_process_group
+    from emdlm.training.run_folder import DiskFullError
 
     items = list(overrides or [])
     for key, value in (("output_dir", output), ("objective.name", objective),
@@ -101,6 +109,8 @@ def train(
         finished = True
     except ConfigError as err:
         _fail(str(err))
+    except DiskFullError as err:
+        _fail(str(err), code=EXIT_DISK_FULL)
     except TrainingInterrupted as err:
         typer.echo(f"\n{err}. Continue with: emdlm train ... --resume", err=True)
         raise typer.Exit(130) from None
@@ -243,6 +253,8 @@ def experiment(
     except KeyboardInterrupt:
         typer.echo("\ninterrupted: run the same command again to resume the grid", err=True)
         raise typer.Exit(130) from None
+    for key, why in result.left_out.items():  # marked done, outputs not whole: never counted
+        typer.echo(f"warning: {key} left out of the report: {why}", err=True)
     typer.echo(f"written: {result.report}, {result.results_csv}, {len(result.plots)} plot(s)")
     if result.failed:
         typer.echo(f"{len(result.failed)} cell(s) failed (see error.txt in their folders): "

@@ -38,6 +38,9 @@ DISTILL_OBJECTIVES = ("emo_distill", "kl_distill")  # the objectives that take a
 LAM_SCHEDULES = ("constant", "linear", "cosine")
 EVAL_KINDS = ("number", "clock", "box", "boxes", "text", "choice")
 DATA_SPLITS = ("train", "dev", "test")  # "dev" only where the task or dataset has one
+#: The largest seed transformers.set_seed accepts: it seeds numpy (np.random.seed), whose seeds
+#: are 0 .. 2**32 - 1; a negative seed fails there, after the run has started.
+MAX_SEED = 2**32 - 1
 
 
 class ConfigError(ValueError):
@@ -117,6 +120,9 @@ class DataConfig:
     pad_to_multiple_of: int | None = None
     extra_keys: list[str] = field(default_factory=list)  # tensor fields passed to the model
     image_key: str = "image"  # VLMs: the field holding each example's image (path or image)
+    # VLMs: a folder that image paths named by data files (absolute, ../, ~, symlinks) must
+    # resolve inside; None (default): any path, as documented (emdlm.vlm.data)
+    images_root: str | None = None
     # what to do when data.max_length cuts an example's end (its EOS is lost: "truncated") or
     # leaves it no target token (it is removed: "dropped"): "warn" (counted and logged) or "error"
     on_truncate: str = "warn"
@@ -254,6 +260,9 @@ class RunConfig:
             if (src.path is None) == (src.task is None):
                 raise ConfigError(f"{name}: give exactly one of 'path' or 'task'")
             check_choice(f"{name}.split", src.resolved_split, DATA_SPLITS)
+            if src.seed is not None:
+                check_seed(f"{name}.seed", src.seed)
+        check_seed("train.seed", self.train.seed)
         self._validate_teacher()
         self._validate_lam_schedule()
         t = self.train
@@ -264,12 +273,27 @@ class RunConfig:
             raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
         if self.data.max_length < 2:
             raise ConfigError(f"data.max_length must be >= 2, got {self.data.max_length}")
-        check_choice("eval.kind", self.eval.kind, EVAL_KINDS)
-        if self.eval.num_samples < 1:
-            raise ConfigError(f"eval.num_samples must be >= 1, got {self.eval.num_samples}")
+        self._validate_eval()
         check_choice("data.on_truncate", self.data.on_truncate, ("warn", "error"))
         check_choice("data.on_drop", self.data.on_drop, ("warn", "error"))
         self._validate_optim_names()
+
+    def _validate_eval(self) -> None:
+        """The eval settings, checked with the rest of the config: otherwise a bad one fails
+        only when evaluation starts, i.e. after a whole training run (`emdlm train` with its
+        own eval, every cell of an experiment)."""
+        e = self.eval
+        check_choice("eval.kind", e.kind, EVAL_KINDS)
+        for key in ("batch_size", "max_new_tokens", "num_samples"):
+            value = getattr(e, key)
+            if value < 1:
+                raise ConfigError(f"eval.{key} must be an integer >= 1, got {value!r}")
+        if e.do_sample or e.kind == "text":  # transformers' samplers refuse these at generation
+            if not (math.isfinite(e.temperature) and e.temperature > 0):
+                raise ConfigError(f"eval.temperature must be > 0 when sampling (eval.do_sample "
+                                  f"or eval.kind=text), got {e.temperature!r}")
+            if not 0 <= e.top_p <= 1:
+                raise ConfigError(f"eval.top_p must be in [0, 1] when sampling, got {e.top_p!r}")
 
     def _validate_lam_schedule(self) -> None:
         """A λ schedule only for the objectives with a numeric term weight λ (emd, ntil)."""
@@ -311,6 +335,14 @@ class RunConfig:
 
         check_choice("optim.scheduler", self.optim.scheduler, [s.value for s in SchedulerType])
         check_choice("optim.optim", self.optim.optim, [o.value for o in OptimizerNames])
+
+
+def check_seed(key: str, value: Any) -> None:
+    """ConfigError naming ``key`` unless ``value`` is an integer seed that
+    ``transformers.set_seed`` accepts (0 .. :data:`MAX_SEED`; negative seeds fail in numpy)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
+        raise ConfigError(f"{key}={value!r} is not a usable seed: seeds are integers from 0 to "
+                          f"{MAX_SEED} (numpy, seeded by transformers.set_seed, refuses others)")
 
 
 def _build(cls: type, data: Any, where: str) -> Any:

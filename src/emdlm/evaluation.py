@@ -13,12 +13,13 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from emdlm._files import atomic_write
 from emdlm.metrics import (
     TASK_KINDS,
     TaskKind,
@@ -664,27 +665,144 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+#: The files of one evaluation folder (``emdlm eval``'s ``--out``, an experiment's step folder).
+METRICS_FILE = "metrics.json"
+PREDICTIONS_FILE = "predictions.jsonl"
+#: Key of metrics.json recording how many rows predictions.jsonl holds. metrics.json is written
+#: last, so it is the evaluation's completion record and this count is checked against the rows.
+N_PREDICTIONS = "n_predictions"
+#: Counts that metrics.json held before ``n_predictions`` existed, one per predictions row
+#: (``n_prompts`` of eval.kind text, ``n`` of every other kind): the check for older folders.
+LEGACY_ROW_COUNTS = ("n_prompts", "n")
+
+
+class EvalOutputError(ValueError):
+    """An evaluation folder that does not hold one whole evaluation (files missing, cut off,
+    or disagreeing on the number of rows). The message is one line naming the file."""
+
+
 def write_eval_outputs(
     out_dir: str | Path,
     metrics: Mapping[str, Any],
-    predictions: Sequence[Mapping[str, Any]],
+    predictions: Iterable[Mapping[str, Any]],
 ) -> dict[str, Path]:
-    """Write ``metrics.json`` and ``predictions.jsonl`` (one JSON object per line) to out_dir.
+    """Write ``predictions.jsonl`` (one JSON object per line), then ``metrics.json`` with
+    ``n_predictions`` (the number of rows) added, to out_dir.
 
-    NaN/inf values are written as null. Returns ``{"metrics": path, "predictions": path}``.
+    Each file is written to a temporary name in out_dir and renamed into place
+    (:func:`emdlm._files.atomic_write`), and an earlier ``metrics.json`` is removed first, so
+    that a ``metrics.json`` is only ever beside the complete predictions it counts: a write cut
+    short (an error, a killed process) leaves no folder that reads as a finished evaluation
+    (:func:`eval_outputs_problem`). NaN/inf values are written as null. Returns
+    ``{"metrics": path, "predictions": path}``.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    metrics_path = out / "metrics.json"
-    preds_path = out / "predictions.jsonl"
-    metrics_path.write_text(
-        json.dumps(_json_safe(dict(metrics)), indent=2, allow_nan=False) + "\n", encoding="utf-8"
-    )
-    with preds_path.open("w", encoding="utf-8") as fh:
+    metrics_path = out / METRICS_FILE
+    preds_path = out / PREDICTIONS_FILE
+    metrics_path.unlink(missing_ok=True)  # the old completion record must not outlive its rows
+    count = 0
+    with atomic_write(preds_path) as fh:
         for row in predictions:
             fh.write(json.dumps(_json_safe(dict(row)), ensure_ascii=False, allow_nan=False))
             fh.write("\n")
+            count += 1
+    record = {**_json_safe(dict(metrics)), N_PREDICTIONS: count}
+    with atomic_write(metrics_path) as fh:
+        fh.write(json.dumps(record, indent=2, allow_nan=False) + "\n")
     return {"metrics": metrics_path, "predictions": preds_path}
+
+
+def _expected_rows(metrics: Mapping[str, Any]) -> int | None:
+    """The row count metrics.json records: ``n_predictions``, else (a folder written before it
+    existed) ``n_prompts`` or ``n``; None when it records none."""
+    for key in (N_PREDICTIONS, *LEGACY_ROW_COUNTS):
+        value = metrics.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _read_metrics_record(out_dir: Path) -> dict[str, Any]:
+    """metrics.json of ``out_dir`` as a dict; EvalOutputError when it is missing or torn."""
+    path = out_dir / METRICS_FILE
+    if not path.is_file():
+        raise EvalOutputError(f"{path} is missing: the evaluation did not finish")
+    try:
+        metrics = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise EvalOutputError(f"{path} is not valid JSON ({err}): a cut-off write?") from None
+    if not isinstance(metrics, dict):
+        raise EvalOutputError(f"{path} holds a {type(metrics).__name__}, not a JSON object")
+    return metrics
+
+
+def _rows_problem(path: Path, data: bytes, expected: int | None) -> str | None:
+    """Why the bytes of predictions.jsonl are not ``expected`` whole rows (None when they are)."""
+    lines = data.count(b"\n")
+    if data and not data.endswith(b"\n"):
+        return (f"{path}:{lines + 1}: the last line is cut off mid-row (no newline at the end "
+                "of the file): a write that did not finish")
+    if expected is not None and lines != expected:
+        return (f"{path} has {lines} rows but {path.parent / METRICS_FILE} records {expected}: "
+                "a write that did not finish")
+    return None
+
+
+def eval_outputs_problem(out_dir: str | Path) -> str | None:
+    """Why ``out_dir`` does not hold one finished evaluation, in one line; None when it does.
+
+    Finished means: ``metrics.json`` parses as an object, and ``predictions.jsonl`` ends with a
+    newline and has as many lines as metrics.json records (``n_predictions``; for folders
+    written before that key, ``n_prompts`` or ``n``; with no count at all, the ending newline is
+    the only check). Cheap: the rows themselves are not parsed (:func:`read_eval_outputs` does).
+    """
+    out = Path(out_dir)
+    try:
+        metrics = _read_metrics_record(out)
+    except EvalOutputError as err:
+        return str(err)
+    path = out / PREDICTIONS_FILE
+    if not path.is_file():
+        return f"{path} is missing beside {out / METRICS_FILE}"
+    return _rows_problem(path, path.read_bytes(), _expected_rows(metrics))
+
+
+def read_predictions(path: str | Path, expected: int | None = None) -> list[dict[str, Any]]:
+    """The rows of a predictions.jsonl, checked: every line a JSON object, the file ending with
+    a newline, and ``expected`` rows when given. EvalOutputError naming ``file:line`` otherwise
+    (never a row count silently short, never a JSONDecodeError traceback)."""
+    path = Path(path)
+    data = path.read_bytes()
+    problem = _rows_problem(path, data, expected)
+    if problem is not None:
+        raise EvalOutputError(problem)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        at = data[: err.start].count(b"\n") + 1
+        raise EvalOutputError(f"{path}:{at}: not UTF-8 text ({err.reason})") from None
+    rows: list[dict[str, Any]] = []
+    for number, line in enumerate(text.split("\n")[:-1], 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise EvalOutputError(f"{path}:{number}: not valid JSON ({err.msg})") from None
+        if not isinstance(row, dict):
+            raise EvalOutputError(f"{path}:{number}: a {type(row).__name__}, not a JSON object")
+        rows.append(row)
+    return rows
+
+
+def read_eval_outputs(out_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(metrics, prediction rows) of a finished evaluation folder, both checked (see
+    :func:`eval_outputs_problem` and :func:`read_predictions`); EvalOutputError otherwise."""
+    out = Path(out_dir)
+    metrics = _read_metrics_record(out)
+    path = out / PREDICTIONS_FILE
+    if not path.is_file():
+        raise EvalOutputError(f"{path} is missing beside {out / METRICS_FILE}")
+    return metrics, read_predictions(path, _expected_rows(metrics))
 
 
 def _format_value(value: Any) -> str:

@@ -103,7 +103,16 @@ def load_cost_embedding(
                 raise ConfigError(f"{path}: no tensor inside")
             emb = next(iter(tensors.values()))
         else:
-            emb = torch.load(str(path), map_location="cpu", weights_only=True)
+            import pickle
+
+            from emdlm.models import weights_only_refusal
+
+            try:  # weights_only: a pickle that would run code is refused, never loaded
+                emb = torch.load(str(path), map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as err:
+                raise ConfigError(
+                    f"cost embedding: {weights_only_refusal(err, path)}"
+                ) from err
         if not isinstance(emb, torch.Tensor):
             raise ConfigError(f"{path}: expected a tensor, got {type(emb).__name__}")
     if emb.dim() != 2 or emb.shape[0] != vocab_size:

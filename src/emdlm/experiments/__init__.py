@@ -24,6 +24,8 @@ class ExperimentResult:
     results_csv: Path
     plots: list[Path]
     outcomes: list[CellOutcome] = field(default_factory=list)
+    #: cells marked done but left out of the report, their outputs not whole: key -> reason
+    left_out: dict[str, str] = field(default_factory=dict)
 
     @property
     def failed(self) -> list[CellOutcome]:
@@ -31,18 +33,23 @@ class ExperimentResult:
 
 
 def write_outputs(exp: Experiment, cells: list[Cell], *, command: str = "") -> ExperimentResult:
-    """Aggregate whatever cells are finished into results.csv, report.md and plots/."""
+    """Aggregate whatever cells are finished into results.csv, report.md and plots/ (each
+    written whole). Only cells whose outputs read back whole count; the others marked done
+    are named in the report and in ``left_out`` (:func:`emdlm.experiments.report.read_grid`)."""
     from emdlm.experiments.plots import make_plots
-    from emdlm.experiments.report import collect_rows, write_csv, write_report
+    from emdlm.experiments.report import read_grid, write_csv, write_report
 
     out = exp.output_dir
     out.mkdir(parents=True, exist_ok=True)
-    rows = collect_rows(cells)
-    write_csv(rows, out / "results.csv")
-    plots = make_plots(cells, rows, list(exp.tasks), list(exp.variants), out / "plots")
-    write_report(exp, cells, rows, out / "report.md", command=command, plots=plots)
+    grid = read_grid(cells)
+    write_csv(grid.rows, out / "results.csv")
+    plots = make_plots(grid.finished, grid.rows, list(exp.tasks), list(exp.variants),
+                       out / "plots")
+    write_report(exp, cells, grid.rows, out / "report.md", command=command, plots=plots,
+                 left_out=grid.left_out)
     files = [out / "plots" / name for names in plots.values() for name in names]
-    return ExperimentResult(out, out / "report.md", out / "results.csv", files)
+    return ExperimentResult(out, out / "report.md", out / "results.csv", files,
+                            left_out=dict(grid.left_out))
 
 
 def run_experiment(

@@ -41,6 +41,7 @@ from typing import Any
 import yaml
 
 from emdlm.config import (
+    MAX_SEED,
     ConfigError,
     RunConfig,
     apply_overrides,
@@ -65,8 +66,10 @@ class EvalPlan:
     """Which checkpoints of a cell are evaluated, and the eval-only config overrides.
 
     ``checkpoints``: "all" (every ``checkpoint-<step>`` the run saved, i.e. every
-    ``train.save_steps``), "final" (the final model only), or a list of steps (each must be a
-    saved step; checked when the cell runs). The final model is always evaluated.
+    ``train.save_steps``), "final" (the final model only), or a list of steps (each a multiple
+    of ``train.save_steps`` or the final step, none beyond ``train.max_steps``; checked for
+    every cell by :func:`expand_grid` before any cell runs). The final model is always
+    evaluated.
     ``extra``: name -> overrides (on top of ``overrides``) of a further evaluation of the final
     model, e.g. a second test set or another eval kind.
     """
@@ -195,6 +198,32 @@ def _positive_int(value: Any, where: str, *, optional: bool = False) -> int | No
     return value
 
 
+def _seeds(value: Any) -> list[int]:
+    """experiment.seeds: a count n (seeds 0 .. n-1, n >= 1) or a list of distinct seeds, each
+    one ``transformers.set_seed`` accepts (0 .. MAX_SEED: numpy refuses negative ones), checked
+    here so that no cell starts with a seed that fails, and the message says which is wrong."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise ConfigError(f"experiment.seeds={value}: a count n means seeds 0 .. n-1 and "
+                              "must be >= 1 (or give a list of seeds, e.g. [0, 1, 2])")
+        if value - 1 > MAX_SEED:
+            raise ConfigError(f"experiment.seeds={value}: seeds 0 .. n-1 must stay <= {MAX_SEED}")
+        return list(range(value))  # "seeds: 5" means seeds 0..4
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"experiment.seeds must be a count >= 1 or a non-empty list of seeds, "
+                          f"got {value!r}")
+    for i, seed in enumerate(value):
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+            raise ConfigError(f"experiment.seeds[{i}]={seed!r}: a seed must be an integer from 0 "
+                              f"to {MAX_SEED} (transformers.set_seed seeds numpy, which refuses "
+                              "others)")
+    repeated = sorted({s for s in value if value.count(s) > 1})
+    if repeated:
+        raise ConfigError(f"experiment.seeds has duplicates: {repeated} more than once in "
+                          f"{value} (each seed is one paired run)")
+    return list(value)
+
+
 def _eval_plan(value: Any) -> EvalPlan:
     if value is None:
         return EvalPlan()
@@ -237,14 +266,7 @@ def parse_experiment(data: dict[str, Any], folder: Path = Path(".")) -> Experime
         raise ConfigError(f"experiment.baseline {baseline!r} is not a variant: {list(variants)} "
                           "(to run only some cells of a grid, keep its variants and pass "
                           "--only task/variant/seed<k> instead)")
-    seeds = data.get("seeds", [0])
-    if isinstance(seeds, int) and not isinstance(seeds, bool):
-        seeds = list(range(seeds))  # "seeds: 5" means seeds 0..4
-    if (not isinstance(seeds, list) or not seeds
-            or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)):
-        raise ConfigError(f"experiment.seeds must be a list of ints or a count, got {seeds!r}")
-    if len(set(seeds)) != len(seeds):
-        raise ConfigError(f"experiment.seeds has duplicates: {seeds}")
+    seeds = _seeds(data.get("seeds", [0]))
     tasks = _named_overrides(data.get("tasks"), "experiment.tasks", required=False)
     output_dir = data.get("output_dir")
     if not isinstance(output_dir, str) or not output_dir:
@@ -321,7 +343,7 @@ def expand_grid(exp: Experiment) -> list[Cell]:
                     exp.base, [*task_overrides, *variant_overrides, *runner_overrides]
                 )
                 where = f"cell {task}/{variant}/seed{seed}"
-                check_run_config(raw, where)
+                _check_checkpoints(exp.eval.checkpoints, check_run_config(raw, where), where)
                 eval_cfg = check_run_config(apply_overrides(raw, exp.eval.overrides),
                                             f"{where} (eval)")
                 if eval_cfg.data.eval is None:
@@ -351,6 +373,27 @@ def select_cells(cells: list[Cell], patterns: list[str]) -> list[Cell]:
         raise ConfigError(f"--only {', '.join(map(repr, unmatched))} matches no cell of this "
                           f"grid (cell keys are task/variant/seed<k>: {sample})")
     return [c for c in cells if any(fnmatchcase(c.key, p) for p in patterns)]
+
+
+def _check_checkpoints(checkpoints: str | list[int], cfg: RunConfig, where: str) -> None:
+    """A list of eval.checkpoints against the cell's training: each step must be a saved one
+    (a multiple of ``train.save_steps``) or the final step, and none beyond ``train.max_steps``.
+    Checked before any cell starts: the runner would find out only after training every cell.
+    With an epoch-based run (``max_steps`` <= 0) the final step is not known here, so only
+    multiples of save_steps are accepted (the final model is evaluated anyway)."""
+    if not isinstance(checkpoints, list):
+        return  # "all" / "final": whatever the run saves
+    every, last = cfg.train.save_steps, cfg.train.max_steps
+    for step in checkpoints:
+        if last > 0 and step > last:
+            raise ConfigError(f"{where}: experiment.eval.checkpoints step {step} is beyond "
+                              f"train.max_steps={last}")
+        if step % every and step != last:
+            final = f" nor the final step {last}" if last > 0 else ""
+            raise ConfigError(
+                f"{where}: experiment.eval.checkpoints step {step} is not a multiple of "
+                f"train.save_steps={every}{final}, so no checkpoint is saved there; use "
+                f"multiples of {every} (the final model is always evaluated)")
 
 
 def check_run_config(raw: dict[str, Any], where: str) -> RunConfig:

@@ -7,6 +7,9 @@
 * ``<task>_errors.png``: distribution of the numeric errors of the final models, pooled over
   seeds: CDF of |error| (symlog axis) and of log10(1 + |error|). Unparsed answers count in the
   denominator, so a curve's plateau below 1 is the share of answers that did not parse.
+
+Each PNG is written whole (a temporary file renamed into place): a killed run never leaves a
+truncated image for report.md to link.
 """
 
 from __future__ import annotations
@@ -14,9 +17,12 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from emdlm._files import atomic_write
+from emdlm.evaluation import EvalOutputError, read_eval_outputs
 from emdlm.experiments.grid import Cell
 from emdlm.experiments.report import (
     Row,
@@ -24,9 +30,8 @@ from emdlm.experiments.report import (
     is_extra_metric,
     key_metrics,
     ordered_metrics,
-    read_predictions,
 )
-from emdlm.experiments.runner import CELL_DONE, EVAL_DIR
+from emdlm.experiments.runner import EVAL_DIR, cell_problem
 
 
 def _pyplot():  # type: ignore[no-untyped-def]
@@ -36,6 +41,12 @@ def _pyplot():  # type: ignore[no-untyped-def]
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _save(fig: Any, path: Path) -> None:
+    """``fig`` as a PNG at ``path``, written whole (temporary file renamed into place)."""
+    with atomic_write(path, binary=True) as fh:
+        fig.savefig(fh, format="png", dpi=110)
 
 
 #: Metrics whose curves are drawn on a symmetric-log axis: absolute errors span decades.
@@ -79,7 +90,7 @@ def plot_learning_curves(rows: Sequence[Row], task: str, variants: Sequence[str]
     axes[0][0].legend(fontsize=8)
     fig.suptitle(f"{task}: mean over seeds, band = min–max")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
     return True
 
@@ -110,21 +121,25 @@ def plot_final_values(rows: Sequence[Row], task: str, variants: Sequence[str],
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(f"{task}: final models, dots = seeds, bars = mean")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
     return True
 
 
 def final_errors(cell: Cell) -> tuple[np.ndarray, int] | None:
-    """(|error| of the parsed answers, number of answers) of a cell's final model."""
-    if not (cell.folder / CELL_DONE).is_file():
+    """(|error| of the parsed answers, number of answers) of a cell's final model; None for a
+    cell that is not finished or whose outputs are not whole (never a partial file's rows)."""
+    if cell_problem(cell) is not None:
         return None
     steps = sorted(
         (int(p.name.split("-")[-1]), p) for p in (cell.folder / EVAL_DIR).glob("step-*")
     )
     if not steps:
         return None
-    preds = read_predictions(steps[-1][1] / "predictions.jsonl")
+    try:
+        preds = read_eval_outputs(steps[-1][1])[1]
+    except EvalOutputError:
+        return None
     if not preds or "abs_error" not in preds[0]:
         return None
     err = np.array([r["abs_error"] for r in preds if r["abs_error"] is not None],
@@ -167,7 +182,7 @@ def plot_error_distribution(cells: Sequence[Cell], task: str, variants: Sequence
     ax_abs.legend(fontsize=8)
     fig.suptitle(f"{task}: numeric errors of the final models, seeds pooled")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
     return True
 

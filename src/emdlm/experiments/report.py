@@ -13,25 +13,41 @@ few seeds to reach significance), power planning figures from the seeds' spread 
 needed, smallest detectable difference), the same for the area under the learning curve, the steps
 to reach 50% / 90% exact match, the training-loss components early / middle / late
 (:mod:`emdlm.experiments.components`), and the plots.
+
+Only whole outputs count: a cell is read when its ``cell_done.json`` parses and every one of
+its evaluation folders has a metrics.json agreeing with the rows of its predictions.jsonl
+(:func:`emdlm.experiments.runner.cell_problem`, :func:`emdlm.evaluation.read_eval_outputs`).
+A cell marked done whose outputs are not whole (a cut-off predictions.jsonl an older emdlm
+took as evaluated) is left out of every table and plot, and named with the file and the
+reason (:attr:`GridRead.left_out`): no metric is computed from part of a file.
 """
 
 from __future__ import annotations
 
 import csv
-import json
+import io
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from emdlm._files import atomic_write
+from emdlm.evaluation import EvalOutputError, read_eval_outputs, read_predictions
 from emdlm.experiments.components import component_lines
 from emdlm.experiments.digits import digit_accuracies, parsed_answers, place_accuracy_lines
 from emdlm.experiments.grid import Cell, Experiment
-from emdlm.experiments.runner import CELL_DONE, ERROR_FILE, EVAL_DIR, final_predictions
+from emdlm.experiments.runner import (
+    CELL_DONE,
+    ERROR_FILE,
+    EVAL_DIR,
+    cell_problem,
+    final_predictions,
+    read_cell_record,
+)
 from emdlm.experiments.stats import (
     POWER,
     compare_paired,
@@ -83,9 +99,10 @@ KEY_METRICS = ("abs_error_mean", "log10_error_mean", "within_5pct", "exact_match
                "time_gap_mean_worst", "acc_iou50", "mean_iou", "f1",
                "mauve", "ppl_test", "ppl_oracle", "rougeL", "accuracy")
 # settings and counts recorded in metrics.json, not outcomes: kept out of the report and csv
-SKIP_METRICS = ("n", "num_samples", "temperature", "top_p", "top_k", "max_new_tokens",
-                "n_prompts", "n_samples", "mauve_num_buckets", "mauve_scaling_factor",
-                "mauve_seed", "mauve_kmeans_num_redo", "mauve_kmeans_max_iter")
+SKIP_METRICS = ("n", "n_predictions", "num_samples", "temperature", "top_p", "top_k",
+                "max_new_tokens", "n_prompts", "n_samples", "mauve_num_buckets",
+                "mauve_scaling_factor", "mauve_seed", "mauve_kmeans_num_redo",
+                "mauve_kmeans_max_iter")
 CSV_FIELDS = ("task", "variant", "seed", "step", "metric", "value")
 THRESHOLDS = (0.5, 0.9)
 
@@ -220,11 +237,6 @@ def _floor_lines(cells: Sequence[Cell], task: str) -> list[str]:
     return []
 
 
-def read_predictions(path: Path) -> list[dict[str, Any]]:
-    with path.open(encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
-
 def _as_float(value: Any) -> float:
     if value is None:
         return math.nan  # written as null by write_eval_outputs (NaN / inf)
@@ -232,8 +244,10 @@ def _as_float(value: Any) -> float:
 
 
 def cell_rows(cell: Cell) -> list[Row]:
-    """Every (step, metric) of a finished cell; nothing for an unfinished one."""
-    if not (cell.folder / CELL_DONE).is_file():
+    """Every (step, metric) of a finished cell; nothing for an unfinished one (no readable
+    ``cell_done.json``). EvalOutputError, naming the file, for an evaluation folder that is
+    not whole (:func:`emdlm.evaluation.read_eval_outputs`): never a metric from part of it."""
+    if read_cell_record(cell.folder) is None:
         return []
     rows: list[Row] = []
     sources = [("", cell.folder / EVAL_DIR)]  # learning-curve evaluations, then eval.extra ones
@@ -241,12 +255,9 @@ def cell_rows(cell: Cell) -> list[Row]:
     for prefix, folder in sources:
         for step_dir in sorted(folder.glob("step-*")):
             step = int(step_dir.name.split("-")[-1])
-            metrics = json.loads((step_dir / "metrics.json").read_text())
-            preds_file = step_dir / "predictions.jsonl"
-            if preds_file.is_file():
-                preds = read_predictions(preds_file)
-                metrics.update(numeric_extras(preds))
-                metrics.update(clock_extras(preds))
+            metrics, preds = read_eval_outputs(step_dir)
+            metrics.update(numeric_extras(preds))
+            metrics.update(clock_extras(preds))
             for name, value in metrics.items():
                 if name in SKIP_METRICS or isinstance(value, (str, list, dict)):
                     continue
@@ -255,16 +266,56 @@ def cell_rows(cell: Cell) -> list[Row]:
     return rows
 
 
+@dataclass
+class GridRead:
+    """What the report may use of a grid: the rows of the finished cells, those cells, and
+    the cells marked done (``cell_done.json``) that were left out: cell key -> the reason,
+    one line naming the file (a cut-off or torn output)."""
+
+    rows: list[Row] = field(default_factory=list)
+    finished: list[Cell] = field(default_factory=list)
+    left_out: dict[str, str] = field(default_factory=dict)
+
+
+def read_grid(cells: Iterable[Cell]) -> GridRead:
+    """Read every finished cell whole (:func:`emdlm.experiments.runner.cell_problem`, then
+    :func:`cell_rows`); a cell marked done whose outputs are not whole goes to ``left_out``
+    with its reason instead of into the statistics. Unfinished cells are passed over."""
+    out = GridRead()
+    for cell in cells:
+        if not (cell.folder / CELL_DONE).exists():
+            continue  # not finished: counted as such by the report, nothing to warn about
+        problem = cell_problem(cell)
+        rows: list[Row] = []
+        if problem is None:
+            try:
+                rows = cell_rows(cell)
+            except EvalOutputError as err:  # e.g. a broken line in a file of the right length
+                problem = str(err)
+        if problem is not None:
+            out.left_out[cell.key] = problem
+            continue
+        out.rows += rows
+        out.finished.append(cell)
+    return out
+
+
 def collect_rows(cells: Iterable[Cell]) -> list[Row]:
-    return [row for cell in cells for row in cell_rows(cell)]
+    """The rows of every finished cell whose outputs are whole (:func:`read_grid`)."""
+    return read_grid(cells).rows
 
 
 def write_csv(rows: Sequence[Row], path: Path) -> None:
-    with path.open("w", newline="", encoding="utf-8") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(CSV_FIELDS)
-        for r in sorted(rows, key=lambda r: (r.task, r.variant, r.seed, r.step, r.metric)):
-            writer.writerow([r.task, r.variant, r.seed, r.step, r.metric, repr(r.value)])
+    """results.csv, written whole (temporary file renamed into place). Built in memory and
+    written as bytes: the csv module ends rows with CRLF itself, which a text-mode file would
+    translate again on Windows."""
+    buffer = io.StringIO(newline="")
+    writer = csv.writer(buffer)
+    writer.writerow(CSV_FIELDS)
+    for r in sorted(rows, key=lambda r: (r.task, r.variant, r.seed, r.step, r.metric)):
+        writer.writerow([r.task, r.variant, r.seed, r.step, r.metric, repr(r.value)])
+    with atomic_write(path, binary=True) as fh:
+        fh.write(buffer.getvalue().encode("utf-8"))
 
 
 def is_extra_metric(name: str) -> bool:
@@ -507,11 +558,17 @@ def _metrics_note(metrics: set[str]) -> str:
 
 
 def write_report(exp: Experiment, cells: Sequence[Cell], rows: Sequence[Row], path: Path,
-                 *, command: str = "", plots: dict[str, list[str]] | None = None) -> None:
-    """report.md: header (command, grid, cost), one section per task, failed cells."""
-    done = [c for c in cells if (c.folder / CELL_DONE).is_file()]
+                 *, command: str = "", plots: dict[str, list[str]] | None = None,
+                 left_out: dict[str, str] | None = None) -> None:
+    """report.md (written whole): header (command, grid, cost), one section per task, the
+    cells left out (``left_out``: key -> reason, from :func:`read_grid`; found here when not
+    given) and the failed cells."""
+    if left_out is None:
+        left_out = {c.key: p for c in cells
+                    if (c.folder / CELL_DONE).exists() and (p := cell_problem(c)) is not None}
+    done = [c for c in cells if c.key not in left_out and read_cell_record(c.folder) is not None]
     failed = [c for c in cells if (c.folder / ERROR_FILE).is_file()]
-    records = [json.loads((c.folder / CELL_DONE).read_text()) for c in done]
+    records = [record for c in done if (record := read_cell_record(c.folder)) is not None]
     wall = sum(r.get("wall_s", 0.0) for r in records)
     unknown = sum(not r.get("wall_complete", not r.get("resumed")) for r in records)
     resumed_note = (f" {unknown} of them resumed an interrupted run whose time was not recorded: "
@@ -523,7 +580,9 @@ def write_report(exp: Experiment, cells: Sequence[Cell], rows: Sequence[Row], pa
     lines += [
         f"Variants: {', '.join(exp.variants)} (baseline `{exp.baseline}`); seeds: "
         f"{', '.join(map(str, exp.seeds))}; tasks: {', '.join(exp.tasks)}.",
-        f"Cells finished: {len(done)}/{len(cells)}; failed: {len(failed)}. Sum of the finished "
+        f"Cells finished: {len(done)}/{len(cells)}; failed: {len(failed)}"
+        + (f"; left out, outputs not whole: {len(left_out)}" if left_out else "")
+        + ". Sum of the finished "
         f"cells' wall times: {wall:.0f} s at {exp.threads_per_worker} thread(s) each "
         f"(CPU time ≈ {wall * exp.threads_per_worker:.0f} s).{resumed_note}",
         "",
@@ -534,13 +593,21 @@ def write_report(exp: Experiment, cells: Sequence[Cell], rows: Sequence[Row], pa
     ]
     for task in exp.tasks:
         lines += _task_section(
-            exp, task, rows, plots or {}, _floor_lines(cells, task),
-            [*place_accuracy_lines(cells, task, list(exp.variants), read_predictions),
-             *component_lines(cells, task, list(exp.variants))])
+            exp, task, rows, plots or {}, _floor_lines(done, task),
+            [*place_accuracy_lines(done, task, list(exp.variants), read_predictions),
+             *component_lines(done, task, list(exp.variants))])
+    if left_out:
+        lines += ["## Cells left out (outputs not whole)", "",
+                  "Marked done, but an output is missing, cut off or disagrees with its "
+                  "metrics.json, so none of their numbers are used. Run the same command again "
+                  "to evaluate them again.", ""]
+        lines += [f"- `{key}`: {why}" for key, why in left_out.items()]
+        lines.append("")
     if failed:
         lines += ["## Failed cells", ""]
         for c in failed:
             last = (c.folder / ERROR_FILE).read_text().strip().splitlines()[-1:] or [""]
             lines.append(f"- `{c.key}`: {last[0]} (see `{c.folder / ERROR_FILE}`)")
         lines.append("")
-    path.write_text("\n".join(lines), encoding="utf-8")
+    with atomic_write(path) as fh:
+        fh.write("\n".join(lines))

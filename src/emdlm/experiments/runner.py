@@ -4,9 +4,12 @@ checkpoints, in worker processes, resumable, with one progress display for the g
 Cell folder ``<output_dir>/<task>/<variant>/seed<k>/``:
 
 * ``train/``: the training run (``checkpoint-<step>`` folders, final model, train_log.jsonl).
-* ``eval/step-<N>/``: ``metrics.json`` and ``predictions.jsonl`` of the model at step N.
+* ``eval/step-<N>/``: ``metrics.json`` and ``predictions.jsonl`` of the model at step N
+  (metrics.json written last and counting the rows: a step is evaluated when it agrees with
+  them, :func:`emdlm.evaluation.eval_outputs_problem`; otherwise it is evaluated again).
 * ``eval/<name>/step-<N>/``: the same for each ``eval.extra`` evaluation of the final model.
-* ``cell_done.json``: written last; a cell that has it is skipped by later invocations. Its
+* ``cell_done.json``: written last; a cell whose record parses and whose evaluations are whole
+  (:func:`cell_problem`) is skipped by later invocations, any other runs again. Its
   ``wall_s`` is the cell's time over every invocation that worked on it (see ``wall_time.json``);
   ``resumed`` says an earlier invocation did part of the work, ``wall_complete`` whether the
   earlier invocations' time is in ``wall_s`` (False for a cell begun before the ledger existed).
@@ -16,6 +19,9 @@ Cell folder ``<output_dir>/<task>/<variant>/seed<k>/``:
 * ``error.txt``: the traceback of a failed cell (the other cells go on).
 * ``cell.lock``: held (``flock``) by the process working on the cell; a second invocation on
   the same folder leaves a held cell alone and reports it.
+
+Every file the runner writes is written whole (a temporary file renamed into place,
+:func:`emdlm._files.atomic_write`): a killed process leaves the old file or the new one.
 
 A cell interrupted half-way continues where it stopped: training resumes from its newest
 checkpoint (same result as an uninterrupted run) and evaluated steps are not evaluated again.
@@ -56,7 +62,7 @@ from multiprocessing import active_children, get_context
 from pathlib import Path
 from typing import Any
 
-from emdlm._files import LockHeldError, exclusive_lock
+from emdlm._files import LockHeldError, atomic_write, hold_lock_file
 from emdlm.experiments.grid import Cell
 
 CELL_DONE = "cell_done.json"
@@ -101,6 +107,58 @@ def final_predictions(cell_folder: Path) -> Path | None:
     files = sorted((cell_folder / EVAL_DIR).glob("step-*/predictions.jsonl"),
                    key=lambda p: int(p.parent.name.split("-")[-1]))
     return files[-1] if files else None
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """``path`` := ``text``, through a temporary file renamed into place: never half-written."""
+    with atomic_write(path) as fh:
+        fh.write(text)
+
+
+def _eval_folders(cell: Cell, record: dict[str, Any]) -> list[Path]:
+    """Every evaluation folder a finished cell must have whole: the ``eval/step-<N>`` (and
+    ``eval/<extra>/step-<N>``) folders on disk and those of the steps ``record`` lists."""
+    folders = set((cell.folder / EVAL_DIR).glob("step-*"))
+    for name in cell.extra_evals:
+        folders.update((cell.folder / EVAL_DIR / name).glob("step-*"))
+    steps = record.get("evaluated_steps")
+    if isinstance(steps, list):
+        folders.update(eval_dir(cell.folder, s) for s in steps if isinstance(s, int))
+    return sorted(folders)
+
+
+def read_cell_record(cell_folder: Path) -> dict[str, Any] | None:
+    """The cell's ``cell_done.json`` as a dict, or None when it is missing, torn (an older
+    emdlm wrote it in place) or not a JSON object."""
+    try:
+        record = json.loads((cell_folder / CELL_DONE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def cell_problem(cell: Cell) -> str | None:
+    """Why ``cell`` is not finished, in one line; None when it is.
+
+    Finished: ``cell_done.json`` parses as a JSON object, and every evaluation folder of the
+    cell holds a whole evaluation (:func:`emdlm.evaluation.eval_outputs_problem`: metrics.json
+    present and counting the rows of predictions.jsonl). Older emdlm versions took "both
+    files exist" as evaluated, so a cell they marked done may hold a cut-off predictions.jsonl:
+    such a cell is not finished (the runner evaluates it again, the report leaves it out).
+    """
+    from emdlm.evaluation import eval_outputs_problem
+
+    done = cell.folder / CELL_DONE
+    if not done.is_file():
+        return f"{done} is missing: the cell has not finished"
+    record = read_cell_record(cell.folder)
+    if record is None:
+        return f"{done} is not a JSON object (a cut-off write?)"
+    for folder in _eval_folders(cell, record):
+        problem = eval_outputs_problem(folder)
+        if problem is not None:
+            return problem
+    return None
 
 
 def _saved_checkpoints(train_dir: Path) -> dict[int, Path]:
@@ -158,13 +216,34 @@ def _train(cell: Cell) -> dict[str, Any]:
 
 def _evaluate_once(model_dir: Path, cfg: Any, target: Path) -> dict[str, Any]:
     """Metrics of ``model_dir`` under ``cfg`` in ``target``: read back when an earlier
-    invocation wrote them, else evaluated now."""
-    metrics_file = target / "metrics.json"
-    if metrics_file.is_file() and (target / "predictions.jsonl").is_file():
-        return json.loads(metrics_file.read_text())
+    invocation finished them (metrics.json agreeing with the rows of predictions.jsonl), else
+    evaluated now (a folder an interrupted write left is evaluated again)."""
+    from emdlm.evaluation import EvalOutputError, read_eval_outputs
+
+    try:
+        return read_eval_outputs(target)[0]
+    except (EvalOutputError, OSError):  # not evaluated yet, or cut off: evaluate
+        pass
     from emdlm.training import evaluate_run
 
     return evaluate_run(model_dir, cfg, out_dir=target)["metrics"]
+
+
+def _check_unfinished_evaluations(cell: Cell, models: dict[int, Path]) -> None:
+    """RuntimeError for an ``eval/step-<N>`` folder that is not a whole evaluation and whose
+    model is no longer saved (``keep_checkpoints: false`` deleted it after an older emdlm took
+    the cut-off folder as evaluated): it cannot be evaluated again, and would otherwise stay
+    in the cell and keep it unfinished."""
+    from emdlm.evaluation import eval_outputs_problem
+
+    for folder in sorted((cell.folder / EVAL_DIR).glob("step-*")):
+        tail = folder.name.split("-")[-1]
+        problem = eval_outputs_problem(folder)
+        if tail.isdigit() and int(tail) not in models and problem is not None:
+            raise RuntimeError(
+                f"{problem}; the model of step {tail} is no longer saved, so it cannot be "
+                f"evaluated again: delete {folder} to finish the cell without that step"
+            )
 
 
 def _evaluate(cell: Cell, final_step: int) -> dict[int, dict[str, Any]]:
@@ -173,6 +252,7 @@ def _evaluate(cell: Cell, final_step: int) -> dict[int, dict[str, Any]]:
     from emdlm.config import apply_overrides, build_config
 
     models = _models_to_evaluate(cell, final_step)  # a step that was never saved fails here
+    _check_unfinished_evaluations(cell, models)
     cfg = build_config(apply_overrides(cell.config, cell.eval_overrides))
     results = {step: _evaluate_once(model_dir, cfg, eval_dir(cell.folder, step))
                for step, model_dir in models.items()}
@@ -218,9 +298,8 @@ class _WallLedger:
         return self.earlier_s + self.this_s
 
     def write(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"earlier_s": self.earlier_s, "this_s": self.this_s}) + "\n")
-        os.replace(tmp, self.path)
+        _write_whole(self.path, json.dumps({"earlier_s": self.earlier_s, "this_s": self.this_s})
+                     + "\n")
 
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
@@ -270,30 +349,26 @@ def _hold_cell(folder: Path) -> Iterator[None]:
     """Hold ``<folder>/cell.lock`` while this process works on the cell: an exclusive lock
     (``flock``; ``msvcrt.locking`` on Windows), which the OS releases when the process ends,
     however it ends (so a killed run leaves no stale lock). Raises :class:`CellInUseError`
-    naming the holder's pid."""
-    with open(folder / LOCK_FILE, "a+") as f, contextlib.ExitStack() as held:
+    naming the holder's pid (the lock and its holder record: :func:`emdlm._files.hold_lock_file`,
+    shared with the run folder's lock)."""
+    with contextlib.ExitStack() as held:
         try:
-            held.enter_context(exclusive_lock(f, blocking=False))
-        except LockHeldError:
-            f.seek(0)
-            holder = f.read().strip() or "unknown"
+            held.enter_context(hold_lock_file(folder / LOCK_FILE))
+        except LockHeldError as err:
             raise CellInUseError(
-                f"{folder} is in use by another process (pid {holder}); is the same grid "
+                f"{folder} is in use by another process ({err.holder}); is the same grid "
                 "running twice on this output_dir? The cell was left alone"
             ) from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()}\n")
-        f.flush()
         yield
 
 
 def _run_cell(cell: Cell) -> CellOutcome:
     done = cell.folder / CELL_DONE
-    if done.is_file():  # checked under the lock: another invocation may have just finished it
+    if cell_problem(cell) is None:  # under the lock: another invocation may have just finished
         return CellOutcome(cell.key, "skipped")
     resumed = cell.train_dir.exists()  # an earlier invocation did part of the work
     try:
+        done.unlink(missing_ok=True)  # a record of outputs that are not whole: the cell reruns
         (cell.folder / ERROR_FILE).unlink(missing_ok=True)
         ledger = _WallLedger(cell.folder, resumed=resumed)
         ledger.write()  # the first write fails here, not in the heartbeat thread
@@ -313,12 +388,12 @@ def _run_cell(cell: Cell) -> CellOutcome:
             "wall_s_this_invocation": ledger.this_s, "resumed": resumed,
             "wall_complete": ledger.complete, "train_summary": summary,
         }
-        done.write_text(json.dumps(record, indent=2, default=str) + "\n")
+        _write_whole(done, json.dumps(record, indent=2, default=str) + "\n")
         return CellOutcome(cell.key, "done", ledger.this_s)
     except Exception as err:  # a failed cell is recorded and the grid goes on
         if _is_interrupt(err):
             raise  # Ctrl-C stops the grid; its checkpoint lets the next invocation resume
-        (cell.folder / ERROR_FILE).write_text(traceback.format_exc())
+        _write_whole(cell.folder / ERROR_FILE, traceback.format_exc())
         return CellOutcome(cell.key, "failed", ledger.this_s,
                            f"{type(err).__name__}: {err}")
 
@@ -454,7 +529,7 @@ def run_cells(
 
     todo = []
     for cell in cells:  # finished cells never reach a worker
-        if (cell.folder / CELL_DONE).is_file():
+        if cell_problem(cell) is None:
             record(CellOutcome(cell.key, "skipped"), 0)
         else:
             todo.append(cell)
@@ -530,5 +605,5 @@ def _pool_outcome(fut: Future[CellOutcome], cell: Cell) -> CellOutcome:
 
 def _worker_died(cell: Cell, err: Exception) -> CellOutcome:
     with contextlib.suppress(OSError):
-        (cell.folder / ERROR_FILE).write_text(f"worker process died: {err!r}\n")
+        _write_whole(cell.folder / ERROR_FILE, f"worker process died: {err!r}\n")
     return CellOutcome(cell.key, "failed", error=repr(err))

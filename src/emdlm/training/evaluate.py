@@ -3,6 +3,7 @@ with :func:`emdlm.evaluation.evaluate_examples`, write metrics.json + prediction
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -92,24 +93,50 @@ def evaluate_run(
     generate and parse answers (:func:`emdlm.evaluation.evaluate_examples`).
     Writes ``metrics.json`` and ``predictions.jsonl`` to ``out_dir`` (default
     ``<run_dir>/eval``) and returns the metrics. Everything is loaded and checked first.
+
+    When the output folder lies inside a run folder (the default ``<run_dir>/eval``), the run
+    folder's lock is held from the start to the last write, so an ``emdlm train`` working there
+    (or another ``emdlm eval``) is reported at once (RunFolderBusy, naming the holder) instead
+    of after the evaluation.
     """
-    from emdlm.evaluation import evaluate_examples
+    from emdlm.evaluation import write_eval_outputs
+    from emdlm.training.run_folder import (
+        enclosing_run_folder,
+        hold_run_folder,
+        is_run_folder,
+        record_outputs,
+    )
 
     if not Path(run_dir).is_dir():
         raise ConfigError(f"model folder not found: {run_dir}")
     if cfg.data.eval is None:
         raise ConfigError("no test set: set data.eval.path or data.eval.task (e.g. --task)")
+    target = Path(out_dir) if out_dir is not None else Path(run_dir) / "eval"
+    run_folder = enclosing_run_folder(target)
+    with (contextlib.nullcontext() if run_folder is None else hold_run_folder(
+            run_folder, "emdlm eval", hint="wait for it to finish, or write the evaluation "
+            "elsewhere with --out")):
+        metrics, predictions = _evaluate(Path(run_dir), cfg, target)
+        write_eval_outputs(target, metrics, predictions)
+        if out_dir is None and is_run_folder(Path(run_dir)):  # --overwrite may remove it later
+            record_outputs(Path(run_dir), ["eval"])
+    return {"name": name or Path(run_dir).name, "metrics": metrics, "out_dir": str(target)}
+
+
+def _evaluate(
+    run_dir: Path, cfg: RunConfig, target: Path
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Metrics and prediction rows of the model in ``run_dir`` (see :func:`evaluate_run`); a VLM
+    also draws ``target/contact_sheet.png``."""
+    from emdlm.evaluation import evaluate_examples
     from emdlm.vlm.models import folder_model_type
 
-    vlm_type = folder_model_type(Path(run_dir))
+    assert cfg.data.eval is not None  # checked by evaluate_run
+    vlm_type = folder_model_type(run_dir)
     if vlm_type is not None:  # an image-text-to-text folder: images + generation (emdlm.vlm)
         from emdlm.vlm.training import evaluate_vlm
 
-        target = Path(out_dir) if out_dir is not None else Path(run_dir) / "eval"
-        metrics, predictions = evaluate_vlm(
-            Path(run_dir), vlm_type, cfg, sheet=target / "contact_sheet.png"
-        )
-        return _write_outputs(run_dir, out_dir, name, metrics, predictions)
+        return evaluate_vlm(run_dir, vlm_type, cfg, sheet=target / "contact_sheet.png")
     examples = load_examples(cfg.data.eval, seed=cfg.train.seed)
     if any("completion" not in ex for ex in examples):
         raise ConfigError(f"{cfg.data.eval.describe()}: eval needs prompt/completion examples")
@@ -136,22 +163,7 @@ def evaluate_run(
             batch_size=e.batch_size, do_sample=e.do_sample, temperature=e.temperature,
             top_p=e.top_p, seed=e.seed,
         )
-    return _write_outputs(run_dir, out_dir, name, metrics, predictions)
-
-
-def _write_outputs(
-    run_dir: str | Path, out_dir: str | Path | None, name: str | None, metrics: dict[str, Any],
-    predictions: list[dict[str, Any]],
-) -> dict[str, Any]:
-    """metrics.json + predictions.jsonl in ``out_dir`` (default ``<run_dir>/eval``)."""
-    from emdlm.evaluation import write_eval_outputs
-    from emdlm.training.run_folder import is_run_folder, record_outputs
-
-    target = Path(out_dir) if out_dir is not None else Path(run_dir) / "eval"
-    write_eval_outputs(target, metrics, predictions)
-    if out_dir is None and is_run_folder(Path(run_dir)):  # --overwrite may remove it later
-        record_outputs(Path(run_dir), ["eval"])
-    return {"name": name or Path(run_dir).name, "metrics": metrics, "out_dir": str(target)}
+    return metrics, predictions
 
 
 def _evaluate_text(

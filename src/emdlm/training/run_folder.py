@@ -13,10 +13,19 @@ folder.
   archives, JSON), checked without loading the tensors.
 * Atomic saves (:func:`atomic_checkpoint_trainer`): the Trainer writes ``checkpoint-<step>``
   inside ``tmp-checkpoint-<step>/`` and it is renamed into place once every file is written.
+* One writer (:func:`hold_run_folder`): ``emdlm train`` (new, ``--overwrite``, ``--resume``)
+  holds an exclusive lock on :data:`RUN_LOCK` for the whole run, ``emdlm eval`` while it writes
+  into the folder; a second process is refused at once, naming the holder's pid. The OS drops
+  the lock when its holder ends, however it ends. The lock file is emdlm's (a known name) but
+  ``--overwrite`` never removes it: the run that clears the folder holds it.
+* A full disk during a save (:func:`disk_full_error`): one line saying so, naming the folder;
+  the unfinished ``tmp-checkpoint-<step>`` is removed and the previous checkpoint is untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fnmatch
 import json
 import os
@@ -24,18 +33,20 @@ import re
 import shutil
 import sys
 import zipfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from emdlm._files import LockHeldError, check_lock_free, hold_lock_file
 from emdlm.config import ConfigError
 
 MANIFEST = "emdlm_outputs.json"
+RUN_LOCK = ".emdlm.lock"  # held by the process writing the run folder (hold_run_folder)
 CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")
 TMP_PREFIX = "tmp-"  # tmp-checkpoint-<step>: a save in progress (or killed), never resumed from
 # Written by emdlm train (Trainer.save_model / tokenizer.save_pretrained included) and eval.
 KNOWN_FILES = frozenset({
-    MANIFEST, "run_config.yaml", "train_log.jsonl", "train_summary.json", "tb", "adapter",
+    MANIFEST, RUN_LOCK, "run_config.yaml", "train_log.jsonl", "train_summary.json", "tb", "adapter",
     "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
     "pytorch_model.bin", "pytorch_model.bin.index.json", "training_args.bin", "tokenizer.json",
     "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -45,8 +56,11 @@ KNOWN_FILES = frozenset({
 KNOWN_PATTERNS = (
     "checkpoint-[0-9]*", f"{TMP_PREFIX}checkpoint-[0-9]*", "model-*-of-*.safetensors",
     "pytorch_model-*-of-*.bin",
+    ".train_summary.json.*.tmp",  # an atomic write of train_summary.json cut by a kill
 )
-EVAL_FILES = frozenset({"metrics.json", "predictions.jsonl"})  # emdlm eval's default "eval/"
+# emdlm eval's default "eval/": its outputs, and the temporary files of an interrupted
+# atomic write of one of them (emdlm._files.atomic_write: ".<name>.<random>.tmp")
+EVAL_FILES = frozenset({"metrics.json", "predictions.jsonl", "contact_sheet.png"})
 
 
 def _warn(message: str) -> None:
@@ -83,8 +97,14 @@ def is_run_folder(folder: Path) -> bool:
     return (folder / MANIFEST).is_file() or (folder / "run_config.yaml").is_file()
 
 
+def _is_eval_file(name: str) -> bool:
+    return name in EVAL_FILES or any(
+        fnmatch.fnmatchcase(name, f".{known}.*.tmp") for known in EVAL_FILES
+    )
+
+
 def _is_eval_folder(path: Path) -> bool:
-    return path.is_dir() and all(p.name in EVAL_FILES for p in path.iterdir())
+    return path.is_dir() and all(_is_eval_file(p.name) for p in path.iterdir())
 
 
 def emdlm_entries(folder: Path) -> list[Path]:
@@ -101,17 +121,74 @@ def emdlm_entries(folder: Path) -> list[Path]:
 
 
 def clear_run_folder(folder: Path) -> tuple[list[str], list[str]]:
-    """Delete what emdlm wrote in ``folder`` (see :func:`emdlm_entries`); returns the names
-    removed and the names kept."""
+    """Delete what emdlm wrote in ``folder`` (see :func:`emdlm_entries`) except the lock file
+    (:data:`RUN_LOCK`: the clearing process holds it); returns the names removed and the names
+    kept (the lock file in neither)."""
     removed = []
     for entry in emdlm_entries(folder):
+        if entry.name == RUN_LOCK:
+            continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
         else:
             entry.unlink()
         removed.append(entry.name)
-    kept = sorted(p.name for p in folder.iterdir())
+    kept = sorted(p.name for p in folder.iterdir() if p.name != RUN_LOCK)
     return removed, kept
+
+
+def has_entries(folder: Path) -> bool:
+    """``folder`` holds anything besides the lock file (which a run that failed its folder
+    check under the lock, or was killed right after taking it, leaves in an empty folder)."""
+    return any(p.name != RUN_LOCK for p in folder.iterdir())
+
+
+# --- one writer per run folder -----------------------------------------------------------------
+
+
+class RunFolderBusy(ConfigError):
+    """Another process holds the run folder's lock (:data:`RUN_LOCK`)."""
+
+
+def _busy(folder: Path, err: LockHeldError, hint: str) -> RunFolderBusy:
+    return RunFolderBusy(f"{folder} is in use by another process, {err.holder}: {hint}")
+
+
+def check_run_folder_free(folder: Path, *, hint: str) -> None:
+    """:class:`RunFolderBusy` (naming the holder) when another process holds ``folder``'s lock;
+    writes nothing. Called early, so that a second ``emdlm train`` is refused before it loads
+    data and model; the lock itself is taken later by :func:`hold_run_folder`."""
+    try:
+        check_lock_free(folder / RUN_LOCK)
+    except LockHeldError as err:
+        raise _busy(folder, err, hint) from None
+
+
+@contextlib.contextmanager
+def hold_run_folder(folder: Path, doing: str, *, hint: str) -> Iterator[None]:
+    """Hold ``folder``'s exclusive lock (:data:`RUN_LOCK`, the holder recorded as ``doing``,
+    e.g. "emdlm train") for the ``with`` block; the folder is created if missing, so call this
+    only once every input has been checked. :class:`RunFolderBusy` at once, naming the holder
+    and ending with ``hint`` (what to do instead), when another process holds it."""
+    with contextlib.ExitStack() as held:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            held.enter_context(hold_lock_file(folder / RUN_LOCK, doing))
+        except LockHeldError as err:
+            raise _busy(folder, err, hint) from None
+        except OSError as err:
+            raise ConfigError(f"cannot write in {folder}: {err.strerror or err}") from err
+        yield
+
+
+def enclosing_run_folder(path: Path) -> Path | None:
+    """The run folder (:func:`is_run_folder`) that is ``path`` or holds it, nearest first; None
+    when there is none (e.g. an experiment cell's ``eval/step-<N>``)."""
+    start = Path(path).absolute()
+    for folder in (start, *start.parents):
+        if is_run_folder(folder):
+            return folder
+    return None
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -147,6 +224,126 @@ def check_overwrite_target(
             )
     if require_run_folder and not is_run_folder(out):
         raise ConfigError(f"--overwrite: {out} is not an emdlm run folder; refusing to delete")
+
+
+# --- a full disk -------------------------------------------------------------------------------
+
+#: Below this many free bytes a failed write is taken for a full disk: torch.save reports
+#: ENOSPC as "basic_ios::clear: iostream error" / "unexpected pos N vs M" (no errno).
+LOW_SPACE_BYTES = 1 << 20
+_FULL_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
+# safetensors 0.8 on a full tmpfs: SafetensorError("Error while serializing: I/O error: No space
+# left on device (os error 28)")
+_FULL_TEXTS = ("No space left on device", "Disk quota exceeded", "(os error 28)")
+
+
+class DiskFullError(OSError):
+    """The disk filled up while emdlm saved (a checkpoint, the final model): a one-line message
+    naming what was being saved and where, and which checkpoint is intact. ``emdlm train``
+    exits with code 3 on it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.ENOSPC, message)
+
+    def __str__(self) -> str:
+        return str(self.args[1])
+
+
+def _error_chain(err: BaseException) -> list[BaseException]:
+    """``err`` and the exceptions it was raised from or during, outermost first."""
+    chain: list[BaseException] = []
+    current: BaseException | None = err
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
+
+
+def _free_bytes(folder: Path) -> int | None:
+    """Free bytes on the disk of ``folder`` (or of its nearest existing parent)."""
+    for candidate in (folder, *folder.parents):
+        if candidate.exists():
+            try:
+                return shutil.disk_usage(candidate).free
+            except OSError:
+                return None
+    return None
+
+
+# how torch.save / safetensors / Python word a write that failed (torch names no errno)
+_WRITE_FAILURE = re.compile(r"write|iostream|unexpected pos|I/O|serializ", re.IGNORECASE)
+
+
+def _looks_like_a_failed_write(err: BaseException) -> bool:
+    return (isinstance(err, (OSError, RuntimeError)) or type(err).__name__ == "SafetensorError") \
+        and _WRITE_FAILURE.search(str(err)) is not None
+
+
+def _disk_full_reason(err: BaseException, folder: Path) -> str | None:
+    """Why ``err`` (raised while writing into ``folder``) is a full disk, or None when it is
+    not one: ENOSPC / EDQUOT, a writer's message saying so, or an error worded as a failed
+    write (OSError, RuntimeError, SafetensorError) with less than :data:`LOW_SPACE_BYTES` left
+    on the disk."""
+    chain = _error_chain(err)
+    for item in chain:
+        if isinstance(item, OSError) and item.errno in _FULL_ERRNOS:
+            where = f": {item.filename}" if item.filename else ""
+            return f"{os.strerror(item.errno)}{where}"
+        if any(text in str(item) for text in _FULL_TEXTS):
+            return "No space left on device"
+    if any(_looks_like_a_failed_write(e) for e in chain):
+        free = _free_bytes(folder)
+        if free is not None and free < LOW_SPACE_BYTES:
+            return f"a write failed with {free} bytes left on the disk"
+    return None
+
+
+def _intact_checkpoint(folder: Path, trained_step: int | None) -> str:
+    """The end of a full-disk message: the newest complete checkpoint, which is intact (saves
+    go through ``tmp-checkpoint-<step>``), and how to go on: ``--resume``, or, when it holds
+    the finished model (step ``trained_step``: the Trainer saves one at the last step), use it
+    as it is."""
+    for ckpt in checkpoint_folders(folder):
+        if checkpoint_problem(ckpt) is None:
+            if trained_step is not None and ckpt.name == f"checkpoint-{trained_step}":
+                return (f"the checkpoint {ckpt} is intact and holds the trained model (step "
+                        f"{trained_step}): free some space and use it, e.g. `emdlm eval {ckpt}`")
+            return (f"the previous checkpoint {ckpt} is intact: free some space, then continue "
+                    "with `emdlm train ... --resume`")
+    return ("there is no earlier checkpoint to resume from: free some space, then start again "
+            "with `emdlm train ... --overwrite`")
+
+
+def disk_full_error(
+    err: BaseException, folder: Path, saving: str, *, trained_step: int | None = None
+) -> DiskFullError | None:
+    """A one-line :class:`DiskFullError` for ``err`` when it is a full disk (see
+    :func:`_disk_full_reason`), else None. ``folder``: the run folder; ``saving``: what was
+    being saved and where, e.g. "checkpoint-20 into <run>/tmp-checkpoint-20"; ``trained_step``:
+    the last step of a finished training (the final model's save failed)."""
+    if isinstance(err, DiskFullError):
+        return err
+    reason = _disk_full_reason(err, folder)
+    if reason is None:
+        return None
+    return DiskFullError(
+        f"disk full ({reason}) while saving {saving}; {_intact_checkpoint(folder, trained_step)}"
+    )
+
+
+@contextlib.contextmanager
+def full_disk_in_one_line(
+    folder: Path, saving: str, *, trained_step: int | None = None
+) -> Iterator[None]:
+    """Raise :func:`disk_full_error`'s one-line :class:`DiskFullError` (from the original) when
+    the ``with`` block fails on a full disk; any other error propagates unchanged."""
+    try:
+        yield
+    except Exception as err:
+        full = disk_full_error(err, folder, saving, trained_step=trained_step)
+        if full is None or full is err:
+            raise
+        raise full from err
 
 
 # --- checkpoints -------------------------------------------------------------------------------
@@ -202,9 +399,32 @@ def _file_problem(path: Path) -> str | None:
     return None
 
 
+def _unpickle_problem(path: Path) -> str | None:
+    """For pickled weights (``pytorch_model.bin``): the one-line refusal when torch's
+    ``weights_only`` unpickler (the one transformers loads weights with) refuses ``path``, a
+    pickle that would run code; it is never unpickled otherwise. Tensors are memory-mapped,
+    not read."""
+    if path.suffix not in (".bin", ".pt", ".pth"):
+        return None
+    import pickle
+
+    import torch
+
+    from emdlm.models import weights_only_refusal
+
+    try:
+        torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        return weights_only_refusal(err, path)
+    except Exception:  # another problem: the loader reports it
+        return None
+    return None
+
+
 def weights_problem(folder: Path) -> str | None:
     """None if ``folder``'s model (or LoRA adapter) weights are present and readable, else what
-    is wrong, naming the file."""
+    is wrong, naming the file (pickled weights that torch's ``weights_only`` refuses
+    included)."""
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         index = folder / index_name
         if index.is_file():
@@ -215,13 +435,13 @@ def weights_problem(folder: Path) -> str | None:
             for shard in shards:
                 if not (folder / shard).is_file():
                     return f"{folder / shard} is missing (listed in {index})"
-                problem = _file_problem(folder / shard)
+                problem = _file_problem(folder / shard) or _unpickle_problem(folder / shard)
                 if problem:
                     return problem
             return None
     for name in ("model.safetensors", "adapter_model.safetensors", "pytorch_model.bin"):
         if (folder / name).is_file():
-            return _file_problem(folder / name)
+            return _file_problem(folder / name) or _unpickle_problem(folder / name)
     return f"{folder / 'model.safetensors'} is missing (no model weights in {folder})"
 
 
@@ -254,12 +474,13 @@ def checkpoint_problem(ckpt: Path) -> str | None:
     return None
 
 
-def resume_checkpoint(out: Path, explicit: Path | None) -> Path:
+def resume_checkpoint(out: Path, explicit: Path | None, *, warn: bool = True) -> Path:
     """The checkpoint to resume from, checked before anything changes.
 
     ``explicit`` (``--resume-from``): a problem with it is a ConfigError naming the file.
     Otherwise the newest complete checkpoint in ``out``; a damaged newer one is skipped with a
-    warning naming its bad file; none complete is a ConfigError suggesting ``--resume-from``.
+    warning (unless ``warn`` is False: the same check made again) naming its bad file; none
+    complete is a ConfigError suggesting ``--resume-from``.
     """
     if explicit is not None:
         problem = checkpoint_problem(explicit)
@@ -273,7 +494,7 @@ def resume_checkpoint(out: Path, explicit: Path | None) -> Path:
     for ckpt in candidates:
         problem = checkpoint_problem(ckpt)
         if problem is None:
-            for bad, why in skipped:
+            for bad, why in skipped if warn else ():
                 _warn(f"skipping damaged checkpoint {bad.name}: {why}; resuming from {ckpt.name}")
             return ckpt
         skipped.append((ckpt, problem))
@@ -308,6 +529,8 @@ def atomic_checkpoint_trainer(base: type) -> type:
     saves into ``tmp-checkpoint-<step>/checkpoint-<step>`` (its own save code, unchanged: the
     run folder it sees is redirected while it saves), every process waits for the others (each
     writes its RNG state), and rank 0 renames the folder into place and rotates old checkpoints.
+    A full disk during the save raises :class:`DiskFullError` (one line) after removing the
+    unfinished ``tmp-checkpoint-<step>``; the checkpoints already published are untouched.
     On resume, a tied head is not reported as a missing key (:func:`tied_missing_keys`).
     """
     from transformers.trainer_utils import rotate_checkpoints
@@ -330,6 +553,13 @@ def atomic_checkpoint_trainer(base: type) -> type:
             self._staging_dir = str(staging)
             try:
                 super()._save_checkpoint(model, trial)
+            except Exception as err:
+                full = disk_full_error(err, run_dir, f"{name} into {staging}")
+                if full is None:
+                    raise
+                if self.args.should_save:  # the unfinished save only takes space
+                    shutil.rmtree(staging, ignore_errors=True)
+                raise full from err
             finally:
                 self._staging_dir = None
             self.accelerator.wait_for_everyone()

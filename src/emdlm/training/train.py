@@ -12,9 +12,15 @@ Order of work (nothing is written until every input has been checked):
 
 Output folder safety (:mod:`emdlm.training.run_folder`): ``overwrite=True`` deletes only what
 emdlm wrote there (its manifest plus known names) and refuses the current folder, its parents
-and any folder holding the run's inputs. Checkpoints are written under ``tmp-checkpoint-<step>``
-and renamed into place when complete; ``resume`` checks the checkpoint (every file present and
-readable) before anything in the folder changes, and falls back past a damaged newest one.
+and any folder holding the run's inputs. One run per folder: :func:`train` holds the folder's
+lock (``.emdlm.lock``, rank 0 only) from before it writes the first byte until
+train_summary.json is written, and checks the folder again under it (two runs that both saw an
+empty folder cannot both use it); a second run is refused at once, naming the holder's pid.
+Checkpoints are written under ``tmp-checkpoint-<step>`` and renamed into place when complete;
+``resume`` checks the checkpoint (every file present and readable) before anything in the
+folder changes, and falls back past a damaged newest one. A full disk while saving ends the
+run with one line (:class:`~emdlm.training.run_folder.DiskFullError`) naming what was being
+saved and the checkpoint that is intact.
 
 The first Ctrl-C finishes the optimizer step in progress, saves a checkpoint and raises
 :class:`TrainingInterrupted` (a second Ctrl-C aborts at once, still saving a checkpoint).
@@ -38,6 +44,7 @@ from typing import Any
 import torch
 import yaml
 
+from emdlm._files import atomic_write
 from emdlm.config import ConfigError, ModelConfig, RunConfig
 from emdlm.data import DataCollator, TokenizedDataset, build_dataset, load_examples
 from emdlm.integrations.sharding import (
@@ -59,8 +66,12 @@ from emdlm.training.launch import start_run_console
 from emdlm.training.run_folder import (
     atomic_checkpoint_trainer,
     check_overwrite_target,
+    check_run_folder_free,
     checkpoint_folders,
     clear_run_folder,
+    full_disk_in_one_line,
+    has_entries,
+    hold_run_folder,
     record_outputs,
     remove_stale_saves,
     resume_checkpoint,
@@ -70,6 +81,7 @@ from emdlm.vlm.training import lora_targets
 
 RUN_CONFIG = "run_config.yaml"  # also read by emdlm.training.evaluate
 TRAIN_LOG = "train_log.jsonl"
+_BUSY_HINT = "wait for it to finish, or choose another output_dir"
 
 
 class TrainingInterrupted(RuntimeError):
@@ -178,6 +190,8 @@ class PreparedRun:
     training_args: Any = None  # transformers.TrainingArguments, built (and checked) early
     teacher: Any = None  # frozen distillation teacher (``teacher:``), or None
     vlm: Any = None  # emdlm.vlm.training.VLMParts for a VLM run (collator, image processor)
+    resume: bool | str = False  # as asked (``--resume`` / a checkpoint path): checked again
+    inputs: tuple[str | None, ...] = ()  # the run's input files, kept out of --overwrite
 
 
 def _run_inputs(cfg: RunConfig, config_path: str | Path | None) -> list[str | None]:
@@ -190,10 +204,12 @@ def _run_inputs(cfg: RunConfig, config_path: str | Path | None) -> list[str | No
 
 
 def _check_output_dir(
-    out: Path, resume: bool | str, overwrite: bool, inputs: list[str | None]
+    out: Path, resume: bool | str, overwrite: bool, inputs: Sequence[str | None], *,
+    warn: bool = True,
 ) -> Path | None:
     """The checkpoint to resume from (checked complete), or None for a new run; ConfigError for
-    an output folder this run may not use. Reads only."""
+    an output folder this run may not use. Reads only. A folder holding only the lock file
+    counts as empty. ``warn=False``: the same check made again (under the lock), no warnings."""
     if resume and overwrite:
         raise ConfigError("give --resume or --overwrite, not both")
     if resume:
@@ -201,14 +217,14 @@ def _check_output_dir(
             ckpt = Path(resume)
             if not ckpt.is_dir():
                 raise ConfigError(f"checkpoint to resume from not found: {ckpt}")
-            return resume_checkpoint(out, ckpt)
-        return resume_checkpoint(out, None)
+            return resume_checkpoint(out, ckpt, warn=warn)
+        return resume_checkpoint(out, None, warn=warn)
     if not _is_main_process():
         # only rank 0 writes; another rank could otherwise see rank 0's fresh folder and stop
         return None
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output path {out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()):
+    if out.is_dir() and has_entries(out):
         if not overwrite:
             raise ConfigError(
                 f"output folder {out} is not empty: use --resume to continue it, --overwrite to "
@@ -243,7 +259,10 @@ def prepare_run(
     if cfg.train.torch_threads:
         torch.set_num_threads(cfg.train.torch_threads)
     out = Path(cfg.output_dir)
-    resume_from = _check_output_dir(out, resume, overwrite, _run_inputs(cfg, config_path))
+    if _is_main_process():  # another run in the folder: refused now, not after loading
+        check_run_folder_free(out, hint=_BUSY_HINT)
+    inputs = tuple(_run_inputs(cfg, config_path))
+    resume_from = _check_output_dir(out, resume, overwrite, inputs)
     vlm = None
     if is_vlm(cfg.model.name):  # image+text rows, image processor and VLM (emdlm.vlm)
         from emdlm.vlm.training import prepare_vlm_run
@@ -301,7 +320,7 @@ def prepare_run(
         raise ConfigError(f"transformers rejected the training settings: {err}") from err
     return PreparedRun(
         cfg, tokenizer, model, loss_fn, train_ds, eval_ds, out, resume_from, overwrite, args,
-        teacher, vlm,
+        teacher, vlm, resume, inputs,
     )
 
 
@@ -589,7 +608,44 @@ def training_arguments(cfg: RunConfig, out: Path, has_eval: bool) -> Any:
 def train(run: PreparedRun, callbacks: list[Any] | None = None) -> dict[str, Any]:
     """Train a prepared run; returns the summary also written to train_summary.json.
 
-    ``callbacks``: extra ``transformers.TrainerCallback`` objects."""
+    ``callbacks``: extra ``transformers.TrainerCallback`` objects.
+
+    Rank 0 holds the run folder's lock (:func:`emdlm.training.run_folder.hold_run_folder`) from
+    before its first write until train_summary.json is written, and releases it however
+    training ends (error, Ctrl-C); the folder is checked again under the lock. Raises
+    :class:`~emdlm.training.run_folder.RunFolderBusy` at once when another process holds it,
+    ConfigError when another process wrote into the folder since :func:`prepare_run` looked.
+    Other ranks take no lock: they would block on rank 0's (and rank 0 does all the writing).
+    """
+    if not _is_main_process():
+        return _train_in_folder(run, callbacks)
+    with hold_run_folder(run.output_dir, _holder_label(run), hint=_BUSY_HINT):
+        _check_output_dir_again(run)
+        return _train_in_folder(run, callbacks)
+
+
+def _holder_label(run: PreparedRun) -> str:
+    """What the lock file says this process is doing (shown to a process it refuses)."""
+    if run.resume_from is not None:
+        return "emdlm train --resume"
+    return "emdlm train --overwrite" if run.overwrite else "emdlm train"
+
+
+def _check_output_dir_again(run: PreparedRun) -> None:
+    """:func:`prepare_run`'s output-folder check made again under the lock: between that check
+    and the lock another run may have written into the folder (both saw it empty) or saved a
+    newer checkpoint. ConfigError when the outcome changed, before anything is written."""
+    resume = run.resume or (str(run.resume_from) if run.resume_from is not None else False)
+    now = _check_output_dir(run.output_dir, resume, run.overwrite, run.inputs, warn=False)
+    if now != run.resume_from:
+        raise ConfigError(
+            f"{run.output_dir} changed while this run was being prepared (the checkpoint to "
+            f"resume from is now {now}, was {run.resume_from}): run the command again"
+        )
+
+
+def _train_in_folder(run: PreparedRun, callbacks: list[Any] | None) -> dict[str, Any]:
+    """The body of :func:`train`, with the folder's lock held (rank 0)."""
     from transformers import Trainer
 
     cfg, out = run.cfg, run.output_dir
@@ -637,7 +693,8 @@ def train(run: PreparedRun, callbacks: list[Any] | None = None) -> dict[str, Any
     start_run_console(trainer)  # world size + launcher check (rank 0), tidy console lines
     resume = str(run.resume_from) if run.resume_from is not None else None
     try:
-        with stopper.handle_sigint():
+        # a full disk (checkpoint, train_log.jsonl): one line, no traceback
+        with stopper.handle_sigint(), full_disk_in_one_line(out, f"into {out} during training"):
             result = trainer.train(resume_from_checkpoint=resume)
     except KeyboardInterrupt:  # a second Ctrl-C (or one outside the main thread's handler)
         logger.close()
@@ -649,14 +706,10 @@ def train(run: PreparedRun, callbacks: list[Any] | None = None) -> dict[str, Any
         raise TrainingInterrupted(out / f"checkpoint-{trainer.state.global_step}") from None
     if stopper.requested:  # first Ctrl-C: the Trainer saved after the step it was in
         raise TrainingInterrupted(out / f"checkpoint-{trainer.state.global_step}")
-    if cfg.lora.enabled:  # keep the adapter, and save a merged full model for eval
-        trainer.save_model(str(out / "adapter"))
-        if main:
-            trainer.model.merge_and_unload().save_pretrained(str(out))
-    else:
-        trainer.save_model(str(out))  # gathers FSDP / DeepSpeed shards; writes on rank 0
-    if main:
-        run.tokenizer.save_pretrained(str(out))
+    trained_step = int(result.global_step)
+    with full_disk_in_one_line(out, f"the final model into {out} (its model files there are "
+                               "incomplete)", trained_step=trained_step):
+        _save_final_model(run, trainer, main)
     summary = {
         "global_step": result.global_step,
         "train_loss": result.training_loss,
@@ -678,10 +731,28 @@ def train(run: PreparedRun, callbacks: list[Any] | None = None) -> dict[str, Any
         if logged is not None:
             summary["train_loss"] = logged
     if main:
-        (out / "train_summary.json").write_text(json.dumps(summary, indent=2))
-        created = {p.name for p in out.iterdir()} - existing
-        record_outputs(out, created | {"train_summary.json"})
+        with full_disk_in_one_line(out, f"{out / 'train_summary.json'} (the final model was "
+                                   "saved)", trained_step=trained_step):
+            # whole or absent: the experiment runner reads it to know the cell trained
+            with atomic_write(out / "train_summary.json") as fh:
+                fh.write(json.dumps(summary, indent=2))
+            created = {p.name for p in out.iterdir()} - existing
+            record_outputs(out, created | {"train_summary.json"})
     return summary
+
+
+def _save_final_model(run: PreparedRun, trainer: Any, main: bool) -> None:
+    """The trained model (LoRA: the adapter and a merged full model) and the tokenizer, in the
+    run folder."""
+    out = run.output_dir
+    if run.cfg.lora.enabled:  # keep the adapter, and save a merged full model for eval
+        trainer.save_model(str(out / "adapter"))
+        if main:
+            trainer.model.merge_and_unload().save_pretrained(str(out))
+    else:
+        trainer.save_model(str(out))  # gathers FSDP / DeepSpeed shards; writes on rank 0
+    if main:
+        run.tokenizer.save_pretrained(str(out))
 
 
 def _shard(run: PreparedRun, args: Any) -> dict[str, Any]:

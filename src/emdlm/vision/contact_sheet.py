@@ -22,9 +22,11 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
+from emdlm._files import atomic_write
 from emdlm.metrics import box_iou, clock_time_gap, parse_box
 from emdlm.tasks.render import load_font
 from emdlm.vision.boxes import answer_box_to_pixels, match_boxes, parse_boxes
+from emdlm.vision.images import open_rgb
 
 PAD = 4
 CAPTION_H = 30
@@ -160,9 +162,9 @@ def make_contact_sheet(
     for i, (row, pred) in enumerate(items):
         x0 = (i % columns) * cell
         y0 = LEGEND_H + (i // columns) * (cell + CAPTION_H)
-        with Image.open(row["image"]) as im:
-            size = im.size
-            small, scale = _fit(im, thumb)
+        im = open_rgb(row["image"])  # as the model saw it: upright, 16-bit and alpha handled
+        size = im.size
+        small, scale = _fit(im, thumb)
         origin = (x0 + PAD + (thumb - small.width) // 2, y0 + PAD + (thumb - small.height) // 2)
         sheet.paste(small, origin)
         text_y = y0 + cell
@@ -182,5 +184,6 @@ def make_contact_sheet(
         )
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    sheet.save(out, format="PNG")
+    with atomic_write(out, binary=True) as fh:  # whole or not at all, like the eval outputs
+        sheet.save(fh, format="PNG")
     return out

@@ -33,6 +33,7 @@ import torch
 
 from emdlm.config import ConfigError
 from emdlm.data import IGNORE_INDEX, pad_number_mask, piece_masks, row_scopes
+from emdlm.vision.images import displayed_size, open_rgb
 from emdlm.vlm.models import VisionSpec
 
 PLAIN_TEMPLATES = {
@@ -42,13 +43,10 @@ PLAIN_TEMPLATES = {
 
 
 def open_image(image: Any) -> Any:
-    """A PIL RGB image from a path or a PIL image (a ``datasets`` Image column)."""
-    from PIL import Image
-
-    if isinstance(image, Image.Image):
-        return image.convert("RGB")
-    with Image.open(Path(image)) as img:
-        return img.convert("RGB")
+    """A PIL RGB image from a path or a PIL image (a ``datasets`` Image column), upright and
+    converted from any mode as :func:`emdlm.vision.images.to_rgb` says (16-bit scaled, alpha
+    on white, ...): the one conversion every image takes on its way to the model."""
+    return open_rgb(image)
 
 
 class VLMCollator:
@@ -140,10 +138,10 @@ class VLMCollator:
         for row, prompt, comp in zip(rows, prompts, comps, strict=True):
             image = row[self.image_key]
             if isinstance(image, Image.Image):
-                size = image.size
+                size = displayed_size(image)
             else:
-                with Image.open(Path(image)) as img:  # header only
-                    size = img.size
+                with Image.open(Path(image)) as img:  # header only; upright as open_image
+                    size = displayed_size(img)
             if size not in per_size:
                 processed = self.image_processor(images=[open_image(image)], return_tensors="pt")
                 per_size[size] = int(self.image_token_counts(processed)[0])

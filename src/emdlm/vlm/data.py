@@ -8,8 +8,11 @@ registered task) and must hold ``prompt``, ``completion`` and an image under ``i
   folder;
 * a task generator: the absolute path of the rendered PNG.
 
-Every image is opened (header and data checksum via Pillow's ``verify``) here, so a missing or
-unreadable file is a ConfigError naming ``file:line`` (or the row) before any step runs.
+Every image is decoded in full here (:func:`emdlm.vision.images.check_image_file`; Pillow's
+``verify`` does not decode JPEG data), so a missing, truncated or unreadable file, an unsupported
+mode or a decompression bomb is a ConfigError naming ``file:line`` (or the row) before any step
+runs. With ``data.images_root`` set, a path a data file names (absolute, ``../``, ``~`` or
+through a symlink) must resolve inside that folder.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 from emdlm.config import ConfigError, DataSourceConfig
 from emdlm.data import CutCounts, load_examples, report_cuts
+from emdlm.vision.images import SUPPORTED_MODES, ImageCheckError, check_image_file, confine
 
 
 def _jsonl_line_numbers(path: Path) -> list[int]:
@@ -33,12 +37,19 @@ def _where(src: DataSourceConfig, index: int, lines: list[int] | None) -> str:
     return f"{src.describe()}: row {index}"
 
 
-def check_image(value: Any, base: Path | None, where: str, image_key: str) -> Any:
+def check_image(
+    value: Any, base: Path | None, where: str, image_key: str, images_root: str | None = None
+) -> Any:
     """The image as a readable absolute path (or the PIL image itself); ConfigError naming
-    ``where`` when it is missing, not a file or not an image Pillow can read."""
-    from PIL import Image, UnidentifiedImageError
+    ``where`` when it is missing, not a file, outside ``images_root`` (when set), or not an
+    image that decodes in full (:func:`emdlm.vision.images.check_image_file`: truncated data, an
+    unsupported mode and decompression bombs are caught here, not mid-run)."""
+    from PIL import Image
 
-    if isinstance(value, Image.Image):
+    if isinstance(value, Image.Image):  # a datasets Image column: decoded already
+        if value.mode not in SUPPORTED_MODES:
+            raise ConfigError(f"{where}: field {image_key!r}: image mode {value.mode} is not "
+                              f"supported (supported: {', '.join(SUPPORTED_MODES)})")
         return value
     if not isinstance(value, str) or not value:
         raise ConfigError(
@@ -47,23 +58,33 @@ def check_image(value: Any, base: Path | None, where: str, image_key: str) -> An
     path = Path(value).expanduser()
     if not path.is_absolute() and base is not None:
         path = base / path
+    try:
+        confine(path, images_root, value)
+    except ImageCheckError as err:
+        raise ConfigError(f"{where}: {err} (data.images_root)") from err
     if not path.is_file():
         raise ConfigError(f"{where}: image file not found: {path}")
     try:
-        with Image.open(path) as img:
-            img.verify()
-    except (UnidentifiedImageError, OSError, SyntaxError) as err:
+        check_image_file(path)
+    except ImageCheckError as err:
         raise ConfigError(f"{where}: cannot read image {path}: {err}") from err
     return str(path.resolve())
 
 
 def load_image_examples(
-    src: DataSourceConfig, *, seed: int, image_key: str = "image"
+    src: DataSourceConfig,
+    *,
+    seed: int,
+    image_key: str = "image",
+    images_root: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Rows of ``src`` with ``image_key`` resolved and checked (see the module docstring)."""
+    """Rows of ``src`` with ``image_key`` resolved and checked (see the module docstring).
+    ``images_root`` (``data.images_root``) confines the image paths a data file names; rows a
+    task generator renders are emdlm's own and are not confined."""
     rows = load_examples(src, seed=seed)
     lines: list[int] | None = None
     base: Path | None = None
+    root = images_root if src.path is not None else None
     if src.path is not None:
         p = Path(src.path)
         base = p if p.is_dir() else p.parent
@@ -76,7 +97,7 @@ def load_image_examples(
             raise ConfigError(f"{where}: image examples need 'prompt' and 'completion' fields")
         if image_key not in row:
             raise ConfigError(f"{where}: field {image_key!r} (the image) is missing")
-        out.append({**row, image_key: check_image(row[image_key], base, where, image_key)})
+        out.append({**row, image_key: check_image(row[image_key], base, where, image_key, root)})
     return out
 
 

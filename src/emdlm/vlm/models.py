@@ -267,8 +267,10 @@ def build_vlm(cfg: ModelConfig, tokenizer: Any) -> BuiltVLM:
             model = AutoModelForImageTextToText.from_pretrained(
                 str(path), dtype=dtype, trust_remote_code=False
             )
-        except Exception as err:  # name the folder whatever transformers raised
-            raise ConfigError(f"could not load a VLM from {path}: {err}") from err
+        except Exception as err:  # name the folder (the refused file) whatever was raised
+            from emdlm.models import model_load_error
+
+            raise model_load_error(f"could not load a VLM from {path}", path, err) from err
     check_vocab(model, tokenizer)
     return BuiltVLM(model, processor, spec_for(family))
 

@@ -4,13 +4,14 @@ whose config.json is an image-text-to-text model)."""
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from emdlm.config import ConfigError, RunConfig
 from emdlm.data import row_scopes
-from emdlm.models import load_tokenizer
+from emdlm.models import load_tokenizer, weights_only_refusal
 from emdlm.vlm.collator import VLMCollator
 from emdlm.vlm.data import ImageRowsDataset, cut_image_rows, load_image_examples
 from emdlm.vlm.models import (
@@ -46,10 +47,11 @@ def prepare_vlm_run(cfg: RunConfig) -> VLMParts:
     the VLM and its image processor, vision tower frozen when ``model.freeze_vision``. LoRA is
     applied by the caller (:func:`lora_targets` gives the language-model-only default)."""
     assert cfg.data.train is not None
-    key = cfg.data.image_key
-    train_rows = load_image_examples(cfg.data.train, seed=cfg.train.seed, image_key=key)
+    key, root = cfg.data.image_key, cfg.data.images_root
+    train_rows = load_image_examples(cfg.data.train, seed=cfg.train.seed, image_key=key,
+                                     images_root=root)
     eval_rows = (
-        load_image_examples(cfg.data.eval, seed=cfg.train.seed, image_key=key)
+        load_image_examples(cfg.data.eval, seed=cfg.train.seed, image_key=key, images_root=root)
         if cfg.data.eval is not None else None
     )
     tokenizer = prepare_vlm_tokenizer(load_tokenizer(cfg.tokenizer), _family(cfg.model.name))
@@ -95,8 +97,9 @@ def load_trained_vlm(folder: Path, model_type: str, tokenizer: Any, cfg: RunConf
     processor = load_image_processor(source, model_type)
     try:  # local files only; remote code is never run
         model = AutoModelForImageTextToText.from_pretrained(str(folder), trust_remote_code=False)
-    except (OSError, ValueError, RuntimeError) as err:
-        raise ConfigError(f"cannot load the VLM in {folder}: {err}") from err
+    except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as err:
+        refusal = weights_only_refusal(err, folder)  # a pickle that would run code: one line
+        raise ConfigError(refusal or f"cannot load the VLM in {folder}: {err}") from err
     prepare_vlm_tokenizer(tokenizer, family)
     check_vocab(model, tokenizer)
     model.eval()
@@ -130,7 +133,8 @@ def evaluate_vlm(
         raise ConfigError(f"eval.kind={e.kind} is not supported for VLMs; use clock, box, boxes "
                           "or number")
     assert cfg.data.eval is not None
-    rows = load_image_examples(cfg.data.eval, seed=cfg.train.seed, image_key=cfg.data.image_key)
+    rows = load_image_examples(cfg.data.eval, seed=cfg.train.seed, image_key=cfg.data.image_key,
+                               images_root=cfg.data.images_root)
     has_tok = (run_dir / "tokenizer_config.json").exists() or (run_dir / "tokenizer.json").exists()
     tokenizer = load_tok(str(run_dir) if has_tok else cfg.tokenizer)
     model, collator = load_trained_vlm(run_dir, model_type, tokenizer, cfg)
