@@ -218,6 +218,7 @@ def test_train_then_eval_end_to_end(tmp_path):
     assert {"exact_match", "abs_error_mean", "parse_failure_rate"} <= set(metrics)
     assert {"prompt", "reference", "prediction"} <= set(preds[0])
     assert "exact_match" in text  # the readable table
+    assert f"written: {out / 'eval'}/metrics.json, predictions.jsonl\n" in text  # no picture
 
     # a JSONL test set and an explicit output folder
     data = tmp_path / "test.jsonl"

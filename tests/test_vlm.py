@@ -310,6 +310,8 @@ def test_train_vlm_frozen_vision_then_eval_clock(tmp_path: Path, objective: str)
     assert len(preds) == 8 and preds[0]["image"].endswith("0.png")
     with Image.open(out / "eval" / "contact_sheet.png") as sheet:
         assert sheet.width > 64 and sheet.height > 64
+    # the `written:` line of `emdlm eval` names every file, the picture included
+    assert result["files"] == ["metrics.json", "predictions.jsonl", "contact_sheet.png"]
     # a checkpoint folder finds the image processor in its run folder
     ckpt = evaluate_run(out / "checkpoint-3", cfg, out_dir=tmp_path / "ck")
     assert ckpt["metrics"]["n"] == 8

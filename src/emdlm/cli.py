@@ -165,7 +165,7 @@ def eval_cmd(
     except ConfigError as err:
         _fail(str(err))
     typer.echo(format_metrics_table({result["name"]: result["metrics"]}))
-    typer.echo(f"written: {result['out_dir']}/metrics.json, predictions.jsonl")
+    typer.echo(f"written: {result['out_dir']}/{', '.join(result['files'])}")
 
 
 @app.command()

@@ -116,18 +116,21 @@ def evaluate_run(
     with (contextlib.nullcontext() if run_folder is None else hold_run_folder(
             run_folder, "emdlm eval", hint="wait for it to finish, or write the evaluation "
             "elsewhere with --out")):
-        metrics, predictions = _evaluate(Path(run_dir), cfg, target)
+        metrics, predictions, pictures = _evaluate(Path(run_dir), cfg, target)
         write_eval_outputs(target, metrics, predictions)
         if out_dir is None and is_run_folder(Path(run_dir)):  # --overwrite may remove it later
             record_outputs(Path(run_dir), ["eval"])
-    return {"name": name or Path(run_dir).name, "metrics": metrics, "out_dir": str(target)}
+    return {
+        "name": name or Path(run_dir).name, "metrics": metrics, "out_dir": str(target),
+        "files": ["metrics.json", "predictions.jsonl", *(p.name for p in pictures)],
+    }
 
 
 def _evaluate(
     run_dir: Path, cfg: RunConfig, target: Path
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Metrics and prediction rows of the model in ``run_dir`` (see :func:`evaluate_run`); a VLM
-    also draws ``target/contact_sheet.png``."""
+) -> tuple[dict[str, Any], list[dict[str, Any]], list[Path]]:
+    """Metrics, prediction rows and the pictures drawn (a VLM's ``target/contact_sheet.png``)
+    of the model in ``run_dir`` (see :func:`evaluate_run`)."""
     from emdlm.evaluation import evaluate_examples
     from emdlm.vlm.models import folder_model_type
 
@@ -136,7 +139,9 @@ def _evaluate(
     if vlm_type is not None:  # an image-text-to-text folder: images + generation (emdlm.vlm)
         from emdlm.vlm.training import evaluate_vlm
 
-        return evaluate_vlm(run_dir, vlm_type, cfg, sheet=target / "contact_sheet.png")
+        sheet = target / "contact_sheet.png"
+        metrics, predictions = evaluate_vlm(run_dir, vlm_type, cfg, sheet=sheet)
+        return metrics, predictions, [sheet] if sheet.is_file() else []
     examples = load_examples(cfg.data.eval, seed=cfg.train.seed)
     if any("completion" not in ex for ex in examples):
         raise ConfigError(f"{cfg.data.eval.describe()}: eval needs prompt/completion examples")
@@ -163,7 +168,7 @@ def _evaluate(
             batch_size=e.batch_size, do_sample=e.do_sample, temperature=e.temperature,
             top_p=e.top_p, seed=e.seed,
         )
-    return metrics, predictions
+    return metrics, predictions, []
 
 
 def _evaluate_text(
