@@ -4,6 +4,7 @@ end-to-end train + eval."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -267,3 +268,17 @@ def test_cut_examples_are_reported_and_summarised(tmp_path):
     assert f"{data}: 1 of 8 examples truncated, 1 dropped (data.max_length=16)" in text
     cuts = json.loads((out / "train_summary.json").read_text())["data"]["train"]
     assert (cuts["examples"], cuts["truncated"], cuts["dropped"]) == (8, 1, 1)
+
+
+def test_config_path_prints_the_installed_packaged_file(tmp_path, monkeypatch):
+    """Launcher configs are reached by name, not by a path into the repository."""
+    monkeypatch.chdir(tmp_path)  # not the repository
+    for name in ("accelerate_ddp_cpu", "arithmetic_ntil", "arithmetic_objectives"):
+        result, text = _invoke("config-path", name)
+        assert result.exit_code == 0, text
+        path = Path(text.strip())
+        assert path.is_absolute() and path.is_file() and path.stem == name
+    assert yaml.safe_load(Path(_invoke("config-path", "accelerate_ddp_cpu")[1].strip())
+                          .read_text())["num_processes"] == 2
+    result, text = _invoke("config-path", "accelerate_ddp_cp")
+    assert result.exit_code == 2 and "did you mean 'accelerate_ddp_cpu'" in text

@@ -52,6 +52,7 @@ COMMANDS = readme_multiprocess_commands()
 def test_readme_has_both_multiprocess_commands():
     assert [c.split()[0] for c in COMMANDS] == ["accelerate", "torchrun"], COMMANDS
     assert all(PLACEHOLDER in c for c in COMMANDS)
+    assert not any("src/" in c for c in COMMANDS)  # they work where emdlm is only installed
 
 
 def _tiny_config(path: Path, out: Path, batch: int) -> Path:
@@ -61,15 +62,20 @@ def _tiny_config(path: Path, out: Path, batch: int) -> Path:
 
 
 def _run(command: str, config: Path) -> subprocess.CompletedProcess:
-    """``command`` with only the config placeholder replaced; the venv's scripts on PATH."""
+    """``command`` with only the config placeholder replaced, run by bash (as typed in a
+    terminal: ``$(emdlm config-path ...)`` expands) from the config's folder, outside the
+    repository (so a packaged launcher config must be reached through the installed package);
+    the venv's scripts on PATH."""
     argv = [config.as_posix() if arg == PLACEHOLDER else arg for arg in shlex.split(command)]
     assert argv.count(config.as_posix()) == 1
+    line = command.replace(PLACEHOLDER, shlex.quote(config.as_posix()))
     env = {
         **os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
     }  # fmt: skip
-    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(["bash", "-c", line], cwd=config.parent, env=env, capture_output=True,
+                          text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -262,6 +262,20 @@ def experiment(
         raise typer.Exit(1)
 
 
+@app.command("config-path")
+def config_path(
+    name: Annotated[str, typer.Argument(help="A packaged config, e.g. accelerate_ddp_cpu")],
+) -> None:
+    """Print the installed path of a packaged config (run, launcher or experiment), e.g.
+    accelerate launch --config_file "$(emdlm config-path accelerate_ddp_cpu)" ..."""
+    from emdlm.config import packaged_config_path
+
+    try:
+        typer.echo(str(packaged_config_path(name)))
+    except ConfigError as err:
+        _fail(str(err))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point (``emdlm = emdlm.cli:main``)."""
     app(args=argv if argv is not None else sys.argv[1:], prog_name="emdlm")

@@ -501,6 +501,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return build_config(apply_overrides(load_config_dict(path), overrides or []))
 
 
+def packaged_config_path(name: str) -> Path:
+    """The installed file of a packaged config: a run config (``arithmetic_ntil``), a launcher
+    config (``accelerate_ddp_cpu``) or an experiment (``experiments/...`` or its bare name), so
+    that commands work without the repository (``emdlm config-path NAME``)."""
+    folder = Path(__file__).parent / "configs"
+    stem = name.removesuffix(".yaml")
+    for candidate in (folder / f"{stem}.yaml", folder / "experiments" / f"{stem}.yaml"):
+        if candidate.is_file():
+            return candidate
+    names = sorted(p.stem for p in (*folder.glob("*.yaml"), *folder.glob("experiments/*.yaml")))
+    raise ConfigError(f"no packaged config {name!r}{did_you_mean(stem, names)}; packaged: "
+                      f"{', '.join(names)}")
+
+
 def packaged_configs() -> list[Path]:
     """The run configs shipped with emdlm (accelerate launcher configs excluded)."""
     folder = Path(__file__).parent / "configs"

@@ -158,7 +158,7 @@ def launch_messages(info: LaunchInfo, args: Any) -> tuple[str, str | None]:
         f"emdlm: {info.launcher} was asked for {asked} processes, but this run has {world}. "
         "accelerate 1.15 starts a `distributed_type: MULTI_CPU` config with its single-process "
         "launcher unless it is given an MPI hostfile. For 2 CPU processes use "
-        "`accelerate launch --config_file src/emdlm/configs/accelerate_ddp_cpu.yaml ...` "
+        "`accelerate launch --config_file \"$(emdlm config-path accelerate_ddp_cpu)\" ...` "
         "(distributed_type MULTI_GPU + use_cpu, which hands over to torchrun) or "
         "`torchrun --nproc_per_node 2 -m emdlm.cli train ...`"
     )
