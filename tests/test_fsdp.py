@@ -228,19 +228,19 @@ def test_hidden_loss_refuses_a_head_shard(monkeypatch, shard):
     """One process: whatever slice of the head would reach the loss (FSDP rows, a ZeRO-3
     0-element partition) is refused with the shapes, instead of a softmax over part of the
     vocabulary."""
-    import emdlm.integrations.patch as patch_mod
+    import emdlm.integrations.hidden_forward as hidden_mod
     from emdlm.losses.ce import CrossEntropyLoss
 
     model = _tiny_gpt2()
-    full = patch_mod.output_head(model)
+    full = hidden_mod.output_head(model)
     part = {"rows": full.weight[:20], "zero3_empty": full.weight.new_empty(0),
             "columns": full.weight[:, :8]}[shard]
-    monkeypatch.setattr(patch_mod, "output_head", lambda m: patch_mod.OutputHead(
+    monkeypatch.setattr(hidden_mod, "output_head", lambda m: hidden_mod.OutputHead(
         part, None, None, None, module=full.module))
     hidden = torch.randn(2, 6, 16)
     labels = torch.randint(0, 40, (2, 6))
     with pytest.raises(ValueError, match=r"the head maps 16 -> 40: a shard"):
-        patch_mod.hidden_loss(CrossEntropyLoss(reduction="sum"), model, hidden, labels)
+        hidden_mod.hidden_loss(CrossEntropyLoss(reduction="sum"), model, hidden, labels)
 
 
 def test_unsharded_head_passes_through_unchanged():
@@ -368,14 +368,14 @@ def test_zero3_partitioned_head_is_gathered_around_the_loss(monkeypatch):
     import sys
     import types
 
-    import emdlm.integrations.patch as patch_mod
+    import emdlm.integrations.hidden_forward as hidden_mod
     from emdlm.losses.ce import CrossEntropyLoss
 
     model = _tiny_gpt2()
     head = model.lm_head
     hidden = torch.randn(2, 6, 16)
     labels = torch.randint(0, 40, (2, 6))
-    expected, _ = patch_mod.hidden_loss(CrossEntropyLoss(reduction="sum"), model, hidden, labels)
+    expected, _ = hidden_mod.hidden_loss(CrossEntropyLoss(reduction="sum"), model, hidden, labels)
 
     status = enum.Enum("ZeroParamStatus", "AVAILABLE NOT_AVAILABLE")
     full_data = head.weight.data
@@ -396,11 +396,11 @@ def test_zero3_partitioned_head_is_gathered_around_the_loss(monkeypatch):
     fake = types.ModuleType("deepspeed")
     fake.zero = types.SimpleNamespace(GatheredParameters=gathered)
     monkeypatch.setitem(sys.modules, "deepspeed", fake)
-    got, _ = patch_mod.hidden_loss(CrossEntropyLoss(reduction="sum"), model, hidden, labels)
+    got, _ = hidden_mod.hidden_loss(CrossEntropyLoss(reduction="sum"), model, hidden, labels)
     assert calls == [([id(head.weight)], None)]
     torch.testing.assert_close(got.loss, expected.loss)
     assert head.weight.numel() == 0  # partitioned again after the loss
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
     with pytest.raises(RuntimeError, match="ZeRO-3 partitioned head, but no deepspeed"):
-        patch_mod.hidden_loss(CrossEntropyLoss(reduction="sum"), model, hidden, labels)
+        hidden_mod.hidden_loss(CrossEntropyLoss(reduction="sum"), model, hidden, labels)

@@ -262,12 +262,12 @@ def test_emdlm_train_fused_linear_matches_logits_path(tmp_path, monkeypatch):
 
     from safetensors.torch import load_file
 
-    import emdlm.integrations.patch as patch_mod
+    import emdlm.integrations.transformers as tf_mod
     from emdlm.training import run_training
 
     used = []
-    real = patch_mod.hidden_loss
-    monkeypatch.setattr(patch_mod, "hidden_loss", lambda *a, **k: used.append(1) or real(*a, **k))
+    real = tf_mod.hidden_loss
+    monkeypatch.setattr(tf_mod, "hidden_loss", lambda *a, **k: used.append(1) or real(*a, **k))
     outs = {}
     for fused in (False, True):
         out = tmp_path / f"fused_{fused}"
@@ -354,11 +354,11 @@ def test_emdlm_train_fused_linear_on_a_tiny_vlm_matches_logits_path(tmp_path, mo
                      "completion": f"{i + 1}_3{i}"})
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    import emdlm.integrations.patch as patch_mod
+    import emdlm.integrations.transformers as tf_mod
 
     used = []
-    real = patch_mod.hidden_loss
-    monkeypatch.setattr(patch_mod, "hidden_loss", lambda *a, **k: used.append(1) or real(*a, **k))
+    real = tf_mod.hidden_loss
+    monkeypatch.setattr(tf_mod, "hidden_loss", lambda *a, **k: used.append(1) or real(*a, **k))
     result = {}
     for fused in (False, True):
         out = tmp_path / f"run_{fused}"

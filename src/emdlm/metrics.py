@@ -43,7 +43,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-Box = tuple[float, float, float, float]
+from emdlm.vision.boxes import Box, box_iou, boxes_metrics, parse_box
+
 TaskKind = Literal["number", "clock", "box", "boxes", "text", "choice"]
 
 _TRAILING_PUNCT = ".,;:!?"
@@ -54,20 +55,6 @@ _NUMBER_CHARS = str.maketrans({"\u2212": "-", "\u066b": ".", "\u066c": ","})
 # NFKC would turn '2³' into '23' and '½' into '1⁄2': keep such characters as they are.
 _KEEP_TAGS = ("<super>", "<sub>", "<fraction>")
 _CLOCK_RE = re.compile(r"(\d{1,2})[_:](\d{2})")
-_BOX_NUM_RE = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
-# Skeletons (the string with every number replaced by "#") accepted as a box.
-_BOX_SKELETONS = frozenset(
-    {
-        "#,#,#,#",
-        "[#,#,#,#]",
-        "(#,#,#,#)",
-        "(#,#),(#,#)",
-        "[(#,#),(#,#)]",
-        "((#,#),(#,#))",
-        "[[#,#],[#,#]]",
-        "[#,#],[#,#]",
-    }
-)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -328,36 +315,8 @@ def clock_metrics(preds: Sequence[str], refs: Sequence[str]) -> dict[str, float]
 
 
 # ----------------------------------------------------------------------------------------------
-# Boxes (visual grounding)
+# Boxes (visual grounding): one box per answer (parse_box and box_iou: emdlm.vision.boxes)
 # ----------------------------------------------------------------------------------------------
-
-
-def parse_box(s: str) -> Box | None:
-    """Parse ``[x1, y1, x2, y2]``, ``(x1, y1, x2, y2)``, ``(x1,y1),(x2,y2)`` (and bracketed
-    variants) into a 4-tuple of floats, or return None. Coordinates are kept as written."""
-    t = "".join(s.split())
-    nums = _BOX_NUM_RE.findall(t)
-    if len(nums) != 4 or _BOX_NUM_RE.sub("#", t) not in _BOX_SKELETONS:
-        return None
-    x1, y1, x2, y2 = (float(v) for v in nums)
-    return (x1, y1, x2, y2)
-
-
-def box_iou(a: Box, b: Box) -> float:
-    """Intersection over union of two axis-aligned boxes (x1, y1, x2, y2).
-
-    IoU = |A ∩ B| / (|A| + |B| - |A ∩ B|), with area = max(0, x2 - x1) * max(0, y2 - y1), so an
-    inverted box has zero area. Two zero-area boxes: 1.0 if identical, else 0.0.
-    """
-    ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
-    iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
-    inter = ix * iy
-    area_a = max(0.0, a[2] - a[0]) * max(0.0, a[3] - a[1])
-    area_b = max(0.0, b[2] - b[0]) * max(0.0, b[3] - b[1])
-    union = area_a + area_b - inter
-    if union <= 0.0:
-        return 1.0 if tuple(a) == tuple(b) else 0.0
-    return inter / union
 
 
 def _as_box(x: str | Sequence[float]) -> Box | None:
@@ -714,8 +673,6 @@ def compute_task_metrics(
             "n": n,
         }
     if kind == "boxes":
-        from emdlm.vision.boxes import boxes_metrics  # imports this module: import lazily
-
         return boxes_metrics(predictions, references)
     if kind == "text":
         out = {"exact_match": exact_match_rate(predictions, references, numeric=False)}

@@ -9,15 +9,13 @@ length (dropout 0 by default so runs are deterministic and multi-process runs ma
 Any other name must be an existing folder holding a Hugging Face causal-LM checkpoint.
 Pickled weights (``pytorch_model.bin``, ``.pt``) are only ever loaded with torch's
 ``weights_only`` unpickler; a file it refuses (one that would run code when unpickled) is
-reported in one line naming the file (:func:`weights_only_refusal`), never loaded.
+reported in one line naming the file, never loaded (:mod:`emdlm.weights`).
 Vision-language models (named tiny VLMs and image-text-to-text folders) are built by
 :mod:`emdlm.vlm.models`; :mod:`emdlm.training.train` picks that path with ``is_vlm``.
 """
 
 from __future__ import annotations
 
-import pickle
-import re
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -25,86 +23,20 @@ import torch
 
 from emdlm.config import ConfigError, ModelConfig, did_you_mean
 
+# PICKLE_SUFFIXES, output_embedding_from_folder, refused_pickle_message, weights_only_refusal:
+# also importable from here, their home before emdlm.weights
+from emdlm.weights import (
+    PICKLE_SUFFIXES,  # noqa: F401
+    model_load_error,
+    output_embedding_from_folder,  # noqa: F401
+    refused_pickle_message,  # noqa: F401
+    weights_only_refusal,  # noqa: F401
+)
+
 NAMED_MODELS = ("tiny-gpt2", "tiny-llama")
+#: Named tiny vision-language models (built by :mod:`emdlm.vlm.models`, which is above this one).
+VLM_NAMES = ("tiny-qwen2-vl", "tiny-llava")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth")  # weights stored with torch.save (a pickle)
-# the line of torch's weights_only message that says what was refused, e.g. "Trying to load
-# unsupported GLOBAL posix.system whose module posix is blocked." (torch 2.13) or
-# "Unsupported global: GLOBAL posix.system was not an allowed global by default" (older)
-_REFUSAL_LINE = re.compile(r"GLOBAL|[Uu]nsupported|not an allowed|blocked|WeightsUnpickler")
-
-
-def _unpickling_errors(err: BaseException) -> list[pickle.UnpicklingError]:
-    """The ``UnpicklingError`` s in ``err`` and the exceptions it came from, outermost first."""
-    found: list[pickle.UnpicklingError] = []
-    seen: list[BaseException] = []
-    current: BaseException | None = err
-    while current is not None and current not in seen:
-        seen.append(current)
-        if isinstance(current, pickle.UnpicklingError):
-            found.append(current)
-        current = current.__cause__ or current.__context__
-    return found
-
-
-def _refusal_detail(errors: list[pickle.UnpicklingError]) -> str:
-    """What torch's unpickler refused, in a few words, from its (many-line) messages."""
-    lines = [" ".join(line.split()) for e in reversed(errors) for line in str(e).splitlines()]
-    lines = [line for line in lines if line]
-    detail = next((line for line in lines if _REFUSAL_LINE.search(line)), lines[0] if lines
-                  else "")
-    detail = detail.removeprefix("WeightsUnpickler error:").strip()
-    return detail if len(detail) <= 200 else detail[:197] + "..."
-
-
-def _refused_file(source: Path) -> Path:
-    """The pickled weights file in ``source`` (a file, or a folder) that weights_only refuses:
-    the only pickled file there, else the first one whose weights_only load fails (torch
-    never runs code under weights_only), else the folder itself."""
-    if not source.is_dir():
-        return source
-    files = sorted(p for p in source.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file()
-                   and p.name != "training_args.bin")
-    if len(files) == 1:
-        return files[0]
-    for file in files:
-        try:
-            torch.load(str(file), map_location="cpu", weights_only=True, mmap=True)
-        except pickle.UnpicklingError:
-            return file
-        except Exception:  # another problem with this file: not the one refused
-            continue
-    return source
-
-
-def refused_pickle_message(file: Path, detail: str) -> str:
-    """The one line emdlm prints for a weights file torch's weights_only unpickler refuses."""
-    why = f": {detail.rstrip('.')}" if detail else ""
-    return (
-        f"refused to unpickle {file}: it is not a plain tensor file (torch.load weights_only"
-        f"{why}); loading it could run code, so emdlm does not: use weights you trust, saved "
-        "as safetensors"
-    )
-
-
-def weights_only_refusal(err: BaseException, source: Path) -> str | None:
-    """One line naming the file when ``err`` (from loading ``source``: a weights file or a
-    model folder) is torch's ``weights_only`` refusal to unpickle it, else None.
-
-    transformers and ``torch.load(weights_only=True)`` raise it as an UnpicklingError of ~100
-    lines that names no file; the refused file is found here without ever unpickling it
-    unsafely."""
-    errors = _unpickling_errors(err)
-    if not errors:
-        return None
-    return refused_pickle_message(_refused_file(source), _refusal_detail(errors))
-
-
-def model_load_error(prefix: str, source: Path, err: BaseException) -> ConfigError:
-    """ConfigError for a model that failed to load from ``source``: the weights_only refusal
-    line, or ``prefix: <err>`` on one line (transformers' messages run over several)."""
-    refusal = weights_only_refusal(err, source)
-    return ConfigError(refusal or f"{prefix}: {' '.join(str(err).split())}")
 
 
 def load_tokenizer(name_or_path: str) -> Any:
@@ -210,8 +142,6 @@ def _missing_model(name: str) -> NoReturn:
         if Path(name).expanduser().is_file():
             raise ConfigError(f"model.name {name} is a file, not a checkpoint folder")
         raise ConfigError(f"model folder not found: {name} (model.name)")
-    from emdlm.vlm.models import VLM_NAMES
-
     names = (*NAMED_MODELS, *VLM_NAMES)
     raise ConfigError(
         f"model {name!r} is neither a named architecture{did_you_mean(name, names)} "
@@ -236,60 +166,6 @@ def check_vocab(model: Any, tokenizer: Any) -> None:
             f"tokenizer/model vocab mismatch: the tokenizer has {n_tok} tokens but the model's "
             f"embedding has {rows} rows and its output layer {model_vocab_size(model)}"
         )
-
-
-def output_embedding_from_folder(folder: Path) -> torch.Tensor:
-    """The output embedding (LM head weight) [V, d] of the causal LM saved in ``folder``.
-
-    Read from the folder's safetensors files alone when they hold it (a skeleton of the model on
-    the meta device names the head's parameter, tied or not; ``model.safetensors`` or the shards
-    of ``model.safetensors.index.json``): no model is built, so an 8B checkpoint costs its
-    ~1 GB head, not 16 GB. Otherwise (``.bin`` weights, renamed keys) the model is loaded.
-    No remote code either way.
-
-    Raises:
-        ConfigError: ``folder`` is not a causal-LM folder.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    try:
-        config = AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"{folder}: not a causal-LM folder ({err})") from err
-    head = getattr(skeleton.get_output_embeddings(), "weight", None)
-    names = [n for n, p in skeleton.named_parameters(remove_duplicate=False) if p is head]
-    weight = _safetensors_tensor(folder, names)
-    if head is not None and weight is not None and weight.shape == head.shape:
-        return weight
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=False)
-    except (OSError, ValueError, pickle.UnpicklingError) as err:
-        refusal = weights_only_refusal(err, folder)
-        raise ConfigError(refusal or f"{folder}: not a causal-LM folder ({err})") from err
-    return model.get_output_embeddings().weight.detach()
-
-
-def _safetensors_tensor(folder: Path, names: list[str]) -> torch.Tensor | None:
-    """The first of ``names`` stored in the folder's safetensors weights (None if none is)."""
-    import json
-
-    from safetensors import safe_open
-
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
-        files = {name: folder / weight_map[name] for name in names if name in weight_map}
-    elif (folder / "model.safetensors").is_file():
-        files = dict.fromkeys(names, folder / "model.safetensors")
-    else:
-        return None
-    for name, file in files.items():
-        with safe_open(str(file), framework="pt") as fh:
-            if name in fh.keys():  # noqa: SIM118 (safe_open has no __contains__)
-                return fh.get_tensor(name)
-    return None
 
 
 def apply_lora(model: Any, *, r: int, alpha: int, dropout: float, target_modules: Any) -> Any:

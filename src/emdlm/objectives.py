@@ -61,7 +61,7 @@ def _folder_output_embedding(folder: Path) -> torch.Tensor:
     """The output embedding [V, d] of the causal LM saved in ``folder`` (a Hugging Face folder;
     no remote code), e.g. a pre-trained oracle's head for a student trained from scratch; read
     from its safetensors without building the model where possible."""
-    from emdlm.models import output_embedding_from_folder
+    from emdlm.weights import output_embedding_from_folder
 
     try:
         weight = output_embedding_from_folder(folder)
@@ -105,7 +105,7 @@ def load_cost_embedding(
         else:
             import pickle
 
-            from emdlm.models import weights_only_refusal
+            from emdlm.weights import weights_only_refusal
 
             try:  # weights_only: a pickle that would run code is refused, never loaded
                 emb = torch.load(str(path), map_location="cpu", weights_only=True)

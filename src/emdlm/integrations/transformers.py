@@ -14,11 +14,12 @@ objective whose summed loss is a sum of per-token (or per-number) terms. NTIL/EM
 weights sg(CE/aux) are computed per call, i.e. per micro-batch: with accumulation they are
 exact only if the ratio is per token (see the tests).
 
-Reduction is decided here, in one place (:func:`require_sum_reduction`): the adapter needs the
-loss's per-token *sum*. A loss built with ``reduction="mean"`` would be divided by N a second
-time (a gradient n times too small, n = the micro-batch's scored tokens, without a word), and a
-loss that does not say its reduction cannot be trusted to be a sum, so both are refused with an
-error naming ``reduction``. Every emdlm loss exposes ``.reduction``.
+Reduction is decided in one place
+(:func:`~emdlm.integrations.loss_contract.require_sum_reduction`): the adapter needs the loss's
+per-token *sum*. A loss built with ``reduction="mean"`` would be divided by N a second time (a
+gradient n times too small, n = the micro-batch's scored tokens, without a word), and a loss
+that does not say its reduction cannot be trusted to be a sum, so both are refused with an error
+naming ``reduction``. Every emdlm loss exposes ``.reduction``.
 
 :class:`ComputeLoss` also records the loss components (token-weighted over micro-batches) when
 gradients are on (training, not evaluation); :class:`LossComponentsCallback` writes them into
@@ -40,30 +41,13 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-IGNORE_INDEX = -100
-
-
-def require_sum_reduction(loss_fn: Any, who: str = "make_compute_loss_func") -> None:
-    """Refuse a loss whose ``reduction`` is not ``"sum"`` (ValueError naming ``reduction``).
-
-    The Trainer divides the micro-batch loss by ``num_items_in_batch`` itself, so the loss must
-    return Σ_t l_t: a per-token mean would be divided twice. A missing or unknown reduction is
-    not taken for "sum".
-    """
-    name = type(loss_fn).__name__
-    if not hasattr(loss_fn, "reduction"):
-        raise ValueError(
-            f"{who} needs a loss that returns the per-token sum, but {name} has no `reduction` "
-            f"attribute, so it cannot tell; build the loss with reduction='sum' (every emdlm "
-            f"loss has it), or set `.reduction = 'sum'` on a callable that returns a sum"
-        )
-    reduction = loss_fn.reduction
-    if reduction != "sum":
-        raise ValueError(
-            f"{who} needs a loss built with reduction='sum' (it divides by the batch's token "
-            f"count itself; 'mean' would be divided twice and shrink the gradient), got "
-            f"{name} with reduction={reduction!r}"
-        )
+from emdlm.integrations.hidden_forward import (
+    FromHiddenForward,
+    hidden_loss,
+    install_forward,
+    output_head,
+)
+from emdlm.integrations.loss_contract import IGNORE_INDEX, require_sum_reduction, scaled_loss
 
 
 class ComputeLoss:
@@ -107,8 +91,6 @@ class ComputeLoss:
         through DDP / accelerate wrappers, so gradient sync and accumulation are unchanged.
         Evaluation (no gradients) keeps the logits path.
         """
-        from emdlm.integrations.patch import FromHiddenForward, install_forward, output_head
-
         if getattr(self.loss_fn, "needs_teacher", False):
             raise ValueError(
                 f"from_hidden: {type(self.loss_fn).__name__} distils from the teacher's logits "
@@ -184,18 +166,9 @@ class ComputeLoss:
         else:
             out = self.loss_fn(shift_logits, shift_labels, **mask_kw)
         count = (shift_labels != self.ignore_index).sum()
-        if num_items_in_batch is None:
-            denom: torch.Tensor | int = count.clamp_min(1)
-        else:
-            denom = num_items_in_batch
-            if isinstance(denom, torch.Tensor):
-                denom = denom.to(out.loss.device).clamp_min(1)
-            else:
-                denom = max(int(denom), 1)
-        loss = out.loss / denom
         if torch.is_grad_enabled():
             self._record(out.loss.detach(), out.components, count)
-        return loss
+        return scaled_loss(out.loss, count, num_items_in_batch)
 
     def _call_from_hidden(
         self, hidden: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any,
@@ -203,8 +176,6 @@ class ComputeLoss:
     ) -> torch.Tensor:
         """The from-hidden path: the head of ``self.model`` applied chunk by chunk
         (``loss_fn.from_hidden``), divided by ``num_items_in_batch`` as the logits path."""
-        from emdlm.integrations.patch import hidden_loss, scaled_loss
-
         if self.model is None:
             raise RuntimeError("a from-hidden output reached a ComputeLoss without a model")
         out, count = hidden_loss(

@@ -35,7 +35,6 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from emdlm.metrics import box_iou
 from emdlm.tasks import register_task
 from emdlm.tasks.render import (
     COLORS,
@@ -46,7 +45,7 @@ from emdlm.tasks.render import (
     check_common_params,
     unit_hash,
 )
-from emdlm.vision.boxes import check_box_format, format_box
+from emdlm.vision.boxes import box_iou, check_box_format, format_box
 
 SHAPES = ("circle", "square", "triangle", "diamond")
 SIZES = {"small": (0.08, 0.13), "large": (0.20, 0.28)}  # box side as a fraction of the image

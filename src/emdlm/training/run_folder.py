@@ -410,7 +410,7 @@ def _unpickle_problem(path: Path) -> str | None:
 
     import torch
 
-    from emdlm.models import weights_only_refusal
+    from emdlm.weights import weights_only_refusal
 
     try:
         torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)

@@ -1,4 +1,8 @@
-"""Box formats of the VLM families, reading order, and several-box matching metrics.
+"""Box geometry and answer formats of the VLM families, reading order, several-box matching.
+
+A box is (x1, y1, x2, y2) (:data:`Box`); :func:`parse_box` reads one from an answer and
+:func:`box_iou` compares two. This module is below :mod:`emdlm.metrics` (which scores one box
+per answer with them) and imports nothing of emdlm.
 
 Answer formats (``box_format``), for a box (x1, y1, x2, y2) in pixels of a W x H image:
 
@@ -26,13 +30,26 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from emdlm.metrics import Box, box_iou, parse_box
-
+Box = tuple[float, float, float, float]  # x1, y1, x2, y2
 BOX_FORMATS = ("qwen2vl", "llava")
 GRID = 1000
 NO_BOXES = "none"
 BOX_SEPARATOR = "; "
 _SPLIT_RE = re.compile(r"[;\n]")
+_BOX_NUM_RE = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
+# Skeletons (the string with every number replaced by "#") accepted as a box.
+_BOX_SKELETONS = frozenset(
+    {
+        "#,#,#,#",
+        "[#,#,#,#]",
+        "(#,#,#,#)",
+        "(#,#),(#,#)",
+        "[(#,#),(#,#)]",
+        "((#,#),(#,#))",
+        "[[#,#],[#,#]]",
+        "[#,#],[#,#]",
+    }
+)
 
 
 def check_box_format(box_format: str) -> None:
@@ -82,11 +99,39 @@ def answer_box_to_pixels(box: Box, width: int, height: int, box_format: str = "q
     )
 
 
+def parse_box(s: str) -> Box | None:
+    """Parse ``[x1, y1, x2, y2]``, ``(x1, y1, x2, y2)``, ``(x1,y1),(x2,y2)`` (and bracketed
+    variants) into a 4-tuple of floats, or return None. Coordinates are kept as written."""
+    t = "".join(s.split())
+    nums = _BOX_NUM_RE.findall(t)
+    if len(nums) != 4 or _BOX_NUM_RE.sub("#", t) not in _BOX_SKELETONS:
+        return None
+    x1, y1, x2, y2 = (float(v) for v in nums)
+    return (x1, y1, x2, y2)
+
+
+def box_iou(a: Box, b: Box) -> float:
+    """Intersection over union of two axis-aligned boxes (x1, y1, x2, y2).
+
+    IoU = |A ∩ B| / (|A| + |B| - |A ∩ B|), with area = max(0, x2 - x1) * max(0, y2 - y1), so an
+    inverted box has zero area. Two zero-area boxes: 1.0 if identical, else 0.0.
+    """
+    ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = ix * iy
+    area_a = max(0.0, a[2] - a[0]) * max(0.0, a[3] - a[1])
+    area_b = max(0.0, b[2] - b[0]) * max(0.0, b[3] - b[1])
+    union = area_a + area_b - inter
+    if union <= 0.0:
+        return 1.0 if tuple(a) == tuple(b) else 0.0
+    return inter / union
+
+
 def parse_boxes(s: str) -> list[Box] | None:
     """Boxes of an answer separated by ``;`` or newlines, or None if any part is not a box.
 
     ``"none"`` and the empty string are an empty list. Each part is read by
-    :func:`emdlm.metrics.parse_box`, so both answer formats (and their bracket variants) parse.
+    :func:`parse_box`, so both answer formats (and their bracket variants) parse.
     """
     text = s.strip()
     if text == "" or text.lower().rstrip(".") == NO_BOXES:

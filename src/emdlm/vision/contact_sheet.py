@@ -23,9 +23,9 @@ from typing import Any
 from PIL import Image, ImageDraw
 
 from emdlm._files import atomic_write
-from emdlm.metrics import box_iou, clock_time_gap, parse_box
+from emdlm.metrics import clock_time_gap
 from emdlm.tasks.render import load_font
-from emdlm.vision.boxes import answer_box_to_pixels, match_boxes, parse_boxes
+from emdlm.vision.boxes import answer_box_to_pixels, box_iou, match_boxes, parse_box, parse_boxes
 from emdlm.vision.images import open_rgb
 
 PAD = 4

@@ -30,8 +30,9 @@ from typing import Any
 import torch
 
 from emdlm.config import ConfigError, ModelConfig
+from emdlm.models import VLM_NAMES, check_vocab
+from emdlm.weights import model_load_error
 
-VLM_NAMES = ("tiny-qwen2-vl", "tiny-llava")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # model_type -> family; the family decides the prompt template and the image processor
 _FAMILIES = {
@@ -239,8 +240,6 @@ def build_vlm(cfg: ModelConfig, tokenizer: Any) -> BuiltVLM:
     the family's special tokens (:func:`prepare_vlm_tokenizer`)."""
     from transformers import AutoModelForImageTextToText
 
-    from emdlm.models import check_vocab
-
     if cfg.dtype not in _DTYPES:
         raise ConfigError(f"model.dtype must be one of {', '.join(_DTYPES)}, got {cfg.dtype!r}")
     dtype = _DTYPES[cfg.dtype]
@@ -268,8 +267,6 @@ def build_vlm(cfg: ModelConfig, tokenizer: Any) -> BuiltVLM:
                 str(path), dtype=dtype, trust_remote_code=False
             )
         except Exception as err:  # name the folder (the refused file) whatever was raised
-            from emdlm.models import model_load_error
-
             raise model_load_error(f"could not load a VLM from {path}", path, err) from err
     check_vocab(model, tokenizer)
     return BuiltVLM(model, processor, spec_for(family))

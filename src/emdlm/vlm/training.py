@@ -11,7 +11,7 @@ from typing import Any
 
 from emdlm.config import ConfigError, RunConfig
 from emdlm.data import row_scopes
-from emdlm.models import load_tokenizer, weights_only_refusal
+from emdlm.models import load_tokenizer
 from emdlm.vlm.collator import VLMCollator
 from emdlm.vlm.data import ImageRowsDataset, cut_image_rows, load_image_examples
 from emdlm.vlm.models import (
@@ -25,6 +25,7 @@ from emdlm.vlm.models import (
     prepare_vlm_tokenizer,
     spec_for,
 )
+from emdlm.weights import weights_only_refusal
 
 
 @dataclass

@@ -1,0 +1,261 @@
+"""The from-hidden forward: a Hugging Face model's backbone, its output head, and the loss
+applied to the final hidden state, so the ``[B, T, V]`` logits are never built.
+
+:class:`FromHiddenForward` replaces the forward of one model *instance* (the class is never
+touched; :func:`install_forward`). Mode "loss" (``emdlm.patch(..., from_hidden=True)``): with
+labels it runs the backbone (``model.base_model``), reads the output embedding
+(:func:`output_head`) and returns ``loss_fn.from_hidden``'s loss with ``logits=None``. Mode
+"hidden" (``make_compute_loss_func(..., from_hidden=True, model=m)``): while training it returns
+the final hidden state, and :class:`~emdlm.integrations.transformers.ComputeLoss` applies the
+head itself (:func:`hidden_loss`). Without labels (generation, evaluation) the original forward
+runs unchanged.
+
+Below :mod:`emdlm.integrations.transformers` and :mod:`emdlm.integrations.patch`, which both
+install it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.utils import ModelOutput
+
+from emdlm.integrations.loss_contract import IGNORE_INDEX, require_sum_reduction, scaled_loss
+from emdlm.integrations.sharding import check_head_weight, gathered_head
+
+# model.forward keyword arguments that the backbone must not receive
+_HEAD_ONLY_KWARGS = ("labels", "num_items_in_batch", "logits_to_keep", "shift_labels")
+
+
+@dataclass
+class HiddenOutput(ModelOutput):
+    """Mode "hidden"'s output: the final hidden state [B, T, H], no logits. A ModelOutput
+    dataclass so DDP (which flattens and rebuilds outputs by field name) carries it."""
+
+    emdlm_hidden: torch.Tensor | None = None
+    past_key_values: Any = None
+
+
+def unwrap_hf_model(model: nn.Module) -> nn.Module:
+    """The Hugging Face ``PreTrainedModel`` inside a PEFT wrapper (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+@dataclass
+class OutputHead:
+    """What the logits are made of: z = s·(h Wᵀ + b), then cap·tanh(z / cap) if ``softcap``."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    logit_scale: float | None
+    softcap: float | None
+    module: nn.Module | None = None  # the head (its in/out features check a gathered weight)
+
+
+def output_head(model: nn.Module) -> OutputHead:
+    """The output embedding and logit transform of a HF causal LM, read at every call.
+
+    Logit transforms from the model config: Gemma-2/3 ``final_logit_softcapping`` (soft-cap),
+    a logit scale (:func:`_logit_scale`). A head wrapped by PEFT
+    with an active adapter (LoRA on ``lm_head``) is refused: its effective weight is not
+    ``.weight``; a wrapper whose adapters are off uses its ``base_layer``.
+    """
+    hf = unwrap_hf_model(model)
+    head = hf.get_output_embeddings()
+    if head is None:
+        raise ValueError(
+            f"{type(hf).__name__} has no output embedding (get_output_embeddings() is None): "
+            "from_hidden needs a causal LM with a linear head"
+        )
+    base_layer = getattr(head, "base_layer", None)
+    if base_layer is not None:  # a PEFT-wrapped head
+        adapter_on = (
+            not getattr(head, "merged", False) and not getattr(head, "disable_adapters", False)
+            and bool(getattr(head, "active_adapters", None))
+        )
+        if adapter_on:
+            raise NotImplementedError(
+                "from_hidden: the output embedding carries an active PEFT adapter (LoRA on "
+                "lm_head), whose effective weight is not lm_head.weight; leave lm_head out "
+                "of target_modules or use the logits path (from_hidden=False)"
+            )
+        head = base_layer
+    weight = getattr(head, "weight", None)
+    # a DeepSpeed ZeRO-3 parameter holds a 0-element partition outside a gather; its full
+    # shape is ds_shape (gathered for the loss by sharding.gathered_head)
+    shape = getattr(weight, "ds_shape", None) if isinstance(weight, torch.Tensor) else None
+    if not isinstance(weight, torch.Tensor) or len(shape or weight.shape) != 2:
+        raise ValueError(
+            f"from_hidden needs a linear output embedding with a [V, H] weight, got "
+            f"{type(head).__name__}"
+        )
+    cfg = getattr(hf, "config", None)
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    softcap = getattr(text_cfg, "final_logit_softcapping", None)
+    scale = _logit_scale(text_cfg)
+    return OutputHead(
+        weight=weight,
+        bias=getattr(head, "bias", None),
+        logit_scale=None if scale is None or float(scale) == 1.0 else float(scale),
+        softcap=None if softcap is None else float(softcap),
+        module=head,
+    )
+
+
+def _logit_scale(cfg: Any) -> float | None:
+    """The factor the model multiplies its logits by, from the (text) config, or None.
+
+    Cohere ``logit_scale``, ``output_multiplier``, Falcon-H1 ``lm_head_multiplier``: z·s;
+    Granite / MiniCPM3 ``logits_scaling``: z / s (HyperCLOVA X multiplies by it). More than one
+    of them set is refused rather than guessed.
+    """
+    found = {
+        name: float(value) for name in
+        ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
+        if (value := getattr(cfg, name, None)) is not None
+    }
+    if len(found) > 1:
+        raise ValueError(f"from_hidden: the model config sets several logit scales {found}")
+    if not found:
+        return None
+    (name, value), = found.items()
+    if name == "logits_scaling" and getattr(cfg, "model_type", None) != "hyperclovax":
+        return 1.0 / value
+    return value
+
+
+def backbone_hidden(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run the backbone (``model.base_model``) on the forward's inputs; (hidden, outputs)."""
+    hf = unwrap_hf_model(model)
+    backbone = getattr(hf, "base_model", None)
+    if backbone is None or backbone is hf:
+        raise ValueError(
+            f"{type(hf).__name__} has no separate backbone (base_model): from_hidden needs a "
+            "Hugging Face causal LM (…ForCausalLM / …ForConditionalGeneration)"
+        )
+    inputs = {k: v for k, v in kwargs.items() if k not in _HEAD_ONLY_KWARGS}
+    inputs["return_dict"] = True
+    outputs = backbone(*args, **inputs)
+    hidden = outputs["last_hidden_state"] if isinstance(outputs, Mapping) else outputs[0]
+    return hidden, outputs
+
+
+def hidden_loss(
+    loss_fn: nn.Module, model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor | None,
+    ignore_index: int = IGNORE_INDEX, shift_labels: torch.Tensor | None = None,
+    number_mask: torch.Tensor | None = None,
+) -> tuple[Any, torch.Tensor]:
+    """Summed from-hidden loss of unshifted ``labels`` [B, T] on ``hidden`` [B, T, H].
+
+    Position t predicts token t+1, as the logits path's shift; ``shift_labels`` (already
+    aligned with ``hidden``, as transformers passes them under context parallelism) are scored
+    without shifting. Under FSDP2 / DeepSpeed ZeRO-3 the head's weight is gathered for the
+    loss (:func:`~emdlm.integrations.sharding.gathered_head`; this is the one place every
+    from-hidden entry point reads it) and checked to be the full matrix. Returns
+    (LossOutput, count).
+    """
+    head = output_head(model)
+    if number_mask is not None and shift_labels is None:  # aligned with labels: shift it too
+        number_mask = number_mask[:, 1:]
+    if shift_labels is not None:
+        shift_hidden, shift_labels = hidden, shift_labels.to(hidden.device)
+    elif labels is not None:
+        shift_hidden, shift_labels = hidden[:, :-1, :], labels[:, 1:].to(hidden.device)
+    else:
+        raise ValueError("from_hidden loss: neither labels nor shift_labels were given")
+    # only the transforms the model has: a loss whose from_hidden lacks one is refused by name
+    extra = {k: v for k, v in (("logit_scale", head.logit_scale), ("softcap", head.softcap))
+             if v is not None}
+    params = inspect.signature(loss_fn.from_hidden).parameters
+    missing = [k for k in extra if k not in params]
+    if missing:
+        raise NotImplementedError(
+            f"the model's logits use {missing} (from its config), which "
+            f"{type(loss_fn).__name__}.from_hidden does not take: use the logits path"
+        )
+    if number_mask is not None:  # ComputeLoss passes it only to losses that take it
+        extra["number_mask"] = number_mask
+    with gathered_head(head.weight, head.bias) as (weight, bias):
+        check_head_weight(weight, bias, head.module, hidden.shape[-1])
+        out = loss_fn.from_hidden(
+            shift_hidden.to(weight.dtype), weight, shift_labels, bias, **extra
+        )
+    return out, (shift_labels != ignore_index).sum()
+
+
+class FromHiddenForward:
+    """A replacement ``forward`` bound to one model instance (mode "loss" or "hidden").
+
+    Mode "loss" (:func:`patch`): given labels, returns an output with the emdlm loss
+    (:func:`scaled_loss`) and ``logits=None``. Mode "hidden" (``make_compute_loss_func``):
+    while training with gradients and without labels, returns the backbone's output with the
+    final hidden state under ``"emdlm_hidden"`` and no logits. Otherwise the original forward.
+    """
+
+    def __init__(
+        self, model: nn.Module, original: Callable[..., Any], mode: str,
+        loss_fn: nn.Module | None = None, ignore_index: int = IGNORE_INDEX,
+    ) -> None:
+        self.model = model
+        self.original = original
+        self.mode = mode
+        self.loss_fn = loss_fn
+        self.ignore_index = ignore_index
+        # mode "loss": the ComputeLoss of emdlm.patch, which records the components
+        self.compute_loss: Any = None
+        # Trainer reads the forward's signature (which batch columns to keep, whether it takes
+        # num_items_in_batch): show the original's.
+        self.__signature__ = inspect.signature(original)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        labels = kwargs.get("labels")
+        shift_labels = kwargs.get("shift_labels")
+        if self.mode == "hidden":
+            if labels is not None or not (self.model.training and torch.is_grad_enabled()):
+                return self.original(*args, **kwargs)
+            hidden, outputs = backbone_hidden(self.model, args, kwargs)
+            return HiddenOutput(
+                emdlm_hidden=hidden, past_key_values=outputs.get("past_key_values")
+            )
+        if labels is None and shift_labels is None:
+            return self.original(*args, **kwargs)
+        assert self.loss_fn is not None
+        require_sum_reduction(self.loss_fn, "emdlm.patch")
+        hidden, outputs = backbone_hidden(self.model, args, kwargs)
+        out, count = hidden_loss(
+            self.loss_fn, self.model, hidden, labels, self.ignore_index, shift_labels
+        )
+        if self.compute_loss is not None and torch.is_grad_enabled():
+            self.compute_loss._record(out.loss.detach(), out.components, count)
+        return CausalLMOutputWithPast(
+            loss=scaled_loss(out.loss, count, kwargs.get("num_items_in_batch")),
+            logits=None,
+            past_key_values=outputs.get("past_key_values"),
+        )
+
+
+def install_forward(model: nn.Module, wrapper_factory: Callable[[Any], FromHiddenForward]) -> Any:
+    """Set ``model.forward`` (instance attribute) to a wrapper of the current forward."""
+    hf = unwrap_hf_model(model)
+    if isinstance(hf.__dict__.get("forward"), FromHiddenForward):
+        raise RuntimeError(
+            f"{type(hf).__name__} already has an emdlm from-hidden forward: undo the first "
+            "patch (handle.undo()) before installing another"
+        )
+    wrapper = wrapper_factory(hf.forward)
+    hf.forward = wrapper
+    return wrapper
+
+
+__all__ = [
+    "FromHiddenForward", "HiddenOutput", "OutputHead", "backbone_hidden", "hidden_loss",
+    "install_forward", "output_head", "unwrap_hf_model",
+]
