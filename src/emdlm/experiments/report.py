@@ -7,12 +7,15 @@ shares of answers within +-1% and +-5%.
 
 ``report.md``: per task, the final checkpoint's mean +- std over seeds of every metric
 (numeric-error metrics first, exact match after them: it swings between seeds far more than
-objectives differ), the paired difference of each variant against the baseline (95% bootstrap
-CI, Wilcoxon signed-rank and paired-t p-values, number of seeds, a note when there are too
-few seeds to reach significance), power planning figures from the seeds' spread (seeds
-needed, smallest detectable difference), the same for the area under the learning curve, the steps
+objectives differ), the paired difference of each variant against the baseline (95% interval:
+percentile bootstrap from 5 paired seeds on, paired t below; Wilcoxon signed-rank and paired-t
+p-values, number of seeds, a note when there are too few seeds to reach significance), power
+planning figures from the seeds' spread (seeds needed, from 3 seeds on; smallest detectable
+difference), the same for the area under the learning curve, the steps
 to reach 50% / 90% exact match, the training-loss components early / middle / late
-(:mod:`emdlm.experiments.components`), and the plots.
+(:mod:`emdlm.experiments.components`), and the plots. Before the tasks, a verdict per task
+(:func:`verdict_lines`): does the baseline beat the constant-answer floor, has it stopped
+improving, how many paired seeds, what they allow one to conclude, and how many tests ran.
 
 Only whole outputs count: a cell is read when its ``cell_done.json`` parses and every one of
 its evaluation folders has a metrics.json agreeing with the rows of its predictions.jsonl
@@ -49,7 +52,10 @@ from emdlm.experiments.runner import (
     read_cell_record,
 )
 from emdlm.experiments.stats import (
+    ALPHA,
+    MIN_BOOTSTRAP_SEEDS,
     POWER,
+    PairedComparison,
     compare_paired,
     detectable_difference,
     mean_std,
@@ -57,6 +63,7 @@ from emdlm.experiments.stats import (
     paired_differences,
     seeds_for_power,
     steps_to_reach,
+    wilcoxon_min_p,
 )
 
 # (metric, better) in report order: numeric errors lead, exact match follows
@@ -209,9 +216,26 @@ def constant_answer_floor(references: Sequence[str]) -> dict[str, dict[str, floa
     return floor
 
 
-def _floor_lines(cells: Sequence[Cell], task: str) -> list[str]:
-    """The constant-answer floor on the task's test set (from one finished cell's last
-    predictions; every cell of a task is scored on the same test set)."""
+@dataclass
+class TaskFloor:
+    """The constant-answer floor of a task's test set (:func:`constant_answer_floor`), with the
+    number of test problems it was computed on and how many of them are distinct (None when the
+    predictions carry no prompt)."""
+
+    floor: dict[str, dict[str, float]]
+    count: int
+    distinct: int | None
+
+    @property
+    def best_abs_error(self) -> float:
+        """The smaller abs_error_mean of the two constants (the median's, by construction)."""
+        return min(c["abs_error_mean"] for c in self.floor.values())
+
+
+def task_floor(cells: Sequence[Cell], task: str) -> TaskFloor | None:
+    """The constant-answer floor on the task's test set, from one finished cell's last
+    predictions (every cell of a task is scored on the same test set); None for a task whose
+    answers are not numbers, or with no finished cell."""
     for cell in cells:
         if cell.task != task or not (cell.folder / CELL_DONE).is_file():
             continue
@@ -220,21 +244,31 @@ def _floor_lines(cells: Sequence[Cell], task: str) -> list[str]:
             continue
         preds = read_predictions(path)
         if not preds or "abs_error" not in preds[0]:
-            return []
+            return None
         floor = constant_answer_floor([r["reference"] for r in preds])
         if not floor:
-            return []
-        zero, median = (
-            f"abs_error_mean {_fmt(c['abs_error_mean'])}, median {_fmt(c['abs_error_median'])}, "
-            f"log10_error_mean {_fmt(c['log10_error_mean'])}, exact_match "
-            f"{_fmt(c['exact_match'])}" for c in (floor["0"], floor["median"]))
+            return None
         distinct = len({r.get("prompt") for r in preds}) if "prompt" in preds[0] else None
-        count = f"{len(preds)}" + (f" ({distinct} distinct)" if distinct is not None else "")
-        return [f"Floor, the same {count} test problems answered with one constant: "
-                f"0 gives {zero}; the test median ({floor['median']['constant']:g}, the best "
-                f"constant for abs_error_mean) gives {median}. A variant that does not beat "
-                "them has not learned the task."]
-    return []
+        return TaskFloor(floor, len(preds), distinct)
+    return None
+
+
+def _floor_lines(cells: Sequence[Cell], task: str, floor: TaskFloor | None = None) -> list[str]:
+    """The constant-answer floor's line of the task section (:func:`task_floor`; pass
+    ``floor`` when it is computed already)."""
+    info = floor if floor is not None else task_floor(cells, task)
+    if info is None:
+        return []
+    zero, median = (
+        f"abs_error_mean {_fmt(c['abs_error_mean'])}, median {_fmt(c['abs_error_median'])}, "
+        f"log10_error_mean {_fmt(c['log10_error_mean'])}, exact_match "
+        f"{_fmt(c['exact_match'])}" for c in (info.floor["0"], info.floor["median"]))
+    count = f"{info.count}" + (f" ({info.distinct} distinct)" if info.distinct is not None
+                               else "")
+    return [f"Floor, the same {count} test problems answered with one constant: "
+            f"0 gives {zero}; the test median ({info.floor['median']['constant']:g}, the best "
+            f"constant for abs_error_mean) gives {median}. A variant that does not beat "
+            "them has not learned the task."]
 
 
 def _as_float(value: Any) -> float:
@@ -399,26 +433,66 @@ def _paired_values(per_variant: dict[str, dict[str, dict[int, float]]], exp: Exp
                    [values[variant][s] for s in seeds])
 
 
-def _comparison_table(per_variant: dict[str, dict[str, dict[int, float]]], exp: Experiment,
-                      metrics: Sequence[str]) -> list[str]:
-    """Markdown rows: variant - baseline per metric with CI, p-values, n and note."""
-    lines = ["| metric | variant | mean diff (variant − baseline) | 95% bootstrap CI | "
+Comparison = tuple[str, str, PairedComparison]  # (metric, variant, variant − baseline)
+
+
+def _comparisons(per_variant: dict[str, dict[str, dict[int, float]]], exp: Experiment,
+                 metrics: Sequence[str]) -> list[Comparison]:
+    """Each variant against the baseline per metric (:func:`compare_paired`), in table order."""
+    return [(metric, variant, compare_paired(base, other))
+            for metric, variant, base, other in _paired_values(per_variant, exp, metrics)]
+
+
+def _ci_header(comparisons: Sequence[Comparison]) -> tuple[str, bool]:
+    """The interval column's header, and whether each paired-t interval is marked "(t)" (a
+    table holding both kinds). Rows with fewer than 2 seeds have no interval and do not count."""
+    kinds = {c.ci_kind for _, _, c in comparisons if c.n >= 2}
+    if kinds == {"t"}:
+        return "95% paired-t CI", False
+    if kinds == {"t", "bootstrap"}:
+        return f"95% CI (bootstrap; (t): paired t, < {MIN_BOOTSTRAP_SEEDS} seeds)", True
+    return ("95% bootstrap CI" if kinds else "95% CI"), False
+
+
+T_INTERVAL_NOTE = (
+    f"Intervals from fewer than {MIN_BOOTSTRAP_SEEDS} paired seeds are paired-t intervals, "
+    "mean ± t_{n−1, 0.975}·sd/√n, not percentile bootstraps: over so few seeds a bootstrap "
+    "interval is about the range of the differences and covers the true mean far less often "
+    "than 95% (about half the time at 2 seeds).")
+
+
+def _comparison_table(comparisons: Sequence[Comparison]) -> list[str]:
+    """Markdown rows: variant - baseline per metric with CI, p-values, n and note; then a note
+    when an interval is a paired-t one (:func:`emdlm.experiments.stats.compare_paired`)."""
+    header, mark = _ci_header(comparisons)
+    lines = [f"| metric | variant | mean diff (variant − baseline) | {header} | "
              "p Wilcoxon | p paired t | seeds | note |", "|---|---|---|---|---|---|---|---|"]
-    for metric, variant, base, other in _paired_values(per_variant, exp, metrics):
-        c = compare_paired(base, other)
+    for metric, variant, c in comparisons:
+        kind = " (t)" if mark and c.ci_kind == "t" and c.n >= 2 else ""
         lines.append(
             f"| {metric} | {variant} | {_fmt(c.mean_diff)} | [{_fmt(c.ci_low)}, "
-            f"{_fmt(c.ci_high)}] | {_fmt_p(c.p_wilcoxon)} | {_fmt_p(c.p_ttest)} | {c.n} | "
+            f"{_fmt(c.ci_high)}]{kind} | {_fmt_p(c.p_wilcoxon)} | {_fmt_p(c.p_ttest)} | {c.n} | "
             f"{c.note} |"
         )
+    if any(c.ci_kind == "t" and c.n >= 2 for _, _, c in comparisons):
+        lines += ["", T_INTERVAL_NOTE]
     return lines
+
+
+# Fewest paired seeds from which the power table estimates the seeds needed for the observed
+# difference. From 2 seeds, mean / sd of the differences is t-distributed with 1 degree of
+# freedom (Cauchy) even when there is no true difference, so it often "needs" 2 or 3 seeds: a
+# figure that invites reading a pilot as conclusive. From 3 on, the documented pilot size, it
+# is rough but finite in expectation.
+MIN_POWER_SEEDS = 3
 
 
 def _power_lines(final: dict[str, dict[str, dict[int, float]]], exp: Experiment,
                  metrics: Sequence[str]) -> list[str]:
     """Planning figures from the seeds' spread: per metric and variant, the standard deviation
     of the paired differences, the smallest true difference these seeds detect with 80 % power,
-    and the seeds needed for 80 % power if the true difference were the observed one."""
+    and the seeds needed for 80 % power if the true difference were the observed one (not
+    estimated from fewer than ``MIN_POWER_SEEDS`` seeds)."""
     rows = []
     header = ["### Power of the final comparison (planning figures for the next grid)", "",
               f"Paired t test, two-sided, alpha 0.05, power {POWER:.0%}, with the standard "
@@ -426,15 +500,24 @@ def _power_lines(final: dict[str, dict[str, dict[int, float]]], exp: Experiment,
               "not evidence of an effect (a small observed difference needs many seeds).", "",
               "| metric | variant | seeds | sd of differences | smallest detectable difference "
               "| seeds for the observed difference |", "|---|---|---|---|---|---|"]
+    few = False
     for metric, variant, base, other in _paired_values(final, exp, metrics):
         d = paired_differences(base, other)
         if d.size < 2:
             continue
         sd = float(d.std(ddof=1))
-        need = seeds_for_power(float(d.mean()), sd)
+        if d.size < MIN_POWER_SEEDS:
+            few, need_text = True, f"not estimated from {d.size} seeds"
+        else:
+            need = seeds_for_power(float(d.mean()), sd)
+            need_text = f"{need if need is not None else '> 10000'}"
         rows.append(f"| {metric} | {variant} | {d.size} | {_fmt(sd)} | "
-                    f"{_fmt(detectable_difference(int(d.size), sd))} | "
-                    f"{need if need is not None else '> 10000'} |")
+                    f"{_fmt(detectable_difference(int(d.size), sd))} | {need_text} |")
+    if few:
+        rows += ["", f"The seeds for the observed difference are not estimated from fewer than "
+                 f"{MIN_POWER_SEEDS} seeds: the mean / sd ratio of two differences swings as "
+                 "wildly as a Cauchy variable even with no true difference. The smallest "
+                 "detectable difference says what a grid of this size can resolve."]
     return [*header, *rows, ""] if rows else []
 
 
@@ -443,12 +526,38 @@ WITHIN_SCHEDULE_CAVEAT = (
     "the curve at its end whether or not the model has more to learn; the plateau test is a "
     "longer schedule, paired by seed (`base.train.max_steps=<2x>` into a new folder; "
     "docs/experiments.md).")
+# a key metric of the baseline that improves by more than this share of its value between the
+# last two evaluated steps counts as still improving in the verdict
+PLATEAU_TOLERANCE = 0.02
 
 
-def _plateau_lines(table: Table, exp: Experiment, metrics: Sequence[str]) -> list[str]:
-    """Has the baseline stopped improving? Its key metrics (mean over the seeds evaluated at
-    both steps) at the last two evaluated steps and the relative change between them."""
-    parts, span = [], ""
+@dataclass
+class Plateau:
+    """The baseline's key metrics (mean over the seeds evaluated at both steps) at its last two
+    evaluated steps: (metric, mean before, mean at the last step); ``span`` names the steps."""
+
+    span: str
+    changes: list[tuple[str, float, float]]
+
+    def improving(self, tolerance: float = PLATEAU_TOLERANCE) -> list[tuple[str, float]]:
+        """(metric, relative improvement) of the metrics with a known direction that improved
+        by more than ``tolerance`` (relative to the earlier value; inf from an earlier 0)."""
+        out = []
+        for metric, a, b in self.changes:
+            direction = better_direction(metric)
+            if direction is None:
+                continue
+            gain = (a - b) if direction == "lower" else (b - a)
+            rel = gain / abs(a) if a != 0 else (math.inf if gain > 0 else 0.0)
+            if rel > tolerance:
+                out.append((metric, rel))
+        return out
+
+
+def baseline_plateau(table: Table, exp: Experiment, metrics: Sequence[str]) -> Plateau | None:
+    """Has the baseline stopped improving? Its ``metrics`` at the last two evaluated steps
+    (:class:`Plateau`); None with fewer than two evaluated steps."""
+    changes, span = [], ""
     for metric in metrics:
         by_seed = table.get(metric, {}).get(exp.baseline, {})
         steps = sorted({s for seed_steps in by_seed.values() for s in seed_steps})
@@ -460,25 +569,68 @@ def _plateau_lines(table: Table, exp: Experiment, metrics: Sequence[str]) -> lis
         if not pairs:
             continue
         a, b = (float(np.mean(x)) for x in zip(*pairs, strict=True))
+        changes.append((metric, a, b))
+        span = span or f"steps {before} → {last}"
+    return Plateau(span, changes) if changes else None
+
+
+def _plateau_lines(plateau: Plateau | None, exp: Experiment) -> list[str]:
+    """The task section's plateau-check line (:func:`baseline_plateau`)."""
+    if plateau is None:
+        return []
+    parts = []
+    for metric, a, b in plateau.changes:
         change = f" ({(b - a) / abs(a):+.1%})" if a != 0 else ""
         parts.append(f"{metric} {_fmt(a)} → {_fmt(b)}{change}")
-        span = span or f"steps {before} → {last}"
-    if not parts:
-        return []
-    return [f"Plateau check, baseline `{exp.baseline}` (mean over seeds), {span}: "
+    return [f"Plateau check, baseline `{exp.baseline}` (mean over seeds), {plateau.span}: "
             + "; ".join(parts) + ". " + WITHIN_SCHEDULE_CAVEAT]
+
+
+@dataclass
+class TaskStats:
+    """What a task's section and its verdict share: the task's curves, its metrics in report
+    order, the final values, the evaluated steps, the compared metrics, the comparisons at the
+    final checkpoint and of the area under the curve, and the baseline's plateau check."""
+
+    table: Table
+    metrics: list[str]
+    final: dict[str, dict[str, dict[int, float]]]
+    steps: list[int]
+    key: list[str]
+    final_comparisons: list[Comparison]
+    auc_comparisons: list[Comparison]
+    plateau: Plateau | None
+
+
+def task_stats(exp: Experiment, task: str, rows: Sequence[Row]) -> TaskStats | None:
+    """Every statistic of one task (None when no finished cell has a metric of it)."""
+    table = curves(rows, task)
+    metrics = ordered_metrics(table)
+    if not metrics:
+        return None
+    final = {m: {v: final_values(table[m][v]) for v in table[m]} for m in metrics}
+    steps = sorted({r.step for r in rows if r.task == task})
+    key = key_metrics(metrics) or metrics[:4]
+    auc: list[Comparison] = []
+    curve_key = [m for m in key if not is_extra_metric(m)]  # extras: final model only
+    if len(steps) > 1:
+        auc_values_ = {m: {v: auc_values(table[m][v]) for v in table[m]} for m in curve_key}
+        auc = _comparisons(auc_values_, exp, curve_key)
+    plateau = baseline_plateau(table, exp, [m for m in key_metrics(metrics)
+                                            if not is_extra_metric(m)])
+    return TaskStats(table, metrics, final, steps, key, _comparisons(final, exp, key), auc,
+                     plateau)
 
 
 def _task_section(exp: Experiment, task: str, rows: Sequence[Row],
                   plots: dict[str, list[str]], floor: Sequence[str] = (),
-                  components: Sequence[str] = ()) -> list[str]:
-    table = curves(rows, task)
-    metrics = ordered_metrics(table)
+                  components: Sequence[str] = (), stats: TaskStats | None = None) -> list[str]:
+    """One task's section; ``stats`` when :func:`task_stats` was computed already."""
+    st = stats if stats is not None else task_stats(exp, task, rows)
     lines = [f"## Task `{task}`", ""]
-    if not metrics:
+    if st is None:
         return [*lines, "No finished cell.", ""]
-    final = {m: {v: final_values(table[m][v]) for v in table[m]} for m in metrics}
-    steps = sorted({r.step for r in rows if r.task == task})
+    metrics, final, steps, key = st.metrics, st.final, st.steps, st.key
     lines += [f"Evaluated steps: {', '.join(map(str, steps))}. Baseline: `{exp.baseline}`.", "",
               "### Final checkpoint: mean ± std over seeds (n seeds)", ""]
     lines.append("| variant | " + " | ".join(metrics) + " |")
@@ -489,23 +641,19 @@ def _task_section(exp: Experiment, task: str, rows: Sequence[Row],
             mean, std, n = mean_std(list(final[m].get(variant, {}).values()))
             cells.append(f"{_fmt(mean)} ± {_fmt(std)} ({n})")
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
-    lines += ["", *floor, *([""] if floor else []), *_plateau_lines(
-        table, exp, [m for m in key_metrics(metrics) if not is_extra_metric(m)])]
-    key = key_metrics(metrics) or metrics[:4]
+    lines += ["", *floor, *([""] if floor else []), *_plateau_lines(st.plateau, exp)]
     lines += ["", "### Final checkpoint: paired difference against the baseline", "",
               "Lower is better for "
               + ", ".join(m for m in key if better_direction(m) == "lower")
               + "; higher for " + ", ".join(m for m in key if better_direction(m) == "higher")
               + ".",
-              "", *_comparison_table(final, exp, key), "",
+              "", *_comparison_table(st.final_comparisons), "",
               *_power_lines(final, exp, key)]
     if len(steps) > 1:
-        curve_key = [m for m in key if not is_extra_metric(m)]  # extras: final model only
-        auc = {m: {v: auc_values(table[m][v]) for v in table[m]} for m in curve_key}
         lines += ["### Area under the learning curve (trapezoid over steps / step range)", "",
-                  *_comparison_table(auc, exp, curve_key), ""]
-    if "exact_match" in table and len(steps) > 1:
-        lines += _threshold_lines(table["exact_match"], exp)
+                  *_comparison_table(st.auc_comparisons), ""]
+    if "exact_match" in st.table and len(steps) > 1:
+        lines += _threshold_lines(st.table["exact_match"], exp)
     lines += components
     for name in plots.get(task, []):
         lines += [f"![{name}](plots/{name})", ""]
@@ -527,6 +675,151 @@ def _threshold_lines(em: dict[str, dict[int, dict[int, float]]], exp: Experiment
             mean = _fmt(float(np.mean(hit))) if hit else "–"
             cells.append(f"{mean} ({len(hit)}/{len(reached)} seeds)")
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def is_evidence(c: PairedComparison) -> bool:
+    """The report's rule for a difference that counts as evidence: at least
+    ``MIN_BOOTSTRAP_SEEDS`` paired seeds, paired-t p < 0.05, an interval excluding 0, and
+    Wilcoxon p < 0.05, or, where the seeds are too few for that (5: its smallest p is
+    2 / 2^5 = 0.0625), Wilcoxon at its smallest (every seed on the same side)."""
+    if c.n < MIN_BOOTSTRAP_SEEDS or not c.p_ttest < ALPHA:
+        return False
+    if not (c.ci_low > 0.0 or c.ci_high < 0.0):
+        return False
+    least = wilcoxon_min_p(c.n)
+    return c.p_wilcoxon < ALPHA or (least >= ALPHA and c.p_wilcoxon <= least * (1.0 + 1e-9))
+
+
+def seeds_verdict(n: int) -> str:
+    """What n paired seeds allow one to conclude (the verdict's conclusions line)."""
+    if n < 1:
+        return "no seed is shared by the baseline and a variant: nothing is paired."
+    if n < 2:
+        return ("1 seed: no paired statistics at all (no interval, no test, no power figure): "
+                "each Δ is one seed's difference, as likely seed noise as an effect. Run 5 or "
+                "more seeds (6 for the Wilcoxon test to be able to reach p < 0.05).")
+    if n < MIN_BOOTSTRAP_SEEDS:
+        return (f"{n} seeds: no difference can be called significant; treat every Δ as a "
+                f"pilot. Wilcoxon cannot go below p = {wilcoxon_min_p(n):.3g}, the paired t "
+                f"rests on a spread measured from {n} differences, and the intervals are "
+                "paired-t ones, wide on purpose. Size the next grid from the power table.")
+    if wilcoxon_min_p(n) >= ALPHA:
+        return (f"{n} seeds: a difference with paired-t p < 0.05, an interval excluding 0 and "
+                f"every seed on the same side (Wilcoxon p = {wilcoxon_min_p(n):.3g}, its "
+                f"smallest with {n} seeds) is evidence; no other difference is.")
+    return (f"{n} seeds: differences with p < 0.05 in both tests and an interval excluding 0 "
+            "are evidence; the others are not (which is not evidence of no difference).")
+
+
+def _floor_verdict(exp: Experiment, floor: TaskFloor | None,
+                   st: TaskStats) -> tuple[str, bool | None]:
+    """The verdict's floor sentence, and whether the baseline beats the floor (None: not
+    compared)."""
+    if floor is None:
+        return ("Floor: the constant-answer floor is not computed (numeric tasks only; this "
+                "task's answers are not numbers).", None)
+    best, constant = floor.best_abs_error, floor.floor["median"]["constant"]
+    values = [v for v in st.final.get("abs_error_mean", {}).get(exp.baseline, {}).values()
+              if math.isfinite(v)]
+    against = f"{_fmt(best)} for always answering the test median ({constant:g})"
+    if not values:
+        return (f"Floor: the baseline `{exp.baseline}` has no abs_error_mean (no finished cell, "
+                f"or no answer that parses), so it cannot be set against the constant-answer "
+                f"floor, {against}.", None)
+    mean, below = float(np.mean(values)), sum(v < best for v in values)
+    seeds = f"mean of {len(values)} seed{'s' if len(values) > 1 else ''}"
+    # abs_error_mean is over the answers that parse, the floor over every reference: say so
+    # when a share of the baseline's answers did not parse
+    failures = [v for v in st.final.get("parse_failure_rate", {}).get(exp.baseline, {}).values()
+                if math.isfinite(v)]
+    unparsed = (f" Its abs_error_mean is over the answers that parse; "
+                f"{float(np.mean(failures)):.0%} did not." if failures and np.mean(failures) > 0
+                else "")
+    if mean < best:
+        return (f"Floor: the baseline `{exp.baseline}` beats the constant-answer floor: "
+                f"abs_error_mean {_fmt(mean)} ({seeds}, {below} of {len(values)} below it) "
+                f"against {against}.{unparsed}", True)
+    return (f"Floor: the baseline `{exp.baseline}` does NOT beat the constant-answer floor: "
+            f"abs_error_mean {_fmt(mean)} ({seeds}) against {against}. It has not learned "
+            "the task, and differences between variants say nothing about the objectives."
+            + unparsed, False)
+
+
+def _plateau_verdict(exp: Experiment, plateau: Plateau | None) -> str:
+    if plateau is None:
+        return ("Plateau: not checked (one evaluated step); evaluate several checkpoints "
+                "(`eval.checkpoints: all`) to see whether the baseline has stopped improving.")
+    improving = plateau.improving()
+    if improving:
+        gains = ", ".join(f"{m} {'up from 0' if math.isinf(r) else f'{r:.0%} better'}"
+                          for m, r in improving)
+        return (f"Plateau: the baseline `{exp.baseline}` is still improving ({plateau.span}: "
+                f"{gains}; mean over seeds): the variants are compared before it has stopped "
+                "learning, and a longer schedule may change their order.")
+    return (f"Plateau: no key metric of the baseline `{exp.baseline}` improved by more than "
+            f"{PLATEAU_TOLERANCE:.0%} over {plateau.span} (mean over seeds); within one "
+            "learning-rate schedule that does not prove a plateau (see the task's plateau "
+            "check).")
+
+
+def count_tests(st: TaskStats) -> int:
+    """The p-values a task's tables hold: comparison rows with 2 or more paired seeds (final
+    checkpoint and area under the curve, metrics x variants) x 2 (Wilcoxon, paired t)."""
+    return 2 * sum(c.n >= 2 for _, _, c in (*st.final_comparisons, *st.auc_comparisons))
+
+
+def _tests_verdict(st: TaskStats, n_max: int) -> list[str]:
+    """The multiplicity line: how many p-values the task's tables hold, how many of them a
+    grid with no true difference would put below 0.05, and which rows meet the rule."""
+    tested = [c for _, _, c in (*st.final_comparisons, *st.auc_comparisons) if c.n >= 2]
+    if not tested:
+        return ["Tests: none run (a test needs 2 paired seeds)."]
+    n_final = sum(c.n >= 2 for _, _, c in st.final_comparisons)
+    rows = (f"{n_final} final-checkpoint rows + {len(tested) - n_final} area-under-curve rows"
+            if st.auc_comparisons else f"{n_final} final-checkpoint rows")
+    n_tests = count_tests(st)
+    nominal = sum(p < ALPHA for c in tested for p in (c.p_wilcoxon, c.p_ttest))
+    line = (f"Tests: {n_tests} ({rows}, each with a Wilcoxon and a paired-t p-value), run "
+            f"without multiplicity correction: with no true difference anywhere, expect about "
+            f"{n_tests * ALPHA:.2g} of them below 0.05 by chance; here "
+            f"{nominal} {'is' if nominal == 1 else 'are'}.")
+    if n_max < MIN_BOOTSTRAP_SEEDS:
+        return [line + f" At {n_max} seeds none of them is evidence."]
+    meeting = [(m, v, c) for m, v, c in st.final_comparisons if is_evidence(c)]
+    meeting_auc = [(m, v, c) for m, v, c in st.auc_comparisons if is_evidence(c)]
+    listed = [f"{m} {v} {_fmt(c.mean_diff)} [{_fmt(c.ci_low)}, {_fmt(c.ci_high)}]"
+              for m, v, c in meeting] + [
+              f"{m} {v} (area under the curve) {_fmt(c.mean_diff)} [{_fmt(c.ci_low)}, "
+              f"{_fmt(c.ci_high)}]" for m, v, c in meeting_auc]
+    total = len(meeting) + len(meeting_auc)
+    return [line + f" Rows meeting the rule: {total} of {len(tested)}"
+            + (f": {'; '.join(listed)}." if listed else ".")]
+
+
+def verdict_lines(exp: Experiment, task: str, st: TaskStats | None,
+                  floor: TaskFloor | None) -> list[str]:
+    """One task's verdict: does the baseline beat the constant-answer floor, has it stopped
+    improving, how many paired seeds, what they allow to conclude, and how many tests ran."""
+    lines = [f"**Task `{task}`** (baseline `{exp.baseline}`):", ""]
+    if st is None:
+        return [*lines, "- No finished cell: nothing to conclude.", ""]
+    floor_line, beaten = _floor_verdict(exp, floor, st)
+    lines += [f"- {floor_line}", f"- {_plateau_verdict(exp, st.plateau)}"]
+    ns = [c.n for _, _, c in st.final_comparisons]
+    if not ns:
+        return [*lines, "- Paired seeds: none compared (no variant beside the baseline has "
+                "results).", ""]
+    n_min, n_max = min(ns), max(ns)
+    count = (f"{n_min}" if n_min == n_max else
+             f"{n_min}–{n_max} (per comparison; this verdict goes by the fewest)")
+    lines += [f"- Paired seeds: {count}, the seeds the baseline and a variant share at the "
+              "final checkpoint.", f"- Conclusions: {seeds_verdict(n_min)}"]
+    tests = _tests_verdict(st, n_max)
+    if beaten is False and n_max >= MIN_BOOTSTRAP_SEEDS:
+        tests = [t + " The baseline is not past the floor, though: none of this is about "
+                 "the objectives." for t in tests]
+    lines += [f"- {t}" for t in tests]
     return [*lines, ""]
 
 
@@ -577,6 +870,19 @@ def write_report(exp: Experiment, cells: Sequence[Cell], rows: Sequence[Row], pa
     lines = [f"# Experiment `{exp.name}`", ""]
     if command:
         lines += ["Produced by:", "", "```", command, "```", ""]
+    stats = {task: task_stats(exp, task, rows) for task in exp.tasks}
+    floors = {task: task_floor(done, task) for task in exp.tasks}
+    lines += ["## Verdict: what this grid can and cannot show", ""]
+    for task in exp.tasks:
+        lines += verdict_lines(exp, task, stats[task], floors[task])
+    n_tests = sum(count_tests(st) for st in stats.values() if st is not None)
+    if len(exp.tasks) > 1 and n_tests:
+        lines += [f"Across the {len(exp.tasks)} tasks: {n_tests} tests, none corrected for the "
+                  f"others: about {n_tests * ALPHA:.2g} below 0.05 by chance alone.", ""]
+    lines += [
+        "Read the task sections below for the numbers. The interval rule: "
+        f"from {MIN_BOOTSTRAP_SEEDS} paired seeds on, a 95% percentile bootstrap over seeds; "
+        "below that, a paired-t interval (docs/experiments.md).", ""]
     lines += [
         f"Variants: {', '.join(exp.variants)} (baseline `{exp.baseline}`); seeds: "
         f"{', '.join(map(str, exp.seeds))}; tasks: {', '.join(exp.tasks)}.",
@@ -593,9 +899,9 @@ def write_report(exp: Experiment, cells: Sequence[Cell], rows: Sequence[Row], pa
     ]
     for task in exp.tasks:
         lines += _task_section(
-            exp, task, rows, plots or {}, _floor_lines(done, task),
+            exp, task, rows, plots or {}, _floor_lines(done, task, floors[task]),
             [*place_accuracy_lines(done, task, list(exp.variants), read_predictions),
-             *component_lines(done, task, list(exp.variants))])
+             *component_lines(done, task, list(exp.variants))], stats[task])
     if left_out:
         lines += ["## Cells left out (outputs not whole)", "",
                   "Marked done, but an output is missing, cut off or disagrees with its "
