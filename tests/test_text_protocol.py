@@ -216,7 +216,8 @@ def test_evaluate_text_metrics_and_ppl_oracle(tok: Any) -> None:
         "ppl_oracle", "rouge1", "rougeL", "distinct_1", "distinct_2", "distinct_3", "rep_1",
         "rep_2", "rep_3", "rep_4", "repeated_4gram_share", "gen_words_mean", "empty_rate",
         "num_samples", "temperature", "top_p", "top_k", "max_new_tokens", "n_prompts",
-        "n_samples",
+        "n_samples", "mauve_mode", "mauve_runs", "mauve_run_std", "mauve_run_min",
+        "mauve_run_max",
     }  # fmt: skip
     assert set(metrics) == expected
     assert 0.0 < metrics["mauve"] <= 1.0 and metrics["mauve_num_buckets"] == 2
@@ -229,6 +230,47 @@ def test_evaluate_text_metrics_and_ppl_oracle(tok: Any) -> None:
     assert metrics["ppl_test"] == pytest.approx(_direct_ppl(model, tok, refs), rel=1e-5)
     samples = [s.strip() for r in rows for s in r["samples"]]
     assert metrics["distinct_2"] == pytest.approx(distinct_n(samples, 2), nan_ok=True)
+
+
+def test_mauve_is_the_mean_over_sampling_runs_as_in_the_paper(tok: Any) -> None:
+    """Default: run j is the j-th sample of every prompt, one MAUVE per run, and ``mauve`` is
+    their mean (EMO paper Sec. 4.1); "pooled" is one MAUVE of all samples against the
+    references. Both checked against mauve_score on the rows' own samples."""
+    from emdlm.metrics import mauve_score
+
+    model = _tiny_model(len(tok), seed=0, init=0.3)
+    examples = [{"prompt": p, "completion": c} for p, c in (
+        ("the cat", " sat on the mat"), ("a dog", " ran in the park"), ("one", " two three"),
+        ("the sun", " rose over hills"), ("we went", " home late"),
+    )]  # fmt: skip
+    refs = [e["completion"].strip() for e in examples]
+    kw = dict(num_samples=3, max_new_tokens=5, seed=0, featurizer=_hash_featurizer)
+    mean, rows = evaluate_text(model, tok, examples, **kw)
+    runs = [[r["samples"][j].strip() for r in rows] for j in range(3)]
+    direct = [mauve_score(run, refs, featurizer=_hash_featurizer) for run in runs]
+    assert mean["mauve_mode"] == "mean"
+    assert mean["mauve_runs"] == pytest.approx(direct)
+    assert mean["mauve"] == pytest.approx(float(np.mean(direct)))
+    assert mean["mauve_run_std"] == pytest.approx(float(np.std(direct, ddof=1)))
+    assert (mean["mauve_run_min"], mean["mauve_run_max"]) == (min(direct), max(direct))
+    pooled, rows2 = evaluate_text(model, tok, examples, mauve_mode="pooled", **kw)
+    assert rows2 == rows  # the same samples: only the scoring differs
+    every = [s.strip() for r in rows for s in r["samples"]]
+    assert pooled["mauve"] == pytest.approx(mauve_score(every, refs, featurizer=_hash_featurizer))
+    assert pooled["mauve_mode"] == "pooled" and "mauve_runs" not in pooled
+    with pytest.raises(ValueError, match="mauve_mode must be one of mean, pooled"):
+        evaluate_text(model, tok, examples, mauve_mode="average", **kw)
+
+
+def test_mauve_that_cannot_rank_models_is_flagged(capsys: pytest.CaptureFixture[str]) -> None:
+    from emdlm.config import ConfigError, load_config
+    from emdlm.metrics import mauve_problem
+
+    assert "saturated" in mauve_problem(0.99, 4) and "4 k-means buckets" in mauve_problem(0.99, 4)
+    assert "floor" in mauve_problem(0.004, 4)
+    assert mauve_problem(0.5, 4) is None
+    with pytest.raises(ConfigError, match="eval.mauve_mode='average' is not valid"):
+        load_config("text_emo", ["eval.mauve_mode=average"])
 
 
 def test_evaluate_text_rejects_a_single_prompt_for_mauve(tok: Any) -> None:

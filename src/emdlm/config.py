@@ -227,6 +227,9 @@ class EvalConfig:
     num_samples: int = 5  # text: continuations sampled per prompt
     oracle: str | None = None  # text: a model folder scoring the samples (PPL_oracle)
     mauve: bool = True  # text: compute MAUVE (MiniLM features)
+    # text: "mean" of one MAUVE per sampling run (the EMO paper's), or "pooled" (every sample
+    # in one set against the references; emdlm's only mode before)
+    mauve_mode: str = "mean"
 
 
 @dataclass
@@ -284,6 +287,7 @@ class RunConfig:
         own eval, every cell of an experiment)."""
         e = self.eval
         check_choice("eval.kind", e.kind, EVAL_KINDS)
+        check_choice("eval.mauve_mode", e.mauve_mode, ("mean", "pooled"))
         for key in ("batch_size", "max_new_tokens", "num_samples"):
             value = getattr(e, key)
             if value < 1:

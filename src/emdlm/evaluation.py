@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import statistics
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,8 @@ from emdlm.metrics import (
     diversity_metrics,
     exact_match,
     mauve_num_buckets,
+    mauve_over_runs,
+    mauve_problem,
     mauve_score,
     parse_box,
     parse_number,
@@ -440,6 +443,43 @@ def evaluate_examples(
 MAUVE_SETTINGS = {"seed": 25, "scaling_factor": 5.0, "kmeans_num_redo": 5, "kmeans_max_iter": 500}
 
 
+MAUVE_MODES = ("mean", "pooled")
+
+
+def _text_mauve(
+    samples: Sequence[str], refs: Sequence[str], num_samples: int, mode: str, featurizer: Any
+) -> dict[str, Any]:
+    """MAUVE of prompt-major ``samples`` (``num_samples`` per reference) against ``refs``: the
+    mean over sampling runs ("mean") or one score of every sample pooled ("pooled"), with the
+    settings; warns on stderr when the score cannot rank models."""
+    import sys
+
+    settings = dict(
+        seed=MAUVE_SETTINGS["seed"], mauve_scaling_factor=MAUVE_SETTINGS["scaling_factor"],
+        kmeans_num_redo=MAUVE_SETTINGS["kmeans_num_redo"],
+        kmeans_max_iter=MAUVE_SETTINGS["kmeans_max_iter"],
+    )
+    out: dict[str, Any] = {"mauve_mode": mode}
+    if mode == "pooled":
+        out["mauve"] = mauve_score(samples, refs, featurizer=featurizer, **settings)
+        out["mauve_num_buckets"] = mauve_num_buckets(len(samples), len(refs))
+    else:  # run j: the j-th sample of every prompt
+        runs = [list(samples[j::num_samples]) for j in range(num_samples)]
+        scores = mauve_over_runs(runs, refs, featurizer=featurizer, **settings)
+        out.update(
+            mauve=statistics.fmean(scores), mauve_runs=scores,
+            mauve_run_std=statistics.stdev(scores) if len(scores) > 1 else float("nan"),
+            mauve_run_min=min(scores), mauve_run_max=max(scores),
+        )
+        out["mauve_num_buckets"] = mauve_num_buckets(len(refs), len(refs))
+    out.update({f"mauve_{k}": v for k, v in MAUVE_SETTINGS.items()})
+    out["mauve_features"] = "all-MiniLM-L6-v2" if featurizer is None else type(featurizer).__name__
+    problem = mauve_problem(out["mauve"], out["mauve_num_buckets"])
+    if problem:
+        print(f"warning: {problem}", file=sys.stderr)
+    return out
+
+
 def _check_prompt_completion(examples: Sequence[Mapping[str, Any]]) -> None:
     for i, ex in enumerate(examples):
         if "prompt" not in ex or "completion" not in ex:
@@ -468,6 +508,7 @@ def evaluate_text(
     seed: int = 0,
     oracle: tuple[Any, Any] | None = None,
     mauve: bool = True,
+    mauve_mode: str = "mean",
     featurizer: Any = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Sample continuations of each prompt and score them as the EMO paper does (Sec. 4.1).
@@ -477,9 +518,14 @@ def evaluate_text(
     ``num_samples`` continuations of at most ``max_new_tokens`` tokens per prompt, stopped
     only by EOS. Metrics (samples and references are stripped):
 
-    * ``mauve``: MAUVE of all samples (P) against the human continuations (Q), MiniLM features;
-      its settings are recorded as ``mauve_num_buckets``, ``mauve_scaling_factor``,
-      ``mauve_seed``, ``mauve_kmeans_num_redo``, ``mauve_kmeans_max_iter``, ``mauve_features``.
+    * ``mauve`` (MiniLM features, against the human continuations Q), by ``mauve_mode``:
+      "mean" (the paper's: sampling run j takes the j-th sample of every prompt, one MAUVE per
+      run, ``mauve`` is their mean; ``mauve_run_std`` / ``_min`` / ``_max`` give the spread and
+      ``mauve_runs`` the scores) or "pooled" (one MAUVE of all num_samples x n samples against
+      the n references). Recorded: ``mauve_mode``, ``mauve_num_buckets``,
+      ``mauve_scaling_factor``, ``mauve_seed``, ``mauve_kmeans_num_redo``,
+      ``mauve_kmeans_max_iter``, ``mauve_features``; a warning on stderr when the score is
+      saturated or at its floor (:func:`emdlm.metrics.mauve_problem`).
     * ``ppl_test``: exp(mean NLL) of the reference continuations given their prompts (no EOS:
       a continuation is a window cut from a document, not its end).
     * ``ppl_oracle`` (with ``oracle=(model, tokenizer)``): exp(mean NLL) that the oracle assigns
@@ -499,6 +545,8 @@ def evaluate_text(
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     if mauve and len(examples) < 2:
         raise ValueError("MAUVE needs at least 2 prompts; pass more examples or mauve=False")
+    if mauve_mode not in MAUVE_MODES:
+        raise ValueError(f"mauve_mode must be one of {', '.join(MAUVE_MODES)}, got {mauve_mode!r}")
     prompts = [str(ex["prompt"]) for ex in examples]
     refs = [str(ex["completion"]) for ex in examples]
     repeated = [p for p in prompts for _ in range(num_samples)]  # prompt-major order
@@ -510,20 +558,8 @@ def evaluate_text(
     sample_refs = [r.strip() for r in refs for _ in range(num_samples)]
     metrics: dict[str, Any] = {}
     if mauve:
-        metrics["mauve"] = mauve_score(
-            samples,
-            [r.strip() for r in refs],
-            featurizer=featurizer,
-            seed=MAUVE_SETTINGS["seed"],
-            mauve_scaling_factor=MAUVE_SETTINGS["scaling_factor"],
-            kmeans_num_redo=MAUVE_SETTINGS["kmeans_num_redo"],
-            kmeans_max_iter=MAUVE_SETTINGS["kmeans_max_iter"],
-        )
-        metrics["mauve_num_buckets"] = mauve_num_buckets(len(samples), len(refs))
-        metrics.update({f"mauve_{k}": v for k, v in MAUVE_SETTINGS.items()})
-        metrics["mauve_features"] = (
-            "all-MiniLM-L6-v2" if featurizer is None else type(featurizer).__name__
-        )
+        metrics.update(_text_mauve(samples, [r.strip() for r in refs], num_samples, mauve_mode,
+                                   featurizer))
     metrics["ppl_test"] = _pairs_perplexity(
         model, tokenizer, list(zip(prompts, refs, strict=True)), batch_size=batch_size
     )

@@ -32,6 +32,7 @@ Conventions (decided here, relied on by ``emdlm eval``):
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import statistics
@@ -490,26 +491,46 @@ def mauve_score(
     """MAUVE (Pillutla et al., NeurIPS 2021) between two sets of texts, fully offline.
 
     Texts are embedded with ``featurizer`` (default: :class:`MiniLMFeaturizer`) and only the
-    features are passed to ``mauve.compute_mauve``, so mauve never loads gpt2-large.
-    ``num_buckets="auto"`` is mauve's heuristic max(2, round(min(n_p, n_q) / 10)); it is capped
-    at min(n_p, n_q) so that k-means on small sets has at least as many points per side as
-    clusters. Empty strings are embedded like any text. Needs at least 2 texts per side.
+    features are passed to ``mauve.compute_mauve`` (:func:`mauve_from_features`), so mauve never
+    loads gpt2-large. Empty strings are embedded like any text. Needs at least 2 texts per side.
     Returns the score in (0, 1]; higher means P is closer to Q.
     """
-    if len(p_texts) < 2 or len(q_texts) < 2:
-        raise ValueError(
-            f"MAUVE needs at least 2 texts per side, got {len(p_texts)} and {len(q_texts)}"
-        )
+    _check_mauve_sizes(len(p_texts), len(q_texts))
+    feat = featurizer if featurizer is not None else default_featurizer()
+    return mauve_from_features(
+        np.asarray(feat(list(p_texts)), dtype=np.float32),
+        np.asarray(feat(list(q_texts)), dtype=np.float32),
+        num_buckets=num_buckets, seed=seed, kmeans_num_redo=kmeans_num_redo,
+        kmeans_max_iter=kmeans_max_iter, mauve_scaling_factor=mauve_scaling_factor,
+    )
+
+
+def _check_mauve_sizes(n_p: int, n_q: int) -> None:
+    if n_p < 2 or n_q < 2:
+        raise ValueError(f"MAUVE needs at least 2 texts per side, got {n_p} and {n_q}")
+
+
+def mauve_from_features(
+    p_feat: np.ndarray,
+    q_feat: np.ndarray,
+    *,
+    num_buckets: int | Literal["auto"] = "auto",
+    seed: int = 25,
+    kmeans_num_redo: int = 5,
+    kmeans_max_iter: int = 500,
+    mauve_scaling_factor: float = 5.0,
+) -> float:
+    """MAUVE of feature sets ``p_feat`` [n_p, d] against ``q_feat`` [n_q, d] with
+    ``mauve.compute_mauve``. ``num_buckets="auto"`` is mauve's heuristic
+    max(2, round(min(n_p, n_q) / 10)), capped at min(n_p, n_q) so that k-means on small sets has
+    at least as many points per side as clusters (:func:`mauve_num_buckets`)."""
+    _check_mauve_sizes(len(p_feat), len(q_feat))
     import mauve  # imported lazily: pulls in faiss and sklearn
 
-    feat = featurizer if featurizer is not None else default_featurizer()
-    p_feat = np.asarray(feat(list(p_texts)), dtype=np.float32)
-    q_feat = np.asarray(feat(list(q_texts)), dtype=np.float32)
-    buckets = mauve_num_buckets(len(p_feat), len(q_feat), num_buckets)
     out = mauve.compute_mauve(
         p_features=p_feat,
         q_features=q_feat,
-        num_buckets=buckets,
+        num_buckets=mauve_num_buckets(len(p_feat), len(q_feat), num_buckets),
         seed=seed,
         kmeans_num_redo=kmeans_num_redo,
         kmeans_max_iter=kmeans_max_iter,
@@ -517,6 +538,51 @@ def mauve_score(
         verbose=False,
     )
     return float(out.mauve)
+
+
+def mauve_over_runs(
+    runs: Sequence[Sequence[str]],
+    q_texts: Sequence[str],
+    *,
+    featurizer: Featurizer | None = None,
+    **settings: Any,
+) -> list[float]:
+    """MAUVE of each sampling run (one sample per prompt) against the references ``q_texts``.
+
+    The EMO paper (Sec. 4.1, following MAUVE's own protocol) draws 5 sampling runs and reports
+    the mean of their MAUVE scores; pooling every run's samples into one P set is a different
+    number (P then has 5n texts against n references). Every text is embedded once.
+    ``settings``: :func:`mauve_from_features`'s keyword arguments.
+    """
+    if not runs:
+        raise ValueError("MAUVE over runs needs at least one run")
+    for run in runs:
+        _check_mauve_sizes(len(run), len(q_texts))
+    feat = featurizer if featurizer is not None else default_featurizer()
+    sizes = [len(run) for run in runs]
+    p_all = np.asarray(feat([t for run in runs for t in run]), dtype=np.float32)
+    q_feat = np.asarray(feat(list(q_texts)), dtype=np.float32)
+    starts = np.cumsum([0, *sizes])
+    return [mauve_from_features(p_all[a:b], q_feat, **settings)
+            for a, b in itertools.pairwise(starts.tolist())]
+
+
+#: MAUVE at or above this cannot rank models (saturated), at or below this neither (floor).
+MAUVE_SATURATED = 0.98
+MAUVE_FLOOR = 0.02
+
+
+def mauve_problem(score: float, num_buckets: int) -> str | None:
+    """Why a MAUVE score cannot rank models, or None: saturated (>= :data:`MAUVE_SATURATED`,
+    seen with 4 buckets on a small set: every model scores ~1) or at its floor
+    (<= :data:`MAUVE_FLOOR`)."""
+    if score >= MAUVE_SATURATED:
+        return (f"MAUVE {score:.3f} is saturated (>= {MAUVE_SATURATED}, {num_buckets} k-means "
+                "buckets): it cannot rank models; use more prompts (more buckets)")
+    if score <= MAUVE_FLOOR:
+        return (f"MAUVE {score:.3f} is at its floor (<= {MAUVE_FLOOR}): it cannot rank models; "
+                "check the samples (empty, degenerate) or the features")
+    return None
 
 
 def mauve_num_buckets(n_p: int, n_q: int, num_buckets: int | Literal["auto"] = "auto") -> int:

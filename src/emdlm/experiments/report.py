@@ -109,7 +109,7 @@ KEY_METRICS = ("abs_error_mean", "log10_error_mean", "within_5pct", "exact_match
 SKIP_METRICS = ("n", "n_predictions", "num_samples", "temperature", "top_p", "top_k",
                 "max_new_tokens", "n_prompts", "n_samples", "mauve_num_buckets",
                 "mauve_scaling_factor", "mauve_seed", "mauve_kmeans_num_redo",
-                "mauve_kmeans_max_iter")
+                "mauve_kmeans_max_iter", "mauve_run_min", "mauve_run_max")
 CSV_FIELDS = ("task", "variant", "seed", "step", "metric", "value")
 THRESHOLDS = (0.5, 0.9)
 

@@ -182,7 +182,7 @@ def _evaluate_text(
             model, tokenizer, examples, num_samples=e.num_samples,
             max_new_tokens=e.max_new_tokens, batch_size=e.batch_size,
             temperature=e.temperature, top_p=e.top_p, seed=e.seed, oracle=oracle,
-            mauve=e.mauve,
+            mauve=e.mauve, mauve_mode=e.mauve_mode,
         )
     except ValueError as err:
         raise ConfigError(f"text evaluation: {err}") from err
