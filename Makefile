@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean-venv
+.PHONY: demo test lint bench gpu-suite-quick clean-venv
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_ntil.py
 	$(BIN)/python benchmarks/bench_emo.py
+
+# CPU dry run of the GPU suite (tiny shapes; docs/gpu.md has the real run on a GPU machine)
+gpu-suite-quick: $(STAMP)
+	$(BIN)/python benchmarks/gpu_suite.py --quick --out runs/gpu_suite_quick.md
 
 clean-venv:
 	rm -rf $(VENV)

@@ -14,6 +14,7 @@ random inputs without its own generator gives the same inputs on every run: CI c
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -84,3 +85,25 @@ def real_tokenizer(request: pytest.FixtureRequest) -> tuple[str, Any, NumberVoca
         request.getfixturevalue(f"{prefix}_tokenizer"),
         request.getfixturevalue(f"{prefix}_vocab"),
     )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``cuda`` tests run on ``EMDLM_TEST_DEVICE`` when set (tests/test_cuda.py's ``device``
+    fixture); a forced device that this machine lacks skips them with the reason, instead of
+    failing every test on the first tensor moved there."""
+    forced = os.environ.get("EMDLM_TEST_DEVICE")
+    if not forced:
+        return
+    import torch
+
+    try:
+        kind = torch.device(forced).type
+    except RuntimeError as err:
+        raise pytest.UsageError(f"EMDLM_TEST_DEVICE={forced!r}: {err}") from err
+    backend = getattr(torch, kind, None)  # torch.cuda, torch.xpu, torch.mps
+    if kind == "cpu" or bool(getattr(backend, "is_available", lambda: False)()):
+        return
+    skip = pytest.mark.skip(reason=f"EMDLM_TEST_DEVICE={forced} but no such device here")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
