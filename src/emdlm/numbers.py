@@ -503,7 +503,109 @@ def _keep_masked_numbers(
     return num & keep, num_start & keep
 
 
-def find_number_spans(
+@dataclass(frozen=True, eq=False)
+class SpanDraft:
+    """The masks of :func:`draft_number_spans`: a batch's numbers before their sizes are read.
+
+    Attributes (all [B, T] on the labels' device):
+        lab: long labels; idx: safe gather ids (0 where ignored or out of range); bad: counted
+            labels outside [0, V); num: number tokens (after ``number_mask``); num_start: each
+            number's first token; fraction_start: first token after a number's '.';
+            negative: first tokens of negative numbers.
+    """
+
+    labels_shape: tuple[int, ...]
+    vocab: NumberVocab
+    ignore_index: int
+    lab: torch.Tensor
+    idx: torch.Tensor
+    bad: torch.Tensor
+    num: torch.Tensor
+    num_start: torch.Tensor
+    fraction_start: torch.Tensor
+    negative: torch.Tensor
+
+    def sizes(self) -> torch.Tensor:
+        """[3] long on the labels' device: M number tokens, S numbers, bad labels."""
+        return torch.stack([self.num.sum(), self.num_start.sum(), self.bad.sum()])
+
+    def range_error(self) -> ValueError:
+        """The error for labels outside [0, V) (reads them: error path only)."""
+        V = self.vocab.vocab_size
+        bad_values = self.lab[self.bad].unique()[:5].tolist()
+        return ValueError(
+            f"labels out of range for a vocabulary of {V} rows: found {bad_values} (labels "
+            f"must be in [0, {V}) or equal ignore_index={self.ignore_index}); labels shape "
+            f"{self.labels_shape}"
+        )
+
+    def finish(self, n_tok: int, n_num: int) -> NumberSpans:
+        """The :class:`NumberSpans`, given the sizes read from :meth:`sizes` (no host sync)."""
+        vocab, idx, num, num_start = self.vocab, self.idx, self.num, self.num_start
+        fraction_start, negative = self.fraction_start, self.negative
+        device = idx.device
+        n_cols = idx.shape[1]
+        flat_index = _compact(num.reshape(-1), n_tok)  # [M]
+        tok_id = _take(idx, flat_index)  # [M]
+        start_m = _take(num_start, flat_index)  # [M]
+        frac_start_m = _take(fraction_start, flat_index).long()  # [M] first token after a '.'
+        neg_m = _take(negative, flat_index)  # [M]
+        number_id = torch.cumsum(start_m, 0) - 1  # [M]
+        first = _compact(start_m, n_num)  # [S] position in [M] of each number's first token
+        nd_m = _take(vocab.num_digits, tok_id)  # [M]
+        val_m = _take(vocab.value, tok_id)  # [M]
+
+        def within_number(cum: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+            """Inclusive running sum restarted at each number: cum - (cum - own) at its start."""
+            return cum - _take(_take(cum - own, first), number_id)
+
+        frac_m = within_number(torch.cumsum(frac_start_m, 0), frac_start_m) > 0  # [M]
+        upto = within_number(torch.cumsum(nd_m, 0), nd_m)  # [M] digits up to and incl. token
+
+        zeros_s = torch.zeros(n_num, dtype=torch.long, device=device)
+        total_digits = zeros_s.index_add(0, number_id, nd_m)  # [S]
+        frac_digits = zeros_s.index_add(0, number_id, torch.where(frac_m, nd_m, 0))  # [S]
+        int_digits = total_digits - frac_digits  # [S]
+        num_tokens = zeros_s.index_add(0, number_id, torch.ones_like(nd_m))  # [S]
+
+        place = _take(int_digits, number_id) - upto  # [M]
+        digits_right = _take(total_digits, number_id) - upto + nd_m - 1  # [M]
+
+        # Gold value: the integer part and the fraction part (as an integer, i.e. shifted by F
+        # places) are each sums of integers, exact in float64 below 2**53. Exponents are capped at
+        # 308 so that > 308-digit numbers give a huge finite value, never inf or 0 * inf = NaN.
+        f64 = torch.float64
+        ten = torch.full((), 10.0, dtype=f64, device=device)  # no host-to-device copy
+        shift = torch.where(frac_m, _take(frac_digits, number_id), 0)  # F for fraction tokens
+        term = val_m * torch.pow(ten, (place + shift).clamp(max=308).to(f64))  # [M]
+        term = term.clamp(max=_FLOAT64_MAX)
+        zeros_f = torch.zeros(n_num, dtype=f64, device=device)
+        int_part = zeros_f.index_add(0, number_id, torch.where(frac_m, 0.0, term))  # [S]
+        frac_part = zeros_f.index_add(0, number_id, torch.where(frac_m, term, 0.0))  # [S]
+        frac_scale = torch.pow(ten, frac_digits.clamp(max=308).to(f64))  # [S]
+        frac_value = frac_part.clamp(max=_FLOAT64_MAX) / frac_scale
+        magnitude = int_part.clamp(max=_FLOAT64_MAX) + frac_value
+        magnitude = magnitude.clamp(max=_FLOAT64_MAX)  # [S]
+
+        sign = 1.0 - 2.0 * _take(neg_m, first).to(f64)  # [S] the sign sits on the first token
+        number_row = torch.div(_take(flat_index, first), n_cols, rounding_mode="floor")  # [S]
+
+        return NumberSpans(
+            flat_index=flat_index,
+            number_id=number_id,
+            token_class=_take(vocab.token_class, tok_id),
+            gold_column=_take(vocab.position_in_class, tok_id),
+            num_digits=nd_m,
+            digits_right=digits_right,
+            place=place,
+            number_row=number_row,
+            sign=sign,
+            gold_value=sign * magnitude,
+            num_tokens=num_tokens,
+        )
+
+
+def draft_number_spans(
     labels: torch.Tensor,
     vocab: NumberVocab,
     *,
@@ -513,36 +615,13 @@ def find_number_spans(
     ignore_index: int = -100,
     thousands_separator: str | None = None,
     number_mask: torch.Tensor | None = None,
-) -> NumberSpans:
-    """Find every gold number in a batch of labels (rules in the module docstring).
+) -> SpanDraft:
+    """:func:`find_number_spans` up to its host sync: the checks and the [B, T] masks.
 
-    Vectorized over [B, T] with masks, cumsums and scatters; one host sync per call (the
-    token/number counts, which fix the output sizes). Works on any device; ``vocab`` is moved
-    to the labels' device (cached).
-
-    Per token, with D the number's digit count, I its integer-part digits and c the digits of
-    the number up to and including the token: ``place = I - c`` and
-    ``digits_right = D - c + num_digits - 1``. The gold value is
-    ``sign * (int_part + frac_part / 10**F)`` with both parts summed as integers in float64
-    (exact below 2**53) and F the fraction digits; huge values are clamped to the float64 max.
-
-    Args:
-        labels: [B, T] (or [T]) integer labels, ``ignore_index`` where nothing is scored.
-        vocab: the :class:`NumberVocab` of the tokenizer.
-        join_decimal: join "int '.' frac" into one decimal number (paper preset).
-        signed: a minus token before a number makes it negative (paper preset).
-        digits_only: only '0'..'9' are number tokens (official xfey/NTIL preset).
-        ignore_index: label value that is never scored.
-        thousands_separator: None (default: a separator ends a number) or one of
-            :data:`GROUP_SEPARATORS`, e.g. "," to read "1,234" as 1234.
-        number_mask: None, or a bool tensor of the labels' shape: True where a token may be
-            scored as a number. A number is kept only if all its number tokens are True; the
-            others are left out entirely (module docstring).
-
-    Raises:
-        ValueError: labels of the wrong rank, a label outside [0, V) other than ignore_index,
-            an unknown thousands_separator, or a number_mask whose shape is not the labels'.
-        TypeError: non-integer labels or a number_mask that is not a bool tensor.
+    No host sync. Read :meth:`SpanDraft.sizes` (with whatever else the caller needs on the
+    host: the chunked NTIL objective folds them into the one read of its loss call), raise
+    :meth:`SpanDraft.range_error` if labels are out of range, then :meth:`SpanDraft.finish`.
+    Arguments and the other errors as :func:`find_number_spans`.
     """
     if thousands_separator is not None and thousands_separator not in GROUP_SEPARATORS:
         raise ValueError(
@@ -634,70 +713,73 @@ def find_number_spans(
     if number_mask is not None:
         num, num_start = _keep_masked_numbers(num, num_start, number_mask)
 
-    # The single host sync: output sizes (and the label-range check).
-    n_tok, n_num, n_bad = torch.stack([num.sum(), num_start.sum(), bad.sum()]).tolist()
-    if n_bad:
-        bad_values = lab[bad].unique()[:5].tolist()
-        raise ValueError(
-            f"labels out of range for a vocabulary of {V} rows: found {bad_values} (labels "
-            f"must be in [0, {V}) or equal ignore_index={ignore_index}); labels shape "
-            f"{tuple(labels.shape)}"
-        )
-
-    flat_index = _compact(num.reshape(-1), n_tok)  # [M]
-    tok_id = _take(idx, flat_index)  # [M]
-    start_m = _take(num_start, flat_index)  # [M]
-    frac_start_m = _take(fraction_start, flat_index).long()  # [M] first token after a '.'
-    neg_m = _take(negative, flat_index)  # [M]
-    number_id = torch.cumsum(start_m, 0) - 1  # [M]
-    first = _compact(start_m, n_num)  # [S] position in [M] of each number's first token
-    nd_m = _take(vocab.num_digits, tok_id)  # [M]
-    val_m = _take(vocab.value, tok_id)  # [M]
-
-    def within_number(cum: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
-        """Inclusive running sum restarted at each number: cum - (cum - own) at its start."""
-        return cum - _take(_take(cum - own, first), number_id)
-
-    frac_m = within_number(torch.cumsum(frac_start_m, 0), frac_start_m) > 0  # [M]
-    upto = within_number(torch.cumsum(nd_m, 0), nd_m)  # [M] digits up to and incl. token
-
-    zeros_s = torch.zeros(n_num, dtype=torch.long, device=device)
-    total_digits = zeros_s.index_add(0, number_id, nd_m)  # [S]
-    frac_digits = zeros_s.index_add(0, number_id, torch.where(frac_m, nd_m, 0))  # [S]
-    int_digits = total_digits - frac_digits  # [S]
-    num_tokens = zeros_s.index_add(0, number_id, torch.ones_like(nd_m))  # [S]
-
-    place = _take(int_digits, number_id) - upto  # [M]
-    digits_right = _take(total_digits, number_id) - upto + nd_m - 1  # [M]
-
-    # Gold value: the integer part and the fraction part (as an integer, i.e. shifted by F
-    # places) are each sums of integers, exact in float64 below 2**53. Exponents are capped at
-    # 308 so that > 308-digit numbers give a huge finite value, never inf or 0 * inf = NaN.
-    f64 = torch.float64
-    ten = torch.tensor(10.0, dtype=f64, device=device)
-    shift = torch.where(frac_m, _take(frac_digits, number_id), 0)  # F for fraction tokens
-    term = val_m * torch.pow(ten, (place + shift).clamp(max=308).to(f64))  # [M]
-    term = term.clamp(max=_FLOAT64_MAX)
-    zeros_f = torch.zeros(n_num, dtype=f64, device=device)
-    int_part = zeros_f.index_add(0, number_id, torch.where(frac_m, 0.0, term))  # [S]
-    frac_part = zeros_f.index_add(0, number_id, torch.where(frac_m, term, 0.0))  # [S]
-    frac_scale = torch.pow(ten, frac_digits.clamp(max=308).to(f64))  # [S]
-    magnitude = int_part.clamp(max=_FLOAT64_MAX) + frac_part.clamp(max=_FLOAT64_MAX) / frac_scale
-    magnitude = magnitude.clamp(max=_FLOAT64_MAX)  # [S]
-
-    sign = 1.0 - 2.0 * _take(neg_m, first).to(f64)  # [S] the sign sits on the first token
-    number_row = torch.div(_take(flat_index, first), n_cols, rounding_mode="floor")  # [S]
-
-    return NumberSpans(
-        flat_index=flat_index,
-        number_id=number_id,
-        token_class=_take(vocab.token_class, tok_id),
-        gold_column=_take(vocab.position_in_class, tok_id),
-        num_digits=nd_m,
-        digits_right=digits_right,
-        place=place,
-        number_row=number_row,
-        sign=sign,
-        gold_value=sign * magnitude,
-        num_tokens=num_tokens,
+    return SpanDraft(
+        labels_shape=tuple(labels.shape),
+        vocab=vocab,
+        ignore_index=ignore_index,
+        lab=lab,
+        idx=idx,
+        bad=bad,
+        num=num,
+        num_start=num_start,
+        fraction_start=fraction_start,
+        negative=negative,
     )
+
+
+def find_number_spans(
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    *,
+    join_decimal: bool = False,
+    signed: bool = False,
+    digits_only: bool = False,
+    ignore_index: int = -100,
+    thousands_separator: str | None = None,
+    number_mask: torch.Tensor | None = None,
+) -> NumberSpans:
+    """Find every gold number in a batch of labels (rules in the module docstring).
+
+    Vectorized over [B, T] with masks, cumsums and scatters; one host sync per call (the
+    token/number counts, which fix the output sizes). Works on any device; ``vocab`` is moved
+    to the labels' device (cached).
+
+    Per token, with D the number's digit count, I its integer-part digits and c the digits of
+    the number up to and including the token: ``place = I - c`` and
+    ``digits_right = D - c + num_digits - 1``. The gold value is
+    ``sign * (int_part + frac_part / 10**F)`` with both parts summed as integers in float64
+    (exact below 2**53) and F the fraction digits; huge values are clamped to the float64 max.
+
+    Args:
+        labels: [B, T] (or [T]) integer labels, ``ignore_index`` where nothing is scored.
+        vocab: the :class:`NumberVocab` of the tokenizer.
+        join_decimal: join "int '.' frac" into one decimal number (paper preset).
+        signed: a minus token before a number makes it negative (paper preset).
+        digits_only: only '0'..'9' are number tokens (official xfey/NTIL preset).
+        ignore_index: label value that is never scored.
+        thousands_separator: None (default: a separator ends a number) or one of
+            :data:`GROUP_SEPARATORS`, e.g. "," to read "1,234" as 1234.
+        number_mask: None, or a bool tensor of the labels' shape: True where a token may be
+            scored as a number. A number is kept only if all its number tokens are True; the
+            others are left out entirely (module docstring).
+
+    Raises:
+        ValueError: labels of the wrong rank, a label outside [0, V) other than ignore_index,
+            an unknown thousands_separator, or a number_mask whose shape is not the labels'.
+        TypeError: non-integer labels or a number_mask that is not a bool tensor.
+    """
+    draft = draft_number_spans(
+        labels,
+        vocab,
+        join_decimal=join_decimal,
+        signed=signed,
+        digits_only=digits_only,
+        ignore_index=ignore_index,
+        thousands_separator=thousands_separator,
+        number_mask=number_mask,
+    )
+    # The single host sync: output sizes (and the label-range check).
+    n_tok, n_num, n_bad = draft.sizes().tolist()
+    if n_bad:
+        raise draft.range_error()
+    return draft.finish(n_tok, n_num)

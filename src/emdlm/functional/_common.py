@@ -14,15 +14,10 @@ Reduction = Literal["mean", "sum"]
 IGNORE_INDEX = -100
 
 
-def check_logits_labels(
-    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX
-) -> None:
-    """Raise a clear error for malformed inputs; no host sync unless validation needs one.
-
-    Checks: logits are floating point with a trailing vocab dim, labels are integer (int64,
-    int32, int16, int8 or uint8; compared as int64) with the logits' leading shape, every
-    non-ignored label lies in [0, V).
-    """
+def check_logits_labels_shapes(logits: torch.Tensor, labels: torch.Tensor) -> None:
+    """The checks of :func:`check_logits_labels` that need no value (dtypes and shapes): no
+    host sync. The chunked drivers run these first and fold the label-range check into the one
+    host read of their call (:func:`bad_label_count`, :func:`label_range_error`)."""
     if not torch.is_floating_point(logits):
         raise TypeError(f"logits must be a floating-point tensor, got dtype {logits.dtype}")
     if labels.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
@@ -34,20 +29,46 @@ def check_logits_labels(
             f"shape mismatch: logits {tuple(logits.shape)} need labels of shape "
             f"{tuple(logits.shape[:-1])}, got labels {tuple(labels.shape)}"
         )
-    vocab = logits.shape[-1]
+
+
+def _bad_labels(labels: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
+    """[...] bool: counted labels outside [0, V)."""
     # Compare in int64: with int16 / int8 / uint8 labels torch casts the Python scalars V and
     # ignore_index to the labels' dtype, where they wrap (50257 -> -15279 in int16, -100 -> 156
     # in uint8), so valid labels read as out of range and real ones as ignored.
     labels = labels.long()
-    valid = labels != ignore_index
+    return (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+
+
+def bad_label_count(labels: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
+    """0-d long: how many counted labels lie outside [0, V) (no host sync; read it together
+    with the call's other sizes, then raise :func:`label_range_error` when it is not 0)."""
+    return _bad_labels(labels, vocab, ignore_index).sum()
+
+
+def label_range_error(labels: torch.Tensor, vocab: int, ignore_index: int) -> ValueError:
+    """The error for labels outside [0, V), naming up to 5 of them (reads them: error path)."""
+    bad_values = labels.long()[_bad_labels(labels, vocab, ignore_index)].unique()[:5].tolist()
+    return ValueError(
+        f"labels out of range for a vocabulary of {vocab} logit rows: found {bad_values} "
+        f"(labels must be in [0, {vocab}) or equal ignore_index={ignore_index})"
+    )
+
+
+def check_logits_labels(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX
+) -> None:
+    """Raise a clear error for malformed inputs; one host sync (the label-range check).
+
+    Checks: logits are floating point with a trailing vocab dim, labels are integer (int64,
+    int32, int16, int8 or uint8; compared as int64) with the logits' leading shape, every
+    non-ignored label lies in [0, V).
+    """
+    check_logits_labels_shapes(logits, labels)
+    vocab = logits.shape[-1]
     # One reduction and a single host sync for the whole batch (not per token).
-    bad = valid & ((labels < 0) | (labels >= vocab))
-    if bool(bad.any()):
-        bad_values = labels[bad].unique()[:5].tolist()
-        raise ValueError(
-            f"labels out of range for a vocabulary of {vocab} logit rows: found {bad_values} "
-            f"(labels must be in [0, {vocab}) or equal ignore_index={ignore_index})"
-        )
+    if bool(_bad_labels(labels, vocab, ignore_index).any()):
+        raise label_range_error(labels, vocab, ignore_index)
 
 
 def check_reduction(reduction: str) -> None:

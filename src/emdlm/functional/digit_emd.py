@@ -73,9 +73,9 @@ def position_weight(
     digits_right: torch.Tensor, sigma: float, dtype: torch.dtype = torch.float64
 ) -> torch.Tensor:
     """Exponential position weight W = (1 + σ)^r (NTIL Eq. 4 / Appendix D.3); [M] in ``dtype``."""
-    return torch.pow(
-        torch.tensor(1.0 + sigma, dtype=dtype, device=digits_right.device), digits_right.to(dtype)
-    )
+    # torch.full, not torch.tensor: no host-to-device copy (a sync on CUDA).
+    base = torch.full((), 1.0 + sigma, dtype=dtype, device=digits_right.device)
+    return torch.pow(base, digits_right.to(dtype))
 
 
 def weighted_digit_emd(

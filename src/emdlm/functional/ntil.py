@@ -93,7 +93,7 @@ from emdlm.functional.number_value import (
     token_values,
     value_place_shift,
 )
-from emdlm.numbers import NumberSpans, NumberVocab
+from emdlm.numbers import NumberSpans, NumberVocab, SpanDraft
 
 Mix = Literal["dynamic", "static"]
 Averaging = Literal["batch", "row", "token"]
@@ -206,16 +206,21 @@ class NTILTerms:
     ntil: torch.Tensor
 
 
-def class_candidates(vocab: NumberVocab, spans: NumberSpans) -> ClassCandidates:
+def class_candidates(
+    vocab: NumberVocab, spans: NumberSpans, width: int | None = None
+) -> ClassCandidates:
     """Gather the class rows of the M gold tokens, trimmed to the widest class present.
 
-    One host sync (the trim width) per batch; none when M == 0.
+    ``width``: that widest class's size when the caller has read it already (the chunked
+    NTIL objective reads it with the other sizes of its call); None reads it here, one host
+    sync per batch (none when M == 0).
     """
     members = vocab.class_members[spans.token_class]  # [M, K_all]
     mask = vocab.class_mask[spans.token_class]  # [M, K_all]
     values = vocab.class_values[spans.token_class]  # [M, K_all]
     if spans.n_tokens > 0:
-        width = int(mask.sum(dim=1).max())  # real members are left-aligned (sorted by value)
+        if width is None:  # real members are left-aligned (sorted by value)
+            width = int(mask.sum(dim=1).max())
         members, mask, values = members[:, :width], mask[:, :width], values[:, :width]
     return ClassCandidates(ids=members, mask=mask, values=values)
 
@@ -266,7 +271,7 @@ def number_emd(
     number weighs as one number. The weights are computed as (1+σ)^{r_i − max_s r} (the same
     ratios; no overflow for any length).
     """
-    log_base = torch.log1p(torch.tensor(sigma, dtype=torch.float64, device=emd.device))
+    log_base = torch.log1p(torch.full((), sigma, dtype=torch.float64, device=emd.device))
     r = digits_right.to(torch.float64)  # [M]
     top = torch.zeros(n_numbers, dtype=torch.float64, device=emd.device).scatter_reduce(
         0, number_id, r, reduce="amax", include_self=False
@@ -387,6 +392,39 @@ def mix_coefficient(
     return settings.lam * ratio
 
 
+def draft_spans(
+    labels: torch.Tensor,
+    vocab: NumberVocab,
+    *,
+    join_decimal: bool,
+    signed: bool,
+    digits_only: bool,
+    ignore_index: int = IGNORE_INDEX,
+    thousands_separator: str | None = None,
+    number_mask: torch.Tensor | None = None,
+) -> SpanDraft:
+    """:func:`resolve_spans` before its host sync (:func:`emdlm.numbers.draft_number_spans`):
+    the chunked NTIL objective reads the sizes with the rest of its call's."""
+    from emdlm.numbers import check_number_mask, draft_number_spans
+
+    # Explicit row count: reshape(-1, 0) fails for a time dimension of 0.
+    n_rows = math.prod(labels.shape[:-1]) if labels.dim() > 1 else 1
+    rows = labels.reshape(n_rows, labels.shape[-1])
+    if number_mask is not None:
+        check_number_mask(number_mask, labels)  # before the reshape: the error shows the shapes
+        number_mask = number_mask.reshape(rows.shape)
+    return draft_number_spans(
+        rows.long(),
+        vocab,
+        join_decimal=join_decimal,
+        signed=signed,
+        digits_only=digits_only,
+        ignore_index=ignore_index,
+        thousands_separator=thousands_separator,
+        number_mask=number_mask,
+    )
+
+
 def resolve_spans(
     labels: torch.Tensor,
     vocab: NumberVocab,
@@ -403,18 +441,10 @@ def resolve_spans(
     ``number_mask`` (bool, the labels' shape; None = every token): a number is scored only if
     all its tokens are True; tokens outside the mask are non-number tokens to NTIL / digit EMD
     (:func:`emdlm.numbers.find_number_spans`). CE is not affected: :func:`ntil_loss` scores CE
-    on every counted label whatever the spans.
+    on every counted label whatever the spans. One host sync (the sizes and the range check).
     """
-    from emdlm.numbers import check_number_mask, find_number_spans
-
-    # Explicit row count: reshape(-1, 0) fails for a time dimension of 0.
-    n_rows = math.prod(labels.shape[:-1]) if labels.dim() > 1 else 1
-    rows = labels.reshape(n_rows, labels.shape[-1])
-    if number_mask is not None:
-        check_number_mask(number_mask, labels)  # before the reshape: the error shows the shapes
-        number_mask = number_mask.reshape(rows.shape)
-    return find_number_spans(
-        rows.long(),
+    draft = draft_spans(
+        labels,
         vocab,
         join_decimal=join_decimal,
         signed=signed,
@@ -423,6 +453,10 @@ def resolve_spans(
         thousands_separator=thousands_separator,
         number_mask=number_mask,
     )
+    n_tok, n_num, n_bad = draft.sizes().tolist()
+    if n_bad:
+        raise draft.range_error()
+    return draft.finish(n_tok, n_num)
 
 
 def sample_noise(

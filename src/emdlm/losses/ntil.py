@@ -61,16 +61,23 @@ import torch
 from torch import nn
 
 from emdlm._output import LossOutput
-from emdlm.functional._common import IGNORE_INDEX, Reduction, check_logits_labels
+from emdlm.functional._common import (
+    IGNORE_INDEX,
+    Reduction,
+    check_logits_labels,
+    check_logits_labels_shapes,
+)
 from emdlm.functional.ntil import (
     NTILSettings,
     class_candidates,
+    draft_spans,
     ntil_loss,
     resolve_spans,
     sample_noise,
 )
 from emdlm.numbers import GROUP_SEPARATORS, NumberVocab
-from emdlm.ops.ntil_fused import DEFAULT_CHUNK_ELEMENTS, ntil_fused
+from emdlm.ops.from_hidden import NTILObjective
+from emdlm.ops.ntil_fused import DEFAULT_CHUNK_ELEMENTS, ntil_fused_objective
 
 Preset = Literal["stable", "paper", "official"]
 Implementation = Literal["fused", "reference"]
@@ -329,6 +336,26 @@ class NTILLoss(nn.Module):
         counted label either way. ``generator`` draws this call's Gumbel noise.
         """
         settings = self.settings
+        use_fused = (
+            self.implementation == "fused" and logits.requires_grad and torch.is_grad_enabled()
+        )
+        if use_fused:
+            # One host sync for the whole call, in the engine: the label-range check, the span
+            # sizes, the chunk bounds (emdlm.ops.from_hidden.NTILObjective.from_draft).
+            check_logits_labels_shapes(logits, labels)
+            vocab = self._vocab_for(logits)
+            labels = labels.to(logits.device)
+            draft = draft_spans(
+                labels, vocab, ignore_index=settings.ignore_index, number_mask=number_mask,
+                **self.span_options,
+            )
+            objective = NTILObjective.from_draft(
+                draft, vocab, self._n_rows(labels), settings, generator or self.generator
+            )
+            loss, components = ntil_fused_objective(
+                logits, labels, objective, settings, self.chunk_elements
+            )
+            return LossOutput(loss=loss, components=components)
         check_logits_labels(logits, labels, settings.ignore_index)
         vocab = self._vocab_for(logits)
         labels = labels.to(logits.device)
@@ -336,19 +363,14 @@ class NTILLoss(nn.Module):
             labels, vocab, ignore_index=settings.ignore_index, number_mask=number_mask,
             **self.span_options,
         )
-        candidates = class_candidates(vocab, spans)
-        noise = sample_noise(candidates, settings, generator or self.generator)
-        use_fused = (
-            self.implementation == "fused" and logits.requires_grad and torch.is_grad_enabled()
-        )
-        if use_fused:
-            n_rows = math.prod(labels.shape[:-1]) if labels.dim() > 1 else 1  # T may be 0
-            loss, components = ntil_fused(
-                logits, labels, spans, candidates, n_rows, settings, noise, self.chunk_elements
-            )
-        else:
-            loss, components = ntil_loss(logits, labels, vocab, spans, settings, noise=noise)
+        noise = sample_noise(class_candidates(vocab, spans), settings, generator or self.generator)
+        loss, components = ntil_loss(logits, labels, vocab, spans, settings, noise=noise)
         return LossOutput(loss=loss, components=components)
+
+    @staticmethod
+    def _n_rows(labels: torch.Tensor) -> int:
+        """B, the batch rows of the labels (1-D labels are one row; T may be 0)."""
+        return math.prod(labels.shape[:-1]) if labels.dim() > 1 else 1
 
     def extra_repr(self) -> str:
         fields = dataclasses.asdict(self.settings)
@@ -389,7 +411,7 @@ class NTILLoss(nn.Module):
             number_mask: bool, the labels' shape: which tokens may be scored as numbers (as in
                 ``forward``; CE stays on every counted label).
         """
-        from emdlm.ops.from_hidden import NTILObjective, loss_from_hidden
+        from emdlm.ops.from_hidden import loss_from_hidden
 
         settings = self.settings
         if lm_head_weight.dim() != 2 or hidden.dim() < 1:
@@ -397,19 +419,19 @@ class NTILLoss(nn.Module):
                 f"lm_head_weight must be [V, H] and hidden [..., H]; got "
                 f"{tuple(lm_head_weight.shape)} and {tuple(hidden.shape)}"
             )
-        # Zero-stride stand-in for the [..., V] logits: vocabulary size and label checks only.
+        # Zero-stride stand-in for the [..., V] logits: vocabulary size and shape checks only;
+        # the label range is checked in the engine's one host sync of the call.
         stand_in = hidden.new_zeros(()).expand(*hidden.shape[:-1], lm_head_weight.shape[0])
-        check_logits_labels(stand_in, labels, settings.ignore_index)
+        check_logits_labels_shapes(stand_in, labels)
         vocab = self._vocab_for(stand_in)
         labels = labels.to(hidden.device)
-        spans = resolve_spans(
+        draft = draft_spans(
             labels, vocab, ignore_index=settings.ignore_index, number_mask=number_mask,
             **self.span_options,
         )
-        candidates = class_candidates(vocab, spans)
-        noise = sample_noise(candidates, settings, generator or self.generator)
-        n_rows = math.prod(labels.shape[:-1]) if labels.dim() > 1 else 1
-        objective = NTILObjective(spans, candidates, n_rows, settings, noise)
+        objective = NTILObjective.from_draft(
+            draft, vocab, self._n_rows(labels), settings, generator or self.generator
+        )
         return loss_from_hidden(
             objective,
             hidden,

@@ -33,6 +33,16 @@ by grad_output and hands them over (:mod:`emdlm.ops._handover`), so the graph is
 back-propagated once unless ``inplace_backward=False``. Rows of ignored labels get exactly 0
 (the drivers zero them, so a NaN / inf at a padding position never leaks).
 
+Host syncs: ONE per call (forward + backward), the ``.tolist()`` in ``_Pass.of`` at the start of
+forward. It reads together every value the call needs on the host: the number of labels outside
+[0, V) (the range error is raised there, before any gradient), the ignored rows before each
+chunk bound (their indices then come from ``torch.nonzero_static``, which takes its size from
+the caller), and the objective's own sizes (:meth:`ChunkObjective.host_sizes`: NTIL's span
+sizes, widest class, candidate ids and number tokens per chunk). Nothing else reads a device
+value: no ``nonzero`` / ``unique`` / ``.item()``, no host→device copy of a Python list, and
+backward never reads grad_output on an accelerator (:func:`_grad_output_is_one`).
+tests/test_host_syncs.py pins this for every registered objective.
+
 Users: CE, TaiLr, MixCE (:class:`emdlm.ops.from_hidden.WeightedCEObjective`), NTIL and digit
 EMD (``NTILObjective``) and EMO (``EMOObjective``) from hidden states (every loss's
 ``from_hidden``, :func:`emdlm.ops.fused_linear_emo.fused_linear_emo_loss`,
@@ -60,6 +70,7 @@ V vocabulary, M kept positions, K kept logits per position.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,9 +80,12 @@ from emdlm._output import LossOutput
 from emdlm.functional._common import (
     IGNORE_INDEX,
     Reduction,
+    bad_label_count,
     check_logits_labels,
+    check_logits_labels_shapes,
     check_reduction,
     compute_dtype,
+    label_range_error,
 )
 from emdlm.ops._chunking import row_chunks
 from emdlm.ops._compile import eager_under_compile
@@ -116,12 +130,18 @@ class SparseLogitGrad:
         ids: [M, K] long vocabulary ids (padding columns must carry grad 0).
         grad: [M, K] d(term)/dz, unreduced (sum units, as ``ChunkOut.loss``).
         logits: [M, K] the (scaled, capped) logits z at those places (for the soft-cap chain).
+        columns: optional, called when the driver needs them (from hidden states):
+            (uniq [U], col [M, K]), distinct ids covering ``ids`` (sorted) and the column of
+            each entry in them (a padding entry may point at any column), as
+            ``torch.unique(ids, return_inverse=True)`` would give but without its host sync;
+            None: the driver takes that unique (one host sync).
     """
 
     rows: torch.Tensor
     ids: torch.Tensor
     grad: torch.Tensor
     logits: torch.Tensor
+    columns: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 @dataclass
@@ -143,15 +163,27 @@ class ChunkObjective:
     """Base of the per-chunk functions plugged into :func:`chunked_linear_loss` and
     :func:`chunked_logits_loss`.
 
-    Subclasses implement :meth:`chunk`; :meth:`begin` and :meth:`finish` are optional hooks.
-    An objective instance serves one call (it may keep state between chunks).
+    Subclasses implement :meth:`chunk`; :meth:`host_sizes`, :meth:`begin` and :meth:`finish`
+    are optional hooks. An objective instance serves one call (it may keep state between
+    chunks).
     """
 
     #: Number of summed statistics returned per chunk (length of ``ChunkOut.stats``).
     n_stats: int = 1
 
-    def begin(self, starts: list[int], n_rows: int) -> None:
-        """Called once before the first chunk: the first row of every chunk, N rows in all."""
+    def host_sizes(
+        self, labels: torch.Tensor, valid: torch.Tensor, bounds: list[int], vocab: int
+    ) -> torch.Tensor | None:
+        """Values the objective needs on the host (sizes of its tensors), as a 1-D long tensor
+        on the labels' device, or None. The driver reads them together with its own (the label
+        range check, the ignored rows) in ONE host sync per call and passes them to
+        :meth:`begin`. ``labels`` [N] long, ``valid`` [N] bool, ``bounds`` the first row of
+        every chunk then N, ``vocab`` V."""
+        return None
+
+    def begin(self, starts: list[int], n_rows: int, sizes: list[int]) -> None:
+        """Called once before the first chunk: the first row of every chunk, N rows in all, and
+        the values of :meth:`host_sizes` (empty when it gave None)."""
 
     def chunk(
         self,
@@ -220,8 +252,11 @@ def check_linear_inputs(
     labels: torch.Tensor,
     bias: torch.Tensor | None,
     ignore_index: int,
+    *,
+    check_range: bool = True,
 ) -> None:
-    """Clear errors for a head ``hidden [..., H] @ weight [V, H]ᵀ + bias [V]`` and its labels."""
+    """Clear errors for a head ``hidden [..., H] @ weight [V, H]ᵀ + bias [V]`` and its labels
+    (``check_range=False``: shapes and dtypes only, no host sync)."""
     if not torch.is_floating_point(hidden) or not torch.is_floating_point(weight):
         raise TypeError(
             f"hidden and weight must be floating point, got {hidden.dtype} and {weight.dtype}"
@@ -240,21 +275,53 @@ def check_linear_inputs(
         )
     # Shape / range checks of the labels against a zero-stride stand-in for the logits.
     stand_in = hidden.new_zeros(()).expand(*hidden.shape[:-1], weight.shape[0])
-    check_logits_labels(stand_in, labels, ignore_index)
+    if check_range:
+        check_logits_labels(stand_in, labels, ignore_index)
+    else:  # the drivers fold the range check into the one host sync of their call
+        check_logits_labels_shapes(stand_in, labels)
+
+
+def counts_before(mask: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    """[len(bounds)] long: Σ mask[:b] for each host int b of ``bounds`` (ascending), no host
+    sync. The bounds never travel to the device (a host→device copy syncs on CUDA): a strided
+    slice of the cumulative sum when they are evenly spaced (the last one aside), else one
+    select per bound."""
+    cum = torch.cat([mask.new_zeros(1, dtype=torch.long), mask.long().cumsum(0)])  # [N + 1]
+    if len(bounds) >= 2:
+        first, step = bounds[0], bounds[1] - bounds[0]
+        if step > 0 and bounds[:-1] == list(range(first, bounds[-2] + 1, step)):
+            return torch.cat([cum[first : bounds[-2] + 1 : step], cum[bounds[-1] :][:1]])
+    return torch.stack([cum[b] for b in bounds])
 
 
 @dataclass
 class _Pass:
-    """What both drivers set up the same way: flat labels, the count and the reduction."""
+    """What both drivers set up the same way: flat labels, the count, the reduction, and what
+    the call's one host sync read (label-range check, ignored rows, the objective's sizes)."""
 
     labels: torch.Tensor  # [N] long
     valid: torch.Tensor  # [N] bool
     count: torch.Tensor  # 0-d long, counted labels
     scale: torch.Tensor  # 0-d compute dtype: k = 1/count ("mean") or 1 ("sum")
+    ignored: torch.Tensor | None  # [I] long rows of ignored labels, ascending (None: not asked)
+    cut: list[int]  # ignored[cut[i] : cut[i + 1]] lie in [ignore_bounds[i], ignore_bounds[i + 1])
+    objective_sizes: list[int]  # the values of objective.host_sizes
 
     @classmethod
-    def of(cls, labels: torch.Tensor, options: HeadOptions, cdtype: torch.dtype) -> _Pass:
-        """Flatten ``labels`` [...] and count them (no host sync)."""
+    def of(
+        cls,
+        labels: torch.Tensor,
+        options: HeadOptions,
+        cdtype: torch.dtype,
+        vocab: int,
+        objective: ChunkObjective,
+        bounds: list[int],
+        ignore_bounds: list[int] | None,
+    ) -> _Pass:
+        """Flatten ``labels`` [...], count them, and read in ONE host sync (the only one of the
+        call): the number of labels outside [0, V) (then raise the range error, before any
+        gradient), the ignored rows before each of ``ignore_bounds`` (None: not needed) and
+        ``objective.host_sizes`` for the chunk ``bounds``."""
         flat = labels.reshape(-1).long()
         valid = flat != options.ignore_index
         count = valid.sum()
@@ -262,14 +329,27 @@ class _Pass:
             scale = 1.0 / count.clamp_min(1).to(cdtype)
         else:
             scale = torch.ones((), dtype=cdtype, device=labels.device)
-        return cls(labels=flat, valid=valid, count=count, scale=scale)
+        parts = [bad_label_count(flat, vocab, options.ignore_index).reshape(1)]
+        if ignore_bounds is not None:
+            parts.append(counts_before(~valid, ignore_bounds))
+        extra = objective.host_sizes(flat, valid, bounds, vocab)
+        if extra is not None:
+            parts.append(extra.reshape(-1).long())
+        sizes = torch.cat(parts).tolist()  # the host sync of the call
+        if sizes[0]:
+            raise label_range_error(flat, vocab, options.ignore_index)
+        n_cut = 0 if ignore_bounds is None else len(ignore_bounds)
+        cut = sizes[1 : 1 + n_cut]
+        ignored = None
+        if ignore_bounds is not None:
+            # nonzero_static takes its size from the caller: no second sync.
+            ignored = torch.nonzero_static(~valid, size=cut[-1] - cut[0]).squeeze(1)
+        return cls(flat, valid, count, scale, ignored, cut, sizes[1 + n_cut :])
 
-    def ignored_between(self, bounds: list[int]) -> list[torch.Tensor]:
-        """Ignored rows of each chunk [bounds[i], bounds[i+1]), chunk-local (two host syncs)."""
-        ignored = (~self.valid).nonzero().squeeze(1)  # [I] sorted
-        edges = torch.tensor(bounds, device=ignored.device)
-        cut = torch.searchsorted(ignored, edges).tolist()
-        return [ignored[cut[i] : cut[i + 1]] - bounds[i] for i in range(len(bounds) - 1)]
+    def ignored_in(self, i: int, start: int) -> torch.Tensor:
+        """Ignored rows of the i-th span of ``ignore_bounds``, relative to ``start`` (no sync)."""
+        assert self.ignored is not None
+        return self.ignored[self.cut[i] - self.cut[0] : self.cut[i + 1] - self.cut[0]] - start
 
 
 def _finish_loss(loss_sum: torch.Tensor, fin: Finish, run: _Pass) -> torch.Tensor:
@@ -340,7 +420,10 @@ def _add_sparse(
         g = g * options.logit_scale
     if options.softcap is not None:
         g = g * (1.0 - (sparse.logits.double() / options.softcap) ** 2)
-    uniq, col = torch.unique(sparse.ids, return_inverse=True)  # [U], [M, K] (one host sync)
+    if sparse.columns is not None:  # given by the objective: no host sync
+        uniq, col = sparse.columns()  # [U], [M, K]
+    else:
+        uniq, col = torch.unique(sparse.ids, return_inverse=True)  # [U], [M, K] (one host sync)
     rows_mk = torch.arange(g.shape[0], device=g.device)[:, None].expand_as(col)
     dense = torch.zeros((g.shape[0], uniq.numel()), dtype=torch.float64, device=g.device)
     dense.index_put_((rows_mk, col), g, accumulate=True)  # [M, U]
@@ -370,11 +453,12 @@ def _engine_forward(
     want_grad = need_h or need_w or need_b
     h2 = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
     cdtype = compute_dtype(hidden.dtype)
-    run = _Pass.of(labels, options, cdtype)
     n_rows, vocab = h2.shape[0], weight.shape[0]
     chunk = options.chunk_size or default_chunk_rows(vocab)
     rows = max(1, min(chunk, n_rows))
     starts = list(range(0, n_rows, chunk))
+    bounds = [*starts, n_rows]
+    run = _Pass.of(labels, options, cdtype, vocab, objective, bounds, bounds if want_grad else None)
     acc_dtype = weight.dtype if weight.dtype in (torch.float32, torch.float64) else torch.float32
     grad_h = torch.zeros_like(h2) if need_h else None
     grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
@@ -385,7 +469,6 @@ def _engine_forward(
     grad_scale = None
     if want_grad:
         grad_scale = run.scale * (options.logit_scale or 1.0)
-    ignored = run.ignored_between([*starts, n_rows]) if want_grad else []
     # Buffers reused by every chunk: the head output (input dtype), its compute-dtype copy
     # (half precision only) and tanh (soft-cap only).
     raw_buf = torch.empty((rows, vocab), dtype=hidden.dtype, device=hidden.device)
@@ -393,7 +476,7 @@ def _engine_forward(
     tanh_buf = None if options.softcap is None else torch.empty_like(raw_buf, dtype=cdtype)
     loss_sum = torch.zeros((), dtype=cdtype, device=hidden.device)
     stats = torch.zeros(objective.n_stats, dtype=cdtype, device=hidden.device)
-    objective.begin(starts, n_rows)
+    objective.begin(starts, n_rows, run.objective_sizes)
     for i, lo in enumerate(starts):
         hi = min(lo + chunk, n_rows)
         n = hi - lo
@@ -409,7 +492,7 @@ def _engine_forward(
         stats = stats + out.stats
         if out.grad is None:
             continue
-        g = out.grad.index_fill_(0, ignored[i], 0.0)  # [n, V] k·s·dL/dz
+        g = out.grad.index_fill_(0, run.ignored_in(i, lo), 0.0)  # [n, V] k·s·dL/dz
         if not out.scaled:
             g.mul_(grad_scale)
         if tanh_c is not None:  # d(cap·tanh(r/cap))/dr = 1 − tanh²
@@ -503,7 +586,8 @@ def chunked_linear_loss(
     """
     options = options or HeadOptions()
     check_head_options(options)
-    check_linear_inputs(hidden, weight, labels, bias, options.ignore_index)
+    # Label range: checked in the driver's one host sync (before any gradient is computed).
+    check_linear_inputs(hidden, weight, labels, bias, options.ignore_index, check_range=False)
     labels = labels.to(hidden.device)
     wants_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
@@ -542,10 +626,12 @@ def _logits_forward(
     vocab = logits.shape[-1]
     device = logits.device
     cdtype = compute_dtype(logits.dtype)
-    run = _Pass.of(labels, options, cdtype)
-    n_rows = run.labels.numel()
+    n_rows = labels.numel()
     chunk = options.chunk_size or default_chunk_rows(vocab)
     chunks = list(row_chunks(logits, chunk))  # views: a sliced [B, T-1, V] is never copied
+    starts = [lo for lo, _, _ in chunks]
+    ignore_bounds = [0, n_rows] if want_grad else None
+    run = _Pass.of(labels, options, cdtype, vocab, objective, [*starts, n_rows], ignore_bounds)
     grad = torch.empty((n_rows, vocab), dtype=logits.dtype, device=device) if want_grad else None
     # The objective works in the gradient buffer itself when it has the compute dtype;
     # otherwise in one staging buffer, cast into the buffer after each chunk.
@@ -556,7 +642,7 @@ def _logits_forward(
     loss_sum = torch.zeros((), dtype=cdtype, device=device)
     stats = torch.zeros(objective.n_stats, dtype=cdtype, device=device)
     unscaled: list[tuple[int, int]] = []  # chunks whose gradient still lacks k
-    objective.begin([lo for lo, _, _ in chunks], n_rows)
+    objective.begin(starts, n_rows, run.objective_sizes)
     for lo, hi, z in chunks:
         out = grad[lo:hi] if direct else staged[: hi - lo]  # type: ignore[index]
         res = objective.chunk(z, out, run.labels[lo:hi], run.valid[lo:hi], lo, grad_scale)
@@ -578,8 +664,7 @@ def _logits_forward(
         else:
             for lo, hi in unscaled:
                 grad[lo:hi].mul_(run.scale.to(grad.dtype))
-        (ignored,) = run.ignored_between([0, n_rows])
-        grad.index_fill_(0, ignored, 0.0)  # exact 0 there, whatever the logits held
+        grad.index_fill_(0, run.ignored_in(0, 0), 0.0)  # exact 0 there, whatever the logits held
         sparse = fin.sparse
         if sparse is not None and sparse.rows.numel():
             rows_mk = sparse.rows[:, None].expand_as(sparse.ids)  # [M, K]
@@ -588,6 +673,18 @@ def _logits_forward(
                 g = g * run.scale.double()
             grad.index_put_((rows_mk, sparse.ids), g.to(grad.dtype), accumulate=True)
     return total.to(cdtype), fin, grad, later
+
+
+def _grad_output_is_one(factor: torch.Tensor) -> bool:
+    """Whether backward may skip scaling the [N, V] gradient buffer by ``factor`` (0-d).
+
+    Only where reading the value is free: a CPU tensor, where a factor of exactly 1 (a plain
+    ``loss.backward()``) then saves one pass over the buffer. A value on an accelerator is never
+    read: that read is a host sync in the middle of backward, stalling the host until every
+    queued kernel has run, and costs more than the one elementwise pass it could save (which a
+    loss divided by a token count, grad_output = 1/n, never skips anyway).
+    """
+    return factor.device.type == "cpu" and bool(factor == 1)
 
 
 class ChunkedLogitsLossFunction(torch.autograd.Function):
@@ -614,8 +711,7 @@ class ChunkedLogitsLossFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
         factor = grad_loss if ctx.later is None else grad_loss * ctx.later
-        # One host sync per batch when in place: a factor of 1 skips a pass over [N, V].
-        skip = ctx.inplace_backward and bool(factor == 1)
+        skip = ctx.inplace_backward and _grad_output_is_one(factor)
         (grad,) = hand_over_gradients(
             ctx, "grads", None if skip else factor, "ChunkedLogitsLossFunction"
         )
@@ -655,7 +751,8 @@ def chunked_logits_loss(
             "logit_scale / softcap apply to the head from hidden states (chunked_linear_loss); "
             "given logits are scored as they are"
         )
-    check_logits_labels(logits, labels, options.ignore_index)
+    # Label range: checked in the driver's one host sync (before any gradient is computed).
+    check_logits_labels_shapes(logits, labels)
     labels = labels.to(logits.device)
     if torch.is_grad_enabled() and logits.requires_grad:
         names: list[tuple[str, torch.dtype]] = []
@@ -682,5 +779,6 @@ __all__ = [
     "check_linear_inputs",
     "chunked_linear_loss",
     "chunked_logits_loss",
+    "counts_before",
     "default_chunk_rows",
 ]

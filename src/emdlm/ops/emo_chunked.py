@@ -25,8 +25,9 @@ Design (why this shape): the per-chunk function is :class:`emdlm.ops.from_hidden
   the only scratch beyond it is O(chunk·V): for float32 logits q lives in the buffer itself and
   one [chunk, V] scratch holds S. Scratch is allocated once per call and reused by every chunk
   (on CPU, fresh large tensors cost page faults comparable to an elementwise pass).
-- Backward scales the buffer in place by grad_output (skipped when grad_output is exactly 1: one
-  host sync per batch) and hands it over (no copy). Backward can
+- Backward scales the buffer in place by grad_output (skipped when grad_output is exactly 1 and
+  on the CPU, where reading it is free; never read on an accelerator: no host sync in backward)
+  and hands it over (no copy). Backward can
   therefore run once per forward: a second call (``retain_graph=True``) raises a clear error
   unless ``inplace_backward=False`` (which multiplies out of place: one more [N, V] tensor).
 - No gradient flows into the cost embedding: EMO's Ê is a frozen copy (Sec. 3.2).
@@ -42,7 +43,7 @@ from emdlm._output import LossOutput
 from emdlm.functional._common import (
     IGNORE_INDEX,
     Reduction,
-    check_logits_labels,
+    check_logits_labels_shapes,
     compute_dtype,
 )
 from emdlm.ops._chunking import (
@@ -70,7 +71,7 @@ def _check_inputs(
 ) -> None:
     check_mode(mode, reduction, mu, max_ratio)
     check_chunk_size(chunk_size)
-    check_logits_labels(logits, labels, ignore_index)
+    check_logits_labels_shapes(logits, labels)  # label range: in the engine's one host sync
     check_cost_embedding(cost_embedding, logits.shape[-1], logits.device)
 
 

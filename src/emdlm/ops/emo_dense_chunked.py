@@ -32,7 +32,12 @@ from typing import Any
 import torch
 
 from emdlm._output import LossOutput
-from emdlm.functional._common import IGNORE_INDEX, Reduction, check_logits_labels, compute_dtype
+from emdlm.functional._common import (
+    IGNORE_INDEX,
+    Reduction,
+    check_logits_labels_shapes,
+    compute_dtype,
+)
 from emdlm.functional.emo import EMOMode
 from emdlm.functional.emo_dense import (
     DistillBase,
@@ -129,7 +134,7 @@ class EMODistillObjective(ChunkObjective):
         self.blocks: list[tuple[int, torch.Tensor]] = []
         self.flat: torch.Tensor | None = None
 
-    def begin(self, starts: list[int], n_rows: int) -> None:
+    def begin(self, starts: list[int], n_rows: int, sizes: list[int]) -> None:
         self.blocks = list(row_blocks(self.teacher))  # (first row, [m, V] view), no copy
 
     def _teacher_rows(self, lo: int, hi: int) -> torch.Tensor:
@@ -197,7 +202,7 @@ def emo_distill_loss_chunked(
     check_distill_options(base, mode, mu, max_ratio, temperature)
     check_mode(mode, reduction, mu, max_ratio)
     check_chunk_size(chunk_size)
-    check_logits_labels(logits, labels, ignore_index)
+    check_logits_labels_shapes(logits, labels)  # label range: in the engine's one host sync
     check_teacher_logits(logits, teacher_logits)
     check_cost_embedding(cost_embedding, logits.shape[-1], logits.device)
     cost = prepare_cost(cost_embedding, None, compute_dtype(logits.dtype))

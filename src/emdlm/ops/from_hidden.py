@@ -40,10 +40,12 @@ from emdlm.functional._common import IGNORE_INDEX, Reduction, compute_dtype
 from emdlm.functional.ntil import (
     ClassCandidates,
     NTILSettings,
+    class_candidates,
     mix_coefficient,
     ntil_terms,
+    sample_noise,
 )
-from emdlm.numbers import NumberSpans
+from emdlm.numbers import NumberSpans, NumberVocab, SpanDraft
 from emdlm.ops._chunking import (
     ChunkSums,
     check_cost_embedding,
@@ -58,6 +60,7 @@ from emdlm.ops.chunked import (
     HeadOptions,
     SparseLogitGrad,
     chunked_linear_loss,
+    counts_before,
 )
 
 #: f(q_y) -> (a, reported weight), both [n]; q_y is detached.
@@ -195,12 +198,18 @@ class NTILObjective(WeightedCEObjective):
         n_rows: B, batch rows of the labels (``averaging="row"``).
         settings: the NTIL knobs (reduction is applied by the engine).
         noise: [M, K] Gumbel noise for ``value_mode="gumbel"``.
+
+    :meth:`from_draft` builds it from the labels' :class:`emdlm.numbers.SpanDraft` instead: the
+    span sizes and the widest class are then read in the engine's one host sync of the call
+    (:meth:`host_sizes`), and spans, candidates and noise are made in :meth:`begin`. Either
+    way the call's only host read is the engine's: the chunk bounds of the number tokens and
+    the candidate ids the sparse gradient touches (``SparseLogitGrad.columns``) come with it.
     """
 
     def __init__(
         self,
-        spans: NumberSpans,
-        candidates: ClassCandidates,
+        spans: NumberSpans | None,
+        candidates: ClassCandidates | None,
         n_rows: int,
         settings: NTILSettings,
         noise: torch.Tensor | None,
@@ -208,17 +217,84 @@ class NTILObjective(WeightedCEObjective):
         super().__init__()
         self.spans, self.candidates = spans, candidates
         self.n_rows, self.settings, self.noise = n_rows, settings, noise
+        self.draft: SpanDraft | None = None
+        self.vocab: NumberVocab | None = None
+        self.generator: torch.Generator | None = None
         self.class_logits: torch.Tensor | None = None
         self.bounds: list[int] = []
         self.chunk_of: dict[int, int] = {}
+        self.members: torch.Tensor | None = None  # [V] bool: ids the candidates may hold
+        self.n_members = 0
 
-    def begin(self, starts: list[int], n_rows: int) -> None:
-        ids = self.candidates.ids
+    @classmethod
+    def from_draft(
+        cls,
+        draft: SpanDraft,
+        vocab: NumberVocab,
+        n_rows: int,
+        settings: NTILSettings,
+        generator: torch.Generator | None,
+    ) -> NTILObjective:
+        """The objective of the labels whose spans are ``draft`` (spans, candidates and the
+        Gumbel noise, drawn with ``generator``, are made once the sizes are read)."""
+        objective = cls(None, None, n_rows, settings, None)
+        objective.draft, objective.vocab, objective.generator = draft, vocab, generator
+        return objective
+
+    def host_sizes(
+        self, labels: torch.Tensor, valid: torch.Tensor, bounds: list[int], vocab: int
+    ) -> torch.Tensor:
+        """[M, S, widest class, U] then the number tokens before each bound (from a draft);
+        [U, bounds...] with spans given. U: distinct ids the candidates may hold."""
+        device = labels.device
+        if self.draft is None:  # spans given: every candidate id, padding included
+            spans, ids = self.spans, self.candidates.ids  # type: ignore[union-attr]
+            is_num = torch.zeros(labels.shape[0], dtype=torch.bool, device=device)
+            is_num.index_fill_(0, spans.flat_index, True)  # type: ignore[union-attr]
+            members = torch.zeros(vocab, dtype=torch.bool, device=device)
+            members.index_fill_(0, ids.reshape(-1), True)
+            head = [members.sum().reshape(1)]
+        else:  # from the draft: the members of every class present (padding maps anywhere)
+            draft, nv = self.draft, self.vocab
+            assert nv is not None
+            is_num = draft.num.reshape(-1)  # [N]
+            n_cls = nv.num_classes
+            token_class = nv.token_class.index_select(0, draft.idx.reshape(-1))  # [N]
+            slot = torch.where(is_num, token_class, n_cls)
+            per_class = torch.zeros(n_cls + 1, dtype=torch.long, device=device)
+            per_class.index_add_(0, slot, torch.ones_like(slot))
+            present = per_class[:n_cls] > 0  # [C]
+            members = nv.is_number & present[nv.token_class.clamp_min(0)]  # [V]
+            width = (nv.class_mask.sum(dim=1) * present).amax()  # widest class present
+            head = [
+                torch.stack([draft.num.sum(), draft.num_start.sum(), width, members.sum()]),
+            ]
+        self.members = members
+        return torch.cat([*head, counts_before(is_num, bounds)])
+
+    def begin(self, starts: list[int], n_rows: int, sizes: list[int]) -> None:
+        if self.draft is not None:
+            n_tok, n_num, width = sizes[:3]
+            sizes = sizes[3:]
+            self.spans = self.draft.finish(n_tok, n_num)
+            self.candidates = class_candidates(self.vocab, self.spans, width=width)  # type: ignore[arg-type]
+            self.noise = sample_noise(self.candidates, self.settings, self.generator)
+            self.draft = None
+        self.n_members, self.bounds = sizes[0], sizes[1:]
+        ids = self.candidates.ids  # type: ignore[union-attr]
         self.class_logits = torch.zeros(ids.shape, dtype=torch.float64, device=ids.device)
-        edges = torch.tensor([*starts, n_rows], device=ids.device)
-        # Where each chunk's number tokens begin in the sorted flat_index: one host sync per call.
-        self.bounds = torch.searchsorted(self.spans.flat_index, edges).tolist()
         self.chunk_of = {s: i for i, s in enumerate(starts)}
+
+    def _columns(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(uniq [U], col [M, K]) of the candidate ids without a host sync: the U ids of
+        ``members`` (size read in the call's one sync) and each entry's rank among them."""
+        members = self.members
+        assert members is not None
+        uniq = torch.nonzero_static(members, size=self.n_members).squeeze(1)  # [U] ascending
+        rank = torch.cumsum(members, 0) - 1  # [V]
+        # A padding entry (id 0, gradient 0) that is no member lands on column 0: adds 0.
+        col = rank[self.candidates.ids].clamp_min(0)  # type: ignore[union-attr]  # [M, K]
+        return uniq, col
 
     def chunk(
         self,
@@ -252,9 +328,10 @@ class NTILObjective(WeightedCEObjective):
             if grad_z is not None:  # in sum units: n·c·dNTIL/dz (the engine applies 1/n)
                 sparse = SparseLogitGrad(
                     rows=spans.flat_index,
-                    ids=self.candidates.ids,
+                    ids=self.candidates.ids,  # type: ignore[union-attr]
                     grad=grad_z * (coef * count_f),
                     logits=leaf.detach(),
+                    columns=self._columns,
                 )
         ntil = terms.ntil.detach()
         dtype = stats.dtype

@@ -82,7 +82,8 @@ def fused_linear_emo_loss(
     """
     check_mode(mode, reduction, mu, max_ratio)
     check_chunk_size(chunk_size)
-    check_linear_inputs(hidden, weight, labels, bias, ignore_index)
+    # Label range: checked in the engine's one host sync (before any gradient is computed).
+    check_linear_inputs(hidden, weight, labels, bias, ignore_index, check_range=False)
     check_cost_embedding(cost_embedding, weight.shape[0], hidden.device)
     cost = prepare_cost(cost_embedding, cost_dtype, compute_dtype(hidden.dtype))
     options = HeadOptions(ignore_index=ignore_index, reduction=reduction, chunk_size=chunk_size)

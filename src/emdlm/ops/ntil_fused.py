@@ -68,14 +68,32 @@ def ntil_fused(
         (loss, components): "ce", "emd", "relative", "magnitude", "ntil", "mix_coef",
         "n_numbers", "n_digit_tokens", "n_tokens".
     """
+    objective = NTILObjective(spans, candidates, n_rows, settings, noise)
+    return ntil_fused_objective(
+        logits, labels, objective, settings, chunk_elements, inplace_backward
+    )
+
+
+@eager_under_compile
+def ntil_fused_objective(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    objective: NTILObjective,
+    settings: NTILSettings,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    inplace_backward: bool = True,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`ntil_fused` for an objective made by the caller, e.g.
+    :meth:`NTILObjective.from_draft <emdlm.ops.from_hidden.NTILObjective.from_draft>` (the
+    loss modules' path: the span sizes are then read in the engine's one host sync of the
+    call, with the label-range check)."""
     options = HeadOptions(
         ignore_index=settings.ignore_index,
         reduction=settings.reduction,
         chunk_size=default_chunk_rows(logits.shape[-1], chunk_elements),
     )
-    objective = NTILObjective(spans, candidates, n_rows, settings, noise)
     out = chunked_logits_loss(logits, labels, objective, options, inplace_backward=inplace_backward)
     return out.loss, out.components
 
 
-__all__ = ["DEFAULT_CHUNK_ELEMENTS", "ntil_fused"]
+__all__ = ["DEFAULT_CHUNK_ELEMENTS", "ntil_fused", "ntil_fused_objective"]
