@@ -539,6 +539,14 @@ class SpanDraft:
             f"{self.labels_shape}"
         )
 
+    def resolve(self) -> NumberSpans:
+        """The :class:`NumberSpans` on their own: the one host sync (sizes and the label-range
+        check), then :meth:`finish`. Callers with more sizes to read use those two instead."""
+        n_tok, n_num, n_bad = self.sizes().tolist()
+        if n_bad:
+            raise self.range_error()
+        return self.finish(n_tok, n_num)
+
     def finish(self, n_tok: int, n_num: int) -> NumberSpans:
         """The :class:`NumberSpans`, given the sizes read from :meth:`sizes` (no host sync)."""
         vocab, idx, num, num_start = self.vocab, self.idx, self.num, self.num_start
@@ -768,7 +776,7 @@ def find_number_spans(
             an unknown thousands_separator, or a number_mask whose shape is not the labels'.
         TypeError: non-integer labels or a number_mask that is not a bool tensor.
     """
-    draft = draft_number_spans(
+    return draft_number_spans(
         labels,
         vocab,
         join_decimal=join_decimal,
@@ -777,9 +785,4 @@ def find_number_spans(
         ignore_index=ignore_index,
         thousands_separator=thousands_separator,
         number_mask=number_mask,
-    )
-    # The single host sync: output sizes (and the label-range check).
-    n_tok, n_num, n_bad = draft.sizes().tolist()
-    if n_bad:
-        raise draft.range_error()
-    return draft.finish(n_tok, n_num)
+    ).resolve()  # the single host sync: output sizes (and the label-range check)

@@ -443,7 +443,7 @@ def resolve_spans(
     (:func:`emdlm.numbers.find_number_spans`). CE is not affected: :func:`ntil_loss` scores CE
     on every counted label whatever the spans. One host sync (the sizes and the range check).
     """
-    draft = draft_spans(
+    return draft_spans(
         labels,
         vocab,
         join_decimal=join_decimal,
@@ -452,11 +452,7 @@ def resolve_spans(
         ignore_index=ignore_index,
         thousands_separator=thousands_separator,
         number_mask=number_mask,
-    )
-    n_tok, n_num, n_bad = draft.sizes().tolist()
-    if n_bad:
-        raise draft.range_error()
-    return draft.finish(n_tok, n_num)
+    ).resolve()
 
 
 def sample_noise(

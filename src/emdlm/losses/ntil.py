@@ -320,6 +320,31 @@ class NTILLoss(nn.Module):
             )
         return self._vocab.to(logits.device)
 
+    def _engine_objective(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        number_mask: torch.Tensor | None,
+        generator: torch.Generator | None,
+    ) -> tuple[NTILObjective, torch.Tensor]:
+        """The chunk engine's NTIL objective for ``labels`` against ``logits`` [..., V] (or a
+        zero-stride stand-in of that shape) and the labels on the logits' device. Shape checks
+        only, and the spans drafted without a host sync: the engine reads the label-range check,
+        the span sizes and the chunk bounds in the one host sync of the call
+        (:meth:`emdlm.ops.from_hidden.NTILObjective.from_draft`)."""
+        settings = self.settings
+        check_logits_labels_shapes(logits, labels)
+        vocab = self._vocab_for(logits)
+        labels = labels.to(logits.device)
+        draft = draft_spans(
+            labels, vocab, ignore_index=settings.ignore_index, number_mask=number_mask,
+            **self.span_options,
+        )
+        objective = NTILObjective.from_draft(
+            draft, vocab, self._n_rows(labels), settings, generator or self.generator
+        )
+        return objective, labels
+
     def forward(
         self,
         logits: torch.Tensor,
@@ -340,18 +365,7 @@ class NTILLoss(nn.Module):
             self.implementation == "fused" and logits.requires_grad and torch.is_grad_enabled()
         )
         if use_fused:
-            # One host sync for the whole call, in the engine: the label-range check, the span
-            # sizes, the chunk bounds (emdlm.ops.from_hidden.NTILObjective.from_draft).
-            check_logits_labels_shapes(logits, labels)
-            vocab = self._vocab_for(logits)
-            labels = labels.to(logits.device)
-            draft = draft_spans(
-                labels, vocab, ignore_index=settings.ignore_index, number_mask=number_mask,
-                **self.span_options,
-            )
-            objective = NTILObjective.from_draft(
-                draft, vocab, self._n_rows(labels), settings, generator or self.generator
-            )
+            objective, labels = self._engine_objective(logits, labels, number_mask, generator)
             loss, components = ntil_fused_objective(
                 logits, labels, objective, settings, self.chunk_elements
             )
@@ -419,19 +433,9 @@ class NTILLoss(nn.Module):
                 f"lm_head_weight must be [V, H] and hidden [..., H]; got "
                 f"{tuple(lm_head_weight.shape)} and {tuple(hidden.shape)}"
             )
-        # Zero-stride stand-in for the [..., V] logits: vocabulary size and shape checks only;
-        # the label range is checked in the engine's one host sync of the call.
+        # Zero-stride stand-in for the [..., V] logits: vocabulary size and shape checks only.
         stand_in = hidden.new_zeros(()).expand(*hidden.shape[:-1], lm_head_weight.shape[0])
-        check_logits_labels_shapes(stand_in, labels)
-        vocab = self._vocab_for(stand_in)
-        labels = labels.to(hidden.device)
-        draft = draft_spans(
-            labels, vocab, ignore_index=settings.ignore_index, number_mask=number_mask,
-            **self.span_options,
-        )
-        objective = NTILObjective.from_draft(
-            draft, vocab, self._n_rows(labels), settings, generator or self.generator
-        )
+        objective, labels = self._engine_objective(stand_in, labels, number_mask, generator)
         return loss_from_hidden(
             objective,
             hidden,
