@@ -6,7 +6,7 @@ is the same on both, so the CPU run in CI keeps them alive and a GPU session run
 (``pytest -m cuda tests/test_cuda.py``, or ``benchmarks/gpu_suite.py``, docs/gpu.md).
 
 What is checked:
-- every registered objective (``emdlm.objectives._CLASSES``) x {logits, from hidden} x {fp32,
+- every registered objective (tests/_objectives.py) x {logits, from hidden} x {fp32,
   bf16, fp16 under autocast}: loss value and gradients (logits; hidden and head weight) of the
   default fast path on the device against the functional reference in float64 on the CPU, fed
   the same (rounded) inputs; the distillation objectives have no from-hidden path (their target
@@ -28,7 +28,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +36,10 @@ import pytest
 import torch
 from torch import nn
 
+from _objectives import SPECS, random_cost_embedding
 from emdlm.losses.ce import CrossEntropyLoss
 from emdlm.losses.emo import EMOLoss
-from emdlm.losses.emo_distill import EMODistillLoss, KLDistillLoss
-from emdlm.losses.mixce import MixCELoss
 from emdlm.losses.ntil import DigitEMDLoss, NTILLoss
-from emdlm.losses.tailr import TaiLrLoss
-from emdlm.objectives import _CLASSES as REGISTRY
 from emdlm.objectives import DISTILL
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,34 +99,31 @@ def tok() -> Any:
 
 # ----------------------------------------------------------------- objectives and inputs
 def _cost_embedding(vocab: int) -> torch.Tensor:
-    return torch.randn(vocab, WIDTH, generator=torch.Generator().manual_seed(1))
+    return random_cost_embedding(vocab, WIDTH, seed=1)
 
 
-# objective -> builder(tokenizer, vocab rows, reference) -> loss module with the default fast
-# path (reference=False) or the functional / plain-autograd implementation (reference=True).
+# Every registered objective (tests/_objectives.py), built by _build with these options.
 # NTIL predicts number values with value_mode="expected" here: Gumbel and argmax values take a
 # hard argmax over digits, which bf16 rounding may flip (a different number, not an error);
 # the Gumbel path on the device has its own test below.
-Builder = Callable[[Any, int, bool], nn.Module]
-OBJECTIVES: dict[str, Builder] = {
-    "ce": lambda tok, v, ref: CrossEntropyLoss(),
-    "emd": lambda tok, v, ref: DigitEMDLoss(
-        tok, implementation="reference" if ref else "fused"
-    ),
-    "ntil": lambda tok, v, ref: NTILLoss(
-        tok, value_mode="expected", implementation="reference" if ref else "fused"
-    ),
-    "emo": lambda tok, v, ref: EMOLoss(
-        _cost_embedding(v), implementation="reference" if ref else None
-    ),
-    "tailr": lambda tok, v, ref: TaiLrLoss(label_smoothing=0.1),
-    "mixce": lambda tok, v, ref: MixCELoss(eta=0.3),
-    "emo_distill": lambda tok, v, ref: EMODistillLoss(
-        _cost_embedding(v), implementation="reference" if ref else None, chunk_size=16
-    ),
-    "kl_distill": lambda tok, v, ref: KLDistillLoss(temperature=2.0),
+OPTIONS: dict[str, dict[str, Any]] = {
+    "ntil": {"value_mode": "expected"},
+    "tailr": {"label_smoothing": 0.1},
+    "mixce": {"eta": 0.3},
+    "emo_distill": {"chunk_size": 16},
+    "kl_distill": {"temperature": 2.0},
 }
-FROM_HIDDEN = [name for name in OBJECTIVES if name not in DISTILL]
+OBJECTIVES = list(SPECS)
+FROM_HIDDEN = [name for name, spec in SPECS.items() if spec.from_hidden]
+
+
+def _build(name: str, tok: Any, vocab: int, reference: bool) -> nn.Module:
+    """Objective ``name`` for ``vocab`` logit rows: the default fast path (reference=False) or
+    the functional / plain-autograd implementation (reference=True, where it has one)."""
+    spec = SPECS[name]
+    emb = _cost_embedding(vocab) if spec.needs_cost_embedding else None
+    path = spec.reference if reference else None
+    return spec.build(path, digits=tok, cost_embedding=emb, **OPTIONS.get(name, {}))
 
 
 def _labels(tok: Any) -> torch.Tensor:
@@ -158,7 +152,7 @@ def _inputs(vocab: int) -> dict[str, torch.Tensor]:
 
 def _call(fn: nn.Module, name: str, logits: torch.Tensor, labels: torch.Tensor,
           teacher: torch.Tensor) -> torch.Tensor:
-    out = fn(logits, labels, teacher) if name in DISTILL else fn(logits, labels)
+    out = fn(logits, labels, teacher) if SPECS[name].needs_teacher else fn(logits, labels)
     return out.loss
 
 
@@ -167,7 +161,7 @@ def _reference(
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Loss and gradients (logits, or hidden and weight) in float64 on the CPU."""
     vocab = x["weight"].shape[0]
-    fn = OBJECTIVES[name](tok, vocab, True)
+    fn = _build(name, tok, vocab, True)
     if path == "logits":
         leaves = [x["logits"].double().requires_grad_()]
         logits = leaves[0]
@@ -190,7 +184,7 @@ def _on_device(
     master weights from hidden; the loss runs under ``torch.autocast(dtype=float16)``.
     """
     vocab = x["weight"].shape[0]
-    fn = OBJECTIVES[name](tok, vocab, False).to(device)
+    fn = _build(name, tok, vocab, False).to(device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(precision, torch.float16)
     autocast = precision == "fp16_autocast"
     if path == "hidden" and autocast:
@@ -216,11 +210,12 @@ def _rounded(x: dict[str, torch.Tensor], path: str, precision: str) -> dict[str,
 
 
 def test_every_registered_objective_is_covered(tok: Any) -> None:
-    """A new objective in the registry gets its device cases here; every objective but the
-    distillation ones has a from-hidden path."""
-    assert set(OBJECTIVES) == set(REGISTRY)
-    for name, build in OBJECTIVES.items():
-        module = build(tok, len(tok) + EXTRA_ROWS, False)
+    """A new objective in the registry gets its device cases here (every entry of
+    tests/_objectives.py, checked against the registry in test_objective_registry.py); every
+    objective but the distillation ones has a from-hidden path."""
+    assert {name for name, _ in CASES} == set(SPECS)
+    for name in OBJECTIVES:
+        module = _build(name, tok, len(tok) + EXTRA_ROWS, False)
         assert callable(getattr(module, "from_hidden", None)) == (name not in DISTILL), name
 
 

@@ -34,14 +34,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import emdlm
-from emdlm.losses.ce import CrossEntropyLoss
-from emdlm.losses.emo import EMOLoss
-from emdlm.losses.emo_distill import EMODistillLoss, KLDistillLoss
-from emdlm.losses.mixce import MixCELoss
-from emdlm.losses.ntil import DigitEMDLoss, NTILLoss
-from emdlm.losses.tailr import TaiLrLoss
+from _objectives import SPECS, random_cost_embedding
+from emdlm.losses.ntil import NTILLoss
 from emdlm.numbers import NumberVocab
-from emdlm.objectives import _CLASSES as REGISTRY
 
 TOKENS = (
     [str(d) for d in range(10)]
@@ -51,7 +46,7 @@ TOKENS = (
 V = len(TOKENS) + 5
 H = 16
 VOCAB = NumberVocab.from_token_strings(TOKENS, V)
-EMB = torch.randn(V, 6, generator=torch.Generator().manual_seed(11))
+EMB = random_cost_embedding(V, 6, seed=11)
 
 #: Overload packets that read a device value on the host (or size an output by one).
 SYNC_OPS = frozenset(
@@ -144,42 +139,42 @@ def _labels() -> torch.Tensor:
     return labels
 
 
-class _WithTeacher(nn.Module):
-    """A distillation loss called as ``fn(logits, labels)`` with fixed teacher logits."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> Any:
-        teacher = torch.randn(logits.shape, generator=torch.Generator().manual_seed(5))
-        return self.inner(logits, labels, teacher.to(logits.dtype))
-
-
-# name -> builder(reduction): the default (training) implementation of every objective, with
-# chunks small enough that every call runs several.
-BUILDERS: dict[str, Callable[[str], nn.Module]] = {
-    "ce": lambda r: CrossEntropyLoss(reduction=r),
-    "emd": lambda r: DigitEMDLoss(VOCAB, reduction=r, chunk_elements=4 * V),
-    "ntil": lambda r: NTILLoss(
-        VOCAB, reduction=r, chunk_elements=4 * V, generator=torch.Generator().manual_seed(3)
-    ),
-    "emo": lambda r: EMOLoss(EMB, reduction=r, chunk_size=5),
-    "tailr": lambda r: TaiLrLoss(label_smoothing=0.1, reduction=r),
-    "mixce": lambda r: MixCELoss(reduction=r),
-    "emo_distill": lambda r: _WithTeacher(EMODistillLoss(EMB, reduction=r, chunk_size=5)),
-    "kl_distill": lambda r: _WithTeacher(KLDistillLoss(temperature=2.0, reduction=r)),
+# objective -> options of its default (training) implementation here, with chunks small enough
+# that every call runs several.
+OPTIONS: dict[str, dict[str, Any]] = {
+    "emd": {"chunk_elements": 4 * V},
+    "ntil": {"chunk_elements": 4 * V},
+    "emo": {"chunk_size": 5},
+    "tailr": {"label_smoothing": 0.1},
+    "emo_distill": {"chunk_size": 5},
+    "kl_distill": {"temperature": 2.0},
 }
+
+
+def _build(name: str, reduction: str) -> nn.Module:
+    """Objective ``name`` (tests/_objectives.py) with the class defaults and its OPTIONS, called
+    as ``fn(logits, labels)`` (a distillation objective gets fixed teacher logits)."""
+    spec = SPECS[name]
+    options = dict(OPTIONS.get(name, {}))
+    if spec.draws_noise:
+        options["generator"] = torch.Generator().manual_seed(3)
+    return spec.build(
+        digits=VOCAB, cost_embedding=EMB, fixed_teacher=True, reduction=reduction, **options
+    )
+
+
 CASES = [
     pytest.param(name, path, reduction, id=f"{name}-{path}-{reduction}")
-    for name in BUILDERS
+    for name in SPECS
     for path in ("logits", "hidden")
     for reduction in ("sum", "mean")
 ]
 
 
 def test_every_registered_objective_is_counted() -> None:
-    assert set(BUILDERS) == set(REGISTRY)
+    """Every entry of tests/_objectives.py (checked against the registry in
+    test_objective_registry.py) is counted here."""
+    assert {case.values[0] for case in CASES} == set(SPECS)
 
 
 def _call(fn: nn.Module, path: str, labels: torch.Tensor) -> list[torch.Tensor]:
@@ -203,7 +198,7 @@ def _call(fn: nn.Module, path: str, labels: torch.Tensor) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize(("name", "path", "reduction"), CASES)
 def test_one_host_sync_per_loss_call(name: str, path: str, reduction: str) -> None:
-    fn = BUILDERS[name](reduction)
+    fn = _build(name, reduction)
     if path == "hidden" and not hasattr(fn, "from_hidden"):
         pytest.skip(f"{name} has no from-hidden path")
     labels = _labels()
@@ -221,7 +216,7 @@ def test_bad_labels_raise_before_any_gradient(path: str) -> None:
     """The one sync still validates: the same clear error, and no gradient was produced."""
     labels = _labels()
     labels[1, 2] = V + 3
-    fn = BUILDERS["ntil"]("sum")
+    fn = _build("ntil", "sum")
     gen = torch.Generator().manual_seed(0)
     if path == "logits":
         x = torch.randn(*labels.shape, V, generator=gen).requires_grad_(True)

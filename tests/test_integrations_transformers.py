@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from _objectives import SPECS
 from emdlm.config import ModelConfig, ObjectiveConfig, load_config
 from emdlm.data import DataCollator, build_dataset
 from emdlm.integrations.transformers import make_compute_loss_func
@@ -40,6 +41,16 @@ BATCH_MEAN_OBJECTIVES = {
     "ntil": {"value_mode": "expected"},  # deterministic value (no Gumbel noise per call)
     "ntil-dynamic-token": {"value_mode": "expected", "averaging": "token"},
 }
+
+
+def test_every_objective_without_a_teacher_has_an_accumulation_case():
+    """A new objective (tests/_objectives.py, checked against the registry in
+    test_objective_registry.py) gets a case in EXACT_OBJECTIVES or BATCH_MEAN_OBJECTIVES; the
+    distillation objectives (a teacher's logits per micro-batch) are checked through a Trainer
+    in tests/test_trainer_reduction.py."""
+    exact = {objective for objective, _ in EXACT_OBJECTIVES.values()}
+    batch_mean = {case.split("-")[0] for case in BATCH_MEAN_OBJECTIVES}
+    assert exact | batch_mean == {name for name, spec in SPECS.items() if not spec.needs_teacher}
 
 
 @pytest.fixture(scope="module")

@@ -9,21 +9,16 @@ exactly 0 with a zero, finite gradient.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from _objectives import PATHS, SPECS, random_cost_embedding
 from emdlm.functional._common import log_softmax_zero_ignored
 from emdlm.losses.ce import CrossEntropyLoss
 from emdlm.losses.emo import EMOLoss
-from emdlm.losses.emo_distill import EMODistillLoss, KLDistillLoss
-from emdlm.losses.mixce import MixCELoss
-from emdlm.losses.ntil import DigitEMDLoss, NTILLoss
-from emdlm.losses.tailr import TaiLrLoss
-from emdlm.objectives import _CLASSES as REGISTRY
 
 BAD_FILLS = ("nan", "-inf_row", "+inf")
 WIDTH = 12  # cost-embedding width for EMO
@@ -34,77 +29,29 @@ def _seeded() -> torch.Generator:
 
 
 def _emo_embedding(vocab: int) -> torch.Tensor:
-    return torch.randn(vocab, WIDTH, generator=torch.Generator().manual_seed(1))
+    return random_cost_embedding(vocab, WIDTH, seed=1)
 
 
-class _WithTeacher(nn.Module):
-    """A distillation loss called as ``fn(logits, labels)``: fixed random teacher logits of the
-    logits' shape and dtype (the same on every call, clean at every position)."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-        self.reduction = inner.reduction
-
-    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> Any:
-        gen = torch.Generator().manual_seed(5)
-        teacher = torch.randn(logits.shape, generator=gen).to(logits.dtype)
-        return self.inner(logits, labels, teacher)
+def _build(name: str, path: str, tokenizer: Any, vocab: int, **kw: Any) -> nn.Module:
+    """Objective ``name`` on implementation path / preset ``path`` (tests/_objectives.py) for
+    ``vocab`` logit rows, called as ``fn(logits, labels)`` (a distillation objective gets fixed
+    teacher logits); noise (NTIL's Gumbel values) from a generator seeded alike every build."""
+    spec = SPECS[name]
+    if spec.draws_noise:
+        kw["generator"] = _seeded()
+    emb = _emo_embedding(vocab) if spec.needs_cost_embedding else None
+    return spec.build(path, digits=tokenizer, cost_embedding=emb, fixed_teacher=True, **kw)
 
 
-# objective name -> {path name: builder(tokenizer, vocab rows) -> loss module}
-BUILDERS: dict[str, dict[str, Callable[..., nn.Module]]] = {
-    "ce": {"default": lambda tok, v, **kw: CrossEntropyLoss(**kw)},
-    "emd": {
-        "fused": lambda tok, v, **kw: DigitEMDLoss(tok, implementation="fused", **kw),
-        "reference": lambda tok, v, **kw: DigitEMDLoss(tok, implementation="reference", **kw),
-    },
-    "ntil": {
-        "fused": lambda tok, v, **kw: NTILLoss(
-            tok, implementation="fused", generator=_seeded(), **kw
-        ),
-        "reference": lambda tok, v, **kw: NTILLoss(
-            tok, implementation="reference", generator=_seeded(), **kw
-        ),
-        "fused-official": lambda tok, v, **kw: NTILLoss(
-            tok, preset="official", implementation="fused", generator=_seeded(), **kw
-        ),
-    },
-    "emo": {
-        "chunked": lambda tok, v, **kw: EMOLoss(_emo_embedding(v), implementation="chunked", **kw),
-        "reference": lambda tok, v, **kw: EMOLoss(
-            _emo_embedding(v), implementation="reference", **kw
-        ),
-        "chunked-emo2": lambda tok, v, **kw: EMOLoss(
-            _emo_embedding(v), mode="emo2", implementation="chunked", chunk_size=5, **kw
-        ),
-    },
-    "tailr": {
-        "paper": lambda tok, v, **kw: TaiLrLoss(label_smoothing=0.1, **kw),
-        "emo_repo": lambda tok, v, **kw: TaiLrLoss(preset="emo_repo", mixing_ratio=0.5, **kw),
-    },
-    "mixce": {"default": lambda tok, v, **kw: MixCELoss(**kw)},
-    "emo_distill": {
-        "chunked": lambda tok, v, **kw: _WithTeacher(
-            EMODistillLoss(_emo_embedding(v), implementation="chunked", chunk_size=5, **kw)
-        ),
-        "reference": lambda tok, v, **kw: _WithTeacher(
-            EMODistillLoss(_emo_embedding(v), implementation="reference", **kw)
-        ),
-        "chunked-ce-emo1": lambda tok, v, **kw: _WithTeacher(
-            EMODistillLoss(_emo_embedding(v), base="ce", mode="emo1", temperature=2.0, **kw)
-        ),
-    },
-    "kl_distill": {
-        "default": lambda tok, v, **kw: _WithTeacher(KLDistillLoss(temperature=2.0, **kw)),
-    },
-}
-CASES = [(name, path) for name, paths in BUILDERS.items() for path in paths]
+# (objective, path): every implementation path / preset of every registered objective
+CASES = PATHS
 
 
 def test_every_registered_objective_is_covered() -> None:
-    """A new objective in the registry must get its padding / empty-input cases here."""
-    assert set(BUILDERS) == set(REGISTRY)
+    """A new objective in the registry gets its padding / empty-input cases here: every entry
+    of tests/_objectives.py (checked against the registry in test_objective_registry.py) has
+    its paths among the cases."""
+    assert {name for name, _ in CASES} == set(SPECS)
 
 
 def _batch(tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,10 +95,11 @@ def test_non_finite_logits_at_ignored_positions_do_not_leak(
     logits, labels = _batch(char_tokenizer)
     logits = logits.to(dtype)
     ignored = labels == -100
-    build = BUILDERS[name][path]
     vocab = logits.shape[-1]
-    clean_loss, clean_grad = _run(build(char_tokenizer, vocab), logits, labels)
-    loss, grad = _run(build(char_tokenizer, vocab), _dirty(logits, ignored, fill), labels)
+    clean_loss, clean_grad = _run(_build(name, path, char_tokenizer, vocab), logits, labels)
+    loss, grad = _run(
+        _build(name, path, char_tokenizer, vocab), _dirty(logits, ignored, fill), labels
+    )
     assert torch.isfinite(clean_loss) and clean_loss > 0
     # Rows are computed independently: padding must not change a single bit elsewhere (up to
     # float32 summation order).
@@ -199,7 +147,7 @@ def test_empty_batch_gives_explicit_zero(
     char_tokenizer: Any, name: str, path: str, reduction: str, shape: tuple[int, int]
 ) -> None:
     vocab = len(char_tokenizer)
-    fn = BUILDERS[name][path](char_tokenizer, vocab, reduction=reduction)
+    fn = _build(name, path, char_tokenizer, vocab, reduction=reduction)
     x = torch.randn(*shape, vocab, requires_grad=True)
     labels = torch.zeros(shape, dtype=torch.long)
     out = fn(x, labels)
@@ -214,7 +162,7 @@ def test_empty_batch_gives_explicit_zero(
 def test_float64_logits_give_a_float64_loss(char_tokenizer: Any, name: str, path: str) -> None:
     """Every objective keeps float64 (compute-dtype rule); CE used to return float32."""
     logits, labels = _batch(char_tokenizer)
-    fn = BUILDERS[name][path](char_tokenizer, logits.shape[-1])
+    fn = _build(name, path, char_tokenizer, logits.shape[-1])
     x = logits.double().requires_grad_(True)
     out = fn(x, labels)
     assert out.loss.dtype == torch.float64
@@ -252,12 +200,12 @@ def test_log_softmax_zero_ignored_gradient() -> None:
     torch.testing.assert_close(log_softmax_zero_ignored(x, valid), torch.log_softmax(x, -1))
 
 
-@pytest.mark.parametrize("name", ["emd", "ntil"])
+@pytest.mark.parametrize("name", [name for name, spec in SPECS.items() if spec.needs_digits])
 def test_numeric_losses_with_other_label_ranks(char_tokenizer: Any, name: str) -> None:
     """1-D labels [0] and 3-D labels [B, C, 0] (T = 0) also give an explicit 0."""
     vocab = len(char_tokenizer)
     for shape in ((0,), (2, 3, 0)):
-        fn = BUILDERS[name]["fused"](char_tokenizer, vocab)
+        fn = _build(name, "fused", char_tokenizer, vocab)
         x = torch.randn(*shape, vocab, requires_grad=True)
         out = fn(x, torch.zeros(shape, dtype=torch.long))
         assert float(out.loss.detach()) == 0.0
@@ -283,9 +231,8 @@ def test_narrow_integer_labels_equal_int64_labels(
     if info.min <= -100:
         labels[0, :3] = -100  # the prompt "12+" is not scored
     logits = torch.randn(2, labels.shape[1], vocab, generator=torch.Generator().manual_seed(0))
-    build = BUILDERS[name][path]
-    ref_loss, ref_grad = _run(build(gpt2_tokenizer, vocab), logits, labels)
-    loss, grad = _run(build(gpt2_tokenizer, vocab), logits, labels.to(dtype))
+    ref_loss, ref_grad = _run(_build(name, path, gpt2_tokenizer, vocab), logits, labels)
+    loss, grad = _run(_build(name, path, gpt2_tokenizer, vocab), logits, labels.to(dtype))
     assert torch.isfinite(ref_loss) and ref_loss > 0
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
     torch.testing.assert_close(grad, ref_grad, rtol=0, atol=0)

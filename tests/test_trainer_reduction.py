@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from _objectives import SPECS, random_cost_embedding
 from emdlm.config import ModelConfig
 from emdlm.data import DataCollator, build_dataset
 from emdlm.integrations.transformers import (
@@ -19,13 +20,13 @@ from emdlm.integrations.transformers import (
 from emdlm.losses.ce import CrossEntropyLoss
 from emdlm.models import build_model, model_vocab_size
 from emdlm.numbers import NumberVocab
-from emdlm.objectives import _CLASSES, DISTILL, NUMERIC, objective_class
+from emdlm.objectives import DISTILL
 from emdlm.tasks import generate_task
 from emdlm.tokenizers import load_tokenizer
 
-# Every registered objective: a loss added to the registry is tested here automatically (and
-# fails loudly in build_loss if it needs constructor arguments the helper does not know).
-OBJECTIVES = sorted(_CLASSES)
+# Every registered objective (tests/_objectives.py, checked against the registry in
+# test_objective_registry.py): a loss added to the registry is tested here automatically.
+OBJECTIVES = sorted(SPECS)
 # Deterministic values for NTIL (no Gumbel noise), so the direct call below gives the same loss.
 EXTRA = {"ntil": {"value_mode": "expected"}}
 
@@ -46,21 +47,19 @@ def _model(tok):
 
 
 def build_loss(name: str, reduction: str, tok, vocab_size: int) -> torch.nn.Module:
-    """The registered class for ``name``, built with ``reduction`` (EMO, EMO distillation: a
-    small random cost embedding)."""
-    cls = objective_class(name)
-    kwargs = {"reduction": reduction, **EXTRA.get(name, {})}
-    if name in NUMERIC:
-        return cls(NumberVocab.from_tokenizer(tok, vocab_size), **kwargs)
-    if name in ("emo", "emo_distill"):
-        emb = torch.randn(vocab_size, 8, generator=torch.Generator().manual_seed(1))
-        return cls(emb, **kwargs)
-    return cls(**kwargs)
+    """The registered class for ``name`` with its defaults, built with ``reduction`` (EMO, EMO
+    distillation: a small random cost embedding)."""
+    spec = SPECS[name]
+    digits = NumberVocab.from_tokenizer(tok, vocab_size) if spec.needs_digits else None
+    emb = random_cost_embedding(vocab_size, 8, seed=1) if spec.needs_cost_embedding else None
+    return spec.build(
+        digits=digits, cost_embedding=emb, reduction=reduction, **EXTRA.get(name, {})
+    )
 
 
 def _teacher(tok, name: str):
     """A frozen tiny teacher for the distillation objectives (None for the others)."""
-    if name not in DISTILL:
+    if not SPECS[name].needs_teacher:
         return None
     torch.manual_seed(7)
     teacher = build_model(ModelConfig("tiny-gpt2", {"n_layer": 1, "n_embd": 32}), tok)

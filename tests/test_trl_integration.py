@@ -14,13 +14,13 @@ datasets = pytest.importorskip("datasets")
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast  # noqa: E402
 
+from _objectives import SPECS  # noqa: E402
 from emdlm.integrations.trl import (  # noqa: E402
     EMDLMSFTTrainer,
     fp32_on_cpu,
     sft_compute_loss_func,
 )
 from emdlm.losses.ce import CrossEntropyLoss  # noqa: E402
-from emdlm.objectives import _CLASSES  # noqa: E402
 from emdlm.tokenizers import load_tokenizer  # noqa: E402
 
 CHARS = list("0123456789+=")
@@ -182,7 +182,7 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, tok, dataset) -> 
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", sorted(_CLASSES))
+@pytest.mark.parametrize("name", sorted(SPECS))
 def test_refuses_mean_reduction_for_every_objective(name) -> None:
     """EMDLMSFTTrainer uses the same check as make_compute_loss_func, before TRL is set up."""
     from tests.test_trainer_reduction import build_loss  # the registry-wide loss builder

@@ -1,0 +1,48 @@
+"""The tests' one table of objectives (tests/_objectives.py) against the registry (issue 34).
+
+Every registered objective has an entry, and what the entry declares is what the library says:
+the test files that run a check over every objective take their list from that table.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from _objectives import PATHS, SPECS, random_cost_embedding
+from emdlm.objectives import _CLASSES, COST_EMBEDDING, DISTILL, NUMERIC
+
+
+def test_every_registered_objective_has_a_spec() -> None:
+    """A new objective in ``emdlm.objectives._CLASSES`` needs its entry in tests/_objectives.py
+    (and with it, the cases of every file that runs a check over every objective)."""
+    assert set(SPECS) == set(_CLASSES)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_declared_needs_are_the_librarys(name: str) -> None:
+    spec = SPECS[name]
+    assert spec.name == name
+    assert spec.needs_digits == (name in NUMERIC)
+    assert spec.needs_cost_embedding == (name in COST_EMBEDDING)
+    assert spec.needs_teacher == (name in DISTILL)
+    assert spec.needs_teacher == bool(getattr(spec.cls, "needs_teacher", False))
+    assert spec.needs_digits == bool(getattr(spec.cls, "takes_number_mask", False))
+    assert spec.from_hidden == callable(getattr(spec.cls, "from_hidden", None))
+    assert spec.paths, "at least one implementation path"
+    assert spec.reference is None or spec.reference in spec.paths
+
+
+@pytest.mark.parametrize(("name", "path"), PATHS)
+def test_every_path_builds_the_registered_class(
+    char_tokenizer: Any, name: str, path: str
+) -> None:
+    spec = SPECS[name]
+    vocab = len(char_tokenizer)
+    emb = random_cost_embedding(vocab, 4, seed=0)
+    module = spec.build(path, digits=char_tokenizer, cost_embedding=emb, reduction="sum")
+    assert type(module) is spec.cls
+    assert module.reduction == "sum"
+    wrapped = spec.build(path, digits=char_tokenizer, cost_embedding=emb, fixed_teacher=True)
+    assert (type(wrapped) is not spec.cls) == spec.needs_teacher
