@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from _compile_marks import needs_dynamo
 from emdlm.losses.ce import CrossEntropyLoss
 from emdlm.losses.ntil import NTILLoss
 from emdlm.numbers import NumberVocab
@@ -24,17 +25,7 @@ TOKENS = [str(d) for d in range(10)] + [f"Ġ{d}" for d in range(10)] + ["a", "b"
 V = len(TOKENS) + 3
 
 
-def _no_dynamo() -> str | None:
-    """None if Dynamo supports this Python and platform, else the reason to skip."""
-    import torch._dynamo
-
-    if torch._dynamo.is_dynamo_supported():
-        return None
-    return "torch.compile (Dynamo) is not supported on this Python/platform"
-
-
-_NO_DYNAMO = _no_dynamo()
-pytestmark = pytest.mark.skipif(_NO_DYNAMO is not None, reason=_NO_DYNAMO or "")
+pytestmark = needs_dynamo
 # inductor compiles CPU kernels with a C++ compiler; the "eager" backend needs none
 needs_inductor = pytest.mark.skipif(
     not any(shutil.which(c) for c in ("c++", "g++", "clang++")),

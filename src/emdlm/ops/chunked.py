@@ -198,7 +198,8 @@ class ChunkObjective:
 
         Args:
             z: [n, V] logits of the chunk, read only, any float dtype and strides; it may be
-                ``out`` itself (from hidden states), then it may be overwritten.
+                ``out`` itself, the same tensor object (from hidden states), then it may be
+                overwritten (test ``z is out``, not ``data_ptr``: the step must trace).
             out: [n, V] contiguous compute-dtype buffer the objective owns for this chunk.
             labels: [n] long labels; valid: [n] bool, False where ignored.
             start: first flattened row of the chunk.

@@ -110,7 +110,7 @@ def _log_softmax_parts(
     place, with no other [n, V] tensor.
     """
     cdtype = out.dtype
-    if z.dtype == cdtype and z.data_ptr() != out.data_ptr():
+    if z.dtype == cdtype and z is not out:  # identity, not data_ptr: traceable
         log_q = torch.ops.aten._log_softmax.out(z, 1, False, out=out)  # [n, V]
         ce = -log_q.gather(1, safe).squeeze(1)  # [n]
         smooth = -log_q.mean(dim=-1) if smoothing else None  # [n]
@@ -395,7 +395,7 @@ class EMOObjective(ChunkObjective):
         if self.scratch is None or self.scratch.shape[0] < n:
             self.scratch = torch.empty_like(out)  # [rows, V], reused by every chunk
         extra = self.scratch[:n]
-        q_buf, s_buf = (extra, out) if z.data_ptr() == out.data_ptr() else (out, extra)
+        q_buf, s_buf = (extra, out) if z is out else (out, extra)
         sums = ChunkSums.zeros(out.device, out.dtype)
         # labels of ignored rows are set to -1 so emo_chunk's own ignore test sees them.
         marked = torch.where(valid, labels, -1)
