@@ -16,12 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import emdlm.ops.from_hidden
+from _number_tokens import TOKENS, VOCAB, V
 from _objectives import SPECS, random_cost_embedding
 from emdlm.functional.emo import emo_loss
 from emdlm.losses.ce import CrossEntropyLoss
 from emdlm.losses.emo import EMOLoss
 from emdlm.losses.ntil import NTILLoss
-from emdlm.numbers import NumberVocab
 from emdlm.ops.chunked import (
     HeadOptions,
     chunked_linear_loss,
@@ -31,14 +31,7 @@ from emdlm.ops.chunked import (
 from emdlm.ops.from_hidden import WeightedCEObjective, emo_from_hidden, mixce_weights
 from emdlm.ops.fused_linear_emo import fused_linear_emo_loss
 
-TOKENS = (
-    [str(d) for d in range(10)]
-    + [f"Ġ{d}" for d in range(10)]
-    + ["12", "34", "00", "99", "Ġ123", "Ġ45", ".", "-", "Ġ-", "a", "b", "Ġc", "=", "Ġ."]
-)
-V = len(TOKENS) + 5
 H = 16
-VOCAB = NumberVocab.from_token_strings(TOKENS, V)
 
 
 def make_labels(b: int, t: int, seed: int) -> torch.Tensor:

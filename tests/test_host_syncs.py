@@ -34,18 +34,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import emdlm
+from _number_tokens import TOKENS, VOCAB, V
 from _objectives import SPECS, random_cost_embedding
 from emdlm.losses.ntil import NTILLoss
-from emdlm.numbers import NumberVocab
 
-TOKENS = (
-    [str(d) for d in range(10)]
-    + [f"Ġ{d}" for d in range(10)]
-    + ["12", "34", "00", "99", "Ġ123", "Ġ45", ".", "-", "Ġ-", "a", "b", "Ġc", "=", "Ġ."]
-)
-V = len(TOKENS) + 5
 H = 16
-VOCAB = NumberVocab.from_token_strings(TOKENS, V)
 EMB = random_cost_embedding(V, 6, seed=11)
 
 #: Overload packets that read a device value on the host (or size an output by one).
