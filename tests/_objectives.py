@@ -1,7 +1,7 @@
 """Every registered objective, once, for the tests: what it needs, how to build it, and its
 implementation paths and presets (issue 34).
 
-``SPECS`` names each objective of the registry (``emdlm.objectives._CLASSES``);
+``SPECS`` names each objective of the registry (``emdlm.objective_specs``);
 tests/test_objective_registry.py fails when an objective is registered without an entry here,
 or when what an entry declares (digits, cost embedding, teacher, from-hidden path) is not what
 the library says. The test files that run a check over every objective take their list from

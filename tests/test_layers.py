@@ -24,8 +24,8 @@ SRC = Path(os.environ.get("EMDLM_LAYERS_SRC") or ROOT / "src")
 # below it, never above. "pkg.*" is the package and every module in it. Keep in step with
 # docs/architecture.md (checked below).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundations", ("emdlm._files", "emdlm._output", "emdlm.yaml_io", "emdlm.config",
-                     "emdlm.weights")),
+    ("foundations", ("emdlm._files", "emdlm._output", "emdlm.yaml_io", "emdlm.objective_specs",
+                     "emdlm.config", "emdlm.weights")),
     ("vocabularies", ("emdlm.numbers", "emdlm.tokenizers")),
     ("functional", ("emdlm.functional.*",)),
     ("ops", ("emdlm.ops.*",)),

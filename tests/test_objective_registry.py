@@ -1,7 +1,9 @@
 """The tests' one table of objectives (tests/_objectives.py) against the registry (issue 34).
 
 Every registered objective has an entry, and what the entry declares is what the library says:
-the test files that run a check over every objective take their list from that table.
+the test files that run a check over every objective take their list from that table. The
+library's registry (emdlm.objective_specs) declares each objective's settable parameters as
+data; they are pinned here to the class signature, and every other table of objectives to it.
 """
 
 from __future__ import annotations
@@ -11,13 +13,47 @@ from typing import Any
 import pytest
 
 from _objectives import PATHS, SPECS, random_cost_embedding
-from emdlm.objectives import _CLASSES, COST_EMBEDDING, DISTILL, NUMERIC
+from emdlm import config
+from emdlm.objective_specs import OBJECTIVE_SPECS
+from emdlm.objectives import (
+    _CLASSES,
+    COST_EMBEDDING,
+    DISTILL,
+    NUMERIC,
+    objective_class,
+    settable_parameters,
+)
 
 
 def test_every_registered_objective_has_a_spec() -> None:
     """A new objective in ``emdlm.objectives._CLASSES`` needs its entry in tests/_objectives.py
     (and with it, the cases of every file that runs a check over every objective)."""
     assert set(SPECS) == set(_CLASSES)
+
+
+def test_every_table_of_objectives_is_the_registrys() -> None:
+    """config.py and objectives.py keep no list of their own (issue 34 point 3)."""
+    names = tuple(OBJECTIVE_SPECS)
+    assert names == config.OBJECTIVES == tuple(_CLASSES)
+    teacher = tuple(n for n in names if OBJECTIVE_SPECS[n].teacher)
+    assert teacher == config.DISTILL_OBJECTIVES == DISTILL
+    numeric = tuple(n for n in names if OBJECTIVE_SPECS[n].numeric)
+    assert numeric == config.NUMERIC_OBJECTIVES == NUMERIC
+    cost = tuple(n for n in names if OBJECTIVE_SPECS[n].cost_embedding)
+    assert cost == COST_EMBEDDING
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVE_SPECS))
+def test_declared_params_are_the_class_signatures(name: str) -> None:
+    """The registry's ``params`` (what config.py may rely on without importing the class) are
+    exactly the keyword arguments the factory lets ``objective.params`` set, in order."""
+    spec = OBJECTIVE_SPECS[name]
+    cls = objective_class(name)
+    assert spec.name == name and f"{cls.__module__}.{cls.__name__}" == spec.path
+    assert spec.params == tuple(settable_parameters(name, cls))
+    assert spec.summary and "\n" not in spec.summary
+    assert spec.numeric == bool(getattr(cls, "takes_number_mask", False))
+    assert spec.teacher == bool(getattr(cls, "needs_teacher", False))
 
 
 @pytest.mark.parametrize("name", list(SPECS))

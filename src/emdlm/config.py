@@ -14,14 +14,18 @@ A config file mirrors :class:`RunConfig`::
 
 Overrides use the same dotted paths: ``objective.name=ce train.max_steps=10``; values are parsed
 as YAML scalars ("1e-3" -> 0.001, "true" -> True, "[1, 2]" -> list). Unknown keys are an error
-naming the key and the valid ones.
+naming the key and the valid ones. An override that switches ``objective.name`` drops the
+inherited objective settings the new objective does not take (:func:`switch_objective`).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
+import os
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -30,10 +34,13 @@ from typing import Any, get_type_hints
 
 import yaml
 
+from emdlm.objective_specs import OBJECTIVE_NAMES, OBJECTIVE_SPECS
 from emdlm.yaml_io import DuplicateKeyError, safe_load_unique
 
-OBJECTIVES = ("ce", "emd", "ntil", "emo", "tailr", "mixce", "emo_distill", "kl_distill")
-DISTILL_OBJECTIVES = ("emo_distill", "kl_distill")  # the objectives that take a teacher
+# derived from the one registry (emdlm.objective_specs)
+OBJECTIVES = OBJECTIVE_NAMES
+DISTILL_OBJECTIVES = tuple(n for n, s in OBJECTIVE_SPECS.items() if s.teacher)  # take a teacher
+NUMERIC_OBJECTIVES = tuple(n for n, s in OBJECTIVE_SPECS.items() if s.numeric)  # have a λ
 #: λ schedules of the numeric term (emdlm.training.lam_schedule).
 LAM_SCHEDULES = ("constant", "linear", "cosine")
 EVAL_KINDS = ("number", "clock", "box", "boxes", "text", "choice")
@@ -303,10 +310,10 @@ class RunConfig:
         """A λ schedule only for the objectives with a numeric term weight λ (emd, ntil)."""
         o = self.objective
         check_choice("objective.lam_schedule", o.lam_schedule, LAM_SCHEDULES)
-        if o.lam_schedule != "constant" and o.name not in ("emd", "ntil"):
+        if o.lam_schedule != "constant" and o.name not in NUMERIC_OBJECTIVES:
             raise ConfigError(
                 f"objective.lam_schedule={o.lam_schedule} schedules the numeric term's λ of "
-                f"emd / ntil; objective {o.name!r} has none"
+                f"{' / '.join(NUMERIC_OBJECTIVES)}; objective {o.name!r} has none"
             )
         if not (isinstance(o.lam_final, (int, float)) and math.isfinite(o.lam_final)
                 and o.lam_final >= 0):
@@ -441,10 +448,14 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Return a copy of the raw config mapping with dotted overrides applied."""
-    import copy
+    """Return a copy of the raw config mapping with dotted overrides applied.
 
+    An override that switches ``objective.name`` to another objective than ``data``'s drops the
+    objective settings inherited from ``data`` that the new objective does not take (see
+    :func:`switch_objective`), with one line on stderr saying what was dropped (once per
+    process for each distinct line)."""
     out = copy.deepcopy(data)
+    set_paths: list[tuple[str, ...]] = []
     for item in overrides:
         path, value = parse_override(item)
         node = out
@@ -458,7 +469,81 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
             node = nxt
         node[path[-1]] = value
+        set_paths.append(tuple(path))
+    note = switch_objective(data, out, set_paths)
+    if note is not None:
+        _say_once(note)
     return out
+
+
+def _objective_name(mapping: dict[str, Any]) -> Any:
+    """The objective a raw config mapping names (the default when it names none)."""
+    section = mapping.get("objective")
+    if section is None:
+        return ObjectiveConfig.name
+    return section.get("name", ObjectiveConfig.name) if isinstance(section, dict) else None
+
+
+def switch_objective(
+    before: dict[str, Any], after: dict[str, Any], set_paths: list[tuple[str, ...]]
+) -> str | None:
+    """Drop from ``after`` (in place) what the objective of ``before`` left that the objective of
+    ``after`` does not take, when the two differ; return the line saying what was dropped, or
+    None when nothing was.
+
+    Only settings inherited from ``before`` go: a setting under one of ``set_paths`` (the
+    overrides that made ``after``) stays, so an explicit wrong parameter is still reported by
+    the objective factory. Dropped are the ``objective.params`` keys the new objective's class
+    does not take, ``objective.cost_embedding`` when it takes none, a λ schedule
+    (``objective.lam_schedule`` / ``lam_final`` other than their defaults) when it has no
+    numeric term, and ``teacher`` when it distils from none. With this, ``objective.name=ce``
+    turns an EMO config into a CE one in one override (issue 36)."""
+    old, new = _objective_name(before), _objective_name(after)
+    if old == new or new not in OBJECTIVE_SPECS or not isinstance(after.get("objective"), dict):
+        return None
+    spec = OBJECTIVE_SPECS[new]
+    section = after["objective"]
+
+    def inherited(*key: str) -> bool:  # no override set this key, a part of it or a section of it
+        return not any(p[: len(key)] == key or key[: len(p)] == p for p in set_paths)
+
+    dropped: list[str] = []
+    params = section.get("params")
+    if isinstance(params, dict):
+        for key in list(params):
+            if key not in spec.params and inherited("objective", "params", key):
+                del params[key]
+                dropped.append(f"objective.params.{key}")
+    if (section.get("cost_embedding") is not None and not spec.cost_embedding
+            and inherited("objective", "cost_embedding")):
+        del section["cost_embedding"]
+        dropped.append("objective.cost_embedding")
+    if not spec.numeric:
+        for key, default in (("lam_schedule", ObjectiveConfig.lam_schedule),
+                             ("lam_final", ObjectiveConfig.lam_final)):
+            if key in section and section[key] != default and inherited("objective", key):
+                del section[key]
+                dropped.append(f"objective.{key}")
+    if after.get("teacher") is not None and not spec.teacher and inherited("teacher"):
+        del after["teacher"]
+        dropped.append("teacher")
+    if not dropped:
+        return None
+    takes = ("does not take it" if len(dropped) == 1 else "takes neither" if len(dropped) == 2
+             else "takes none of them")
+    return f"objective.name={new} replaces {old}: dropped {', '.join(dropped)} ({new} {takes})"
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(line: str) -> None:
+    """``line`` on stderr, once per process (an experiment grid applies the same switch to every
+    cell) and only on the first process of a launch (RANK unset or 0)."""
+    if line in _SAID or os.environ.get("RANK", "0") != "0":
+        return
+    _SAID.add(line)
+    print(line, file=sys.stderr, flush=True)
 
 
 def read_yaml_file(path: Path) -> Any:

@@ -4,19 +4,10 @@ The integration divides the summed loss by the token count of the whole (accumul
 all-process) batch, so every objective is built with ``reduction="sum"``. Loss modules are
 imported only when asked for, so the CLI works with whichever objectives are installed.
 
-| name  | class                                  | needs                                  |
-|-------|----------------------------------------|----------------------------------------|
-| ce    | emdlm.losses.ce.CrossEntropyLoss       | -                                      |
-| emd   | emdlm.losses.ntil.DigitEMDLoss         | a tokenizer with digit tokens '0'..'9' |
-| ntil  | emdlm.losses.ntil.NTILLoss             | a tokenizer with digit tokens '0'..'9' |
-| emo   | emdlm.losses.emo.EMOLoss               | a cost embedding [V, d]                |
-| tailr | emdlm.losses.tailr.TaiLrLoss           | -                                      |
-| mixce | emdlm.losses.mixce.MixCELoss           | -                                      |
-| emo_distill | emdlm.losses.emo_distill.EMODistillLoss | a teacher (``teacher:``), a cost emb. |
-| kl_distill  | emdlm.losses.emo_distill.KLDistillLoss  | a teacher (``teacher:``)              |
-
-The distillation objectives (``DISTILL``) take the teacher's logits as a dense target; every other
-objective refuses a teacher (checked in ``RunConfig.validate`` and here).
+What each objective is (its class, what it is built from, its settable parameters) is declared
+once, in :mod:`emdlm.objective_specs`; the tables here are derived from it. The distillation
+objectives (``DISTILL``) take the teacher's logits as a dense target; every other objective
+refuses a teacher (checked in ``RunConfig.validate`` and here).
 """
 
 from __future__ import annotations
@@ -30,20 +21,14 @@ import torch
 from torch import nn
 
 from emdlm.config import ConfigError, ObjectiveConfig, did_you_mean
+from emdlm.objective_specs import OBJECTIVE_SPECS
 
-_CLASSES = {
-    "ce": ("emdlm.losses.ce", "CrossEntropyLoss"),
-    "emd": ("emdlm.losses.ntil", "DigitEMDLoss"),
-    "ntil": ("emdlm.losses.ntil", "NTILLoss"),
-    "emo": ("emdlm.losses.emo", "EMOLoss"),
-    "tailr": ("emdlm.losses.tailr", "TaiLrLoss"),
-    "mixce": ("emdlm.losses.mixce", "MixCELoss"),
-    "emo_distill": ("emdlm.losses.emo_distill", "EMODistillLoss"),
-    "kl_distill": ("emdlm.losses.emo_distill", "KLDistillLoss"),
-}
-NUMERIC = ("emd", "ntil")
-DISTILL = ("emo_distill", "kl_distill")
-COST_EMBEDDING = ("emo", "emo_distill")  # objectives built from a cost embedding
+# derived from the one registry (emdlm.objective_specs)
+_CLASSES = {name: (spec.module, spec.class_name) for name, spec in OBJECTIVE_SPECS.items()}
+NUMERIC = tuple(name for name, spec in OBJECTIVE_SPECS.items() if spec.numeric)
+DISTILL = tuple(name for name, spec in OBJECTIVE_SPECS.items() if spec.teacher)
+# objectives built from a cost embedding
+COST_EMBEDDING = tuple(name for name, spec in OBJECTIVE_SPECS.items() if spec.cost_embedding)
 
 
 def objective_class(name: str) -> type[nn.Module]:
@@ -188,15 +173,21 @@ def _init_parameters(cls: type) -> list[inspect.Parameter]:
     return list(found.values())
 
 
-def _check_params(name: str, cls: type, params: dict[str, Any]) -> None:
-    """ConfigError for a key of ``objective.params`` that the loss class does not take, with the
-    nearest accepted name (read from the signature, so it cannot drift from the class)."""
+def settable_parameters(name: str, cls: type) -> list[str]:
+    """The keyword parameters of objective ``name``'s class ``cls`` that ``objective.params`` may
+    set, in signature order: all but what the factory passes itself (the number vocab or cost
+    embedding, and ``reduction``). The registry's declared ``params`` are pinned to this."""
     accepted = _init_parameters(cls)
-    # the factory passes these itself: the number vocab / cost embedding, and reduction
     passed = {"reduction"}
     if (name in NUMERIC or name in COST_EMBEDDING) and accepted:
         passed.add(accepted[0].name)
-    settable = [p.name for p in accepted if p.name not in passed]
+    return [p.name for p in accepted if p.name not in passed]
+
+
+def _check_params(name: str, cls: type, params: dict[str, Any]) -> None:
+    """ConfigError for a key of ``objective.params`` that the loss class does not take, with the
+    nearest accepted name (read from the signature, so it cannot drift from the class)."""
+    settable = settable_parameters(name, cls)
     for key in params:
         if key not in settable:
             raise ConfigError(

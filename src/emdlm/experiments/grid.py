@@ -311,10 +311,17 @@ def load_experiment(path: str | Path, overrides: list[str] | None = None) -> Exp
         _resolve_base(data.get("base"), folder),
         _override_list(data.get("base_overrides"), "experiment.base_overrides"),
     )
-    data["base"] = base
+    # applied to the base mapping itself, so that base.objective.name=ce switches the objective
+    # as objective.name=ce does on a run config (emdlm.config.switch_objective)
+    data["base"] = apply_overrides(base, [_inside_base(item) for item in reaches_base])
     data["base_overrides"] = []
-    data = apply_overrides(data, reaches_base)
     return parse_experiment(data, folder)
+
+
+def _inside_base(item: str) -> str:
+    """``base.train.max_steps=20`` -> ``train.max_steps=20``."""
+    key, _, value = item.partition("=")
+    return f"{key.strip().lstrip('-').removeprefix('base.')}={value}"
 
 
 def _reaches_into_base(item: str) -> bool:
