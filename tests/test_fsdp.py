@@ -10,8 +10,8 @@
   rows) is refused with a clear error; ``DTensor.full_tensor()`` alone gives wrong gradients.
 
 One ``torchrun`` launch of this file runs the head checks and three of the four trainings
-(``python tests/test_fsdp.py``, see ``_worker``); the fourth goes through the README's
-command (``emdlm.cli train``). Budget: about a minute on 2 busy cores.
+(``python tests/test_fsdp.py``, see ``_worker``); the fourth goes through the
+command of docs/cli.md (``emdlm.cli train``). Budget: about a minute on 2 busy cores.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ OBJECTIVES = {
              "objective.params.averaging=token", "objective.params.value_mode=expected"],
 }
 COMBOS = [(obj, hidden) for obj in OBJECTIVES for hidden in (False, True)]
-CLI_COMBO = ("ntil", True)  # trained through the README's torchrun command
+CLI_COMBO = ("ntil", True)  # trained through the torchrun command of docs/cli.md
 PLACEHOLDER = "my_run.yaml"
 
 
@@ -63,14 +63,14 @@ def _name(obj: str, hidden: bool) -> str:
 
 
 def readme_fsdp_command() -> str:
-    """The torchrun line of the README's FSDP paragraph (a ```sh block: test_multiprocess runs
-    the ```bash ones)."""
-    text = (ROOT / "README.md").read_text()
+    """The torchrun line of the FSDP paragraph of docs/cli.md (a ```sh block: test_multiprocess
+    runs the ```bash ones)."""
+    text = (ROOT / "docs" / "cli.md").read_text()
     for block in re.findall(r"```sh\n(.*?)```", text, flags=re.S):
         for line in block.splitlines():
             if line.strip().startswith("torchrun") and "train.fsdp=true" in line:
                 return line.split("#", 1)[0].strip()
-    raise AssertionError("README has no ```sh block with the torchrun ... train.fsdp=true line")
+    raise AssertionError("docs/cli.md: no ```sh block with the torchrun ... train.fsdp=true line")
 
 
 def _env() -> dict[str, str]:

@@ -1,5 +1,6 @@
-"""The README's multi-process commands, run verbatim: 2 CPU processes (gloo) with batch 4 each
-== 1 process with batch 8; and accelerate's MULTI_CPU trap (one process) is warned about."""
+"""The multi-process commands of docs/cli.md (the command-line tool's page), run verbatim: 2 CPU
+processes (gloo) with batch 4 each == 1 process with batch 8; and accelerate's MULTI_CPU trap
+(one process) is warned about."""
 
 from __future__ import annotations
 
@@ -34,9 +35,12 @@ COMMON = [
 PLACEHOLDER = "my_run.yaml"
 
 
-def readme_multiprocess_commands() -> list[str]:
-    """Every `accelerate launch` / `torchrun` line inside the README's ```bash blocks."""
-    text = (ROOT / "README.md").read_text()
+CLI_DOC = ROOT / "docs" / "cli.md"  # the README links there for launchers
+
+
+def doc_multiprocess_commands() -> list[str]:
+    """Every `accelerate launch` / `torchrun` line inside the ```bash blocks of docs/cli.md."""
+    text = CLI_DOC.read_text()
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for line in block.splitlines():
@@ -46,7 +50,7 @@ def readme_multiprocess_commands() -> list[str]:
     return commands
 
 
-COMMANDS = readme_multiprocess_commands()
+COMMANDS = doc_multiprocess_commands()
 
 
 def test_readme_has_both_multiprocess_commands():
