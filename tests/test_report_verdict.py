@@ -172,6 +172,19 @@ def test_five_seed_verdict_and_unchanged_bootstrap(tmp_path):
 
 
 def test_text_task_verdict_has_no_floor_and_no_plateau(tmp_path):
+    verdict = _text_grid_verdict(
+        tmp_path, lambda v, s: 0.5 + 0.01 * s + (0.02 if v == "emo" else 0.0))
+    assert ("- Floor: the constant-answer floor is not computed (numeric tasks only; this task's "
+            "answers are not numbers).") in verdict
+    assert "- Plateau: not checked (one evaluated step)" in verdict
+    assert "3 seeds: no difference can be called significant" in verdict
+    # mauve and ppl_test, final checkpoint only (no curve), 2 p-values each
+    assert "- Tests: 4 (2 final-checkpoint rows, each with" in verdict
+
+
+def _text_grid_verdict(tmp_path, mauve_of):
+    """The verdict of a hand-built 2-variant, 3-seed text grid whose final MAUVE is
+    ``mauve_of(variant, seed)``."""
     exp = parse_experiment({"name": "t", "base": FAKE_BASE, "seeds": [0, 1, 2],
                             "variants": {"ce": [], "emo": ["objective.name=ce"]},
                             "eval": {"checkpoints": "final"},
@@ -181,18 +194,22 @@ def test_text_task_verdict_has_no_floor_and_no_plateau(tmp_path):
         folder = eval_dir(cell.folder, 20)
         folder.mkdir(parents=True)
         (folder / "metrics.json").write_text(json.dumps(
-            {"mauve": 0.5 + 0.01 * cell.seed + (0.02 if cell.variant == "emo" else 0.0),
-             "ppl_test": 30.0 - cell.seed}))
+            {"mauve": mauve_of(cell.variant, cell.seed), "ppl_test": 30.0 - cell.seed}))
         (folder / "predictions.jsonl").write_text(json.dumps(
             {"prompt": "a", "reference": "b", "samples": [" c"]}) + "\n")
         (cell.folder / CELL_DONE).write_text(json.dumps({"wall_s": 1.0}))
-    verdict = _verdict(write_outputs(exp, cells).report.read_text())
-    assert ("- Floor: the constant-answer floor is not computed (numeric tasks only; this task's "
-            "answers are not numbers).") in verdict
-    assert "- Plateau: not checked (one evaluated step)" in verdict
-    assert "3 seeds: no difference can be called significant" in verdict
-    # mauve and ppl_test, final checkpoint only (no curve), 2 p-values each
-    assert "- Tests: 4 (2 final-checkpoint rows, each with" in verdict
+    return _verdict(write_outputs(exp, cells).report.read_text())
+
+
+def test_mauve_that_cannot_rank_the_variants_is_said_in_the_verdict(tmp_path):
+    """Issue 35: MAUVE saturated for every model (seen with 4 buckets on a small set) or at its
+    floor for every model (the EMO fine-tuning grid) cannot rank them: the verdict says so."""
+    saturated = _text_grid_verdict(tmp_path / "a", lambda v, s: 0.985 + 0.001 * s)
+    assert "- MAUVE is saturated for every variant (ce 0.986, emo 0.986; >= 0.98)" in saturated
+    floor = _text_grid_verdict(tmp_path / "b", lambda v, s: 0.015 + (0.004 if v == "emo" else 0))
+    assert "- MAUVE is at its floor for every variant (ce 0.015, emo 0.019; <= 0.02)" in floor
+    ranked = _text_grid_verdict(tmp_path / "c", lambda v, s: 0.97 if v == "ce" else 0.995)
+    assert "- MAUVE is" not in ranked
 
 
 def test_paired_t_interval_and_which_interval_compare_paired_gives():

@@ -797,6 +797,26 @@ def _tests_verdict(st: TaskStats, n_max: int) -> list[str]:
             + (f": {'; '.join(listed)}." if listed else ".")]
 
 
+def _mauve_verdict(st: TaskStats) -> str | None:
+    """A line when MAUVE cannot rank the variants: every variant's mean final MAUVE saturated
+    (>= :data:`emdlm.metrics.MAUVE_SATURATED`) or every one at the floor (<=
+    :data:`emdlm.metrics.MAUVE_FLOOR`); None otherwise or without MAUVE."""
+    from emdlm.metrics import MAUVE_FLOOR, MAUVE_SATURATED
+
+    per_variant = st.final.get("mauve", {})
+    means = {v: float(np.mean(list(s.values()))) for v, s in per_variant.items() if s}
+    if not means:
+        return None
+    shown = ", ".join(f"{v} {m:.3f}" for v, m in means.items())
+    if all(m >= MAUVE_SATURATED for m in means.values()):
+        return (f"MAUVE is saturated for every variant ({shown}; >= {MAUVE_SATURATED}): it cannot "
+                "rank them here; more prompts (more k-means buckets) would be needed.")
+    if all(m <= MAUVE_FLOOR for m in means.values()):
+        return (f"MAUVE is at its floor for every variant ({shown}; <= {MAUVE_FLOOR}): it cannot "
+                "rank them here (samples far from the references at this model size).")
+    return None
+
+
 def verdict_lines(exp: Experiment, task: str, st: TaskStats | None,
                   floor: TaskFloor | None) -> list[str]:
     """One task's verdict: does the baseline beat the constant-answer floor, has it stopped
@@ -806,6 +826,9 @@ def verdict_lines(exp: Experiment, task: str, st: TaskStats | None,
         return [*lines, "- No finished cell: nothing to conclude.", ""]
     floor_line, beaten = _floor_verdict(exp, floor, st)
     lines += [f"- {floor_line}", f"- {_plateau_verdict(exp, st.plateau)}"]
+    mauve = _mauve_verdict(st)
+    if mauve:
+        lines.append(f"- {mauve}")
     ns = [c.n for _, _, c in st.final_comparisons]
     if not ns:
         return [*lines, "- Paired seeds: none compared (no variant beside the baseline has "
