@@ -137,9 +137,12 @@ def _grid(tmp_path, **change):
         ([], r"experiment.seeds must be a count >= 1 or a non-empty list of seeds, got \[\]"),
         ("3", r"experiment.seeds must be a count >= 1 or a non-empty list of seeds, got '3'"),
         ([1, 2, 1], r"experiment.seeds has duplicates: \[1\] more than once in \[1, 2, 1\]"),
+        # a typo, not a grid: refused before a billion-entry list is built
+        (10**9, r"experiment.seeds=1000000000: at most 10000 seeds"),
+        (list(range(10_001)), r"experiment.seeds lists 10001 seeds: at most 10000"),
     ],
     ids=["count_negative", "count_0", "negative", "negative_later_entry", "too_large", "float",
-         "bool", "empty_list", "string", "duplicates"],
+         "bool", "empty_list", "string", "duplicates", "count_huge", "list_huge"],
 )
 def test_bad_seeds_say_what_is_wrong(tmp_path, seeds, message):
     with pytest.raises(ConfigError, match=message):

@@ -174,6 +174,14 @@ def test_task_registry():
     assert rows == [{"prompt": "test0", "completion": "7"}, {"prompt": "test1", "completion": "7"}]
 
 
+def test_mathematics_dataset_seed_beyond_numpys_range_is_named():
+    """Seeds 2**31 .. 2**32 - 1 pass the run-config check but 2·seed + 1 overflows numpy's seed:
+    a clear ValueError naming the range instead of numpy's."""
+    with pytest.raises(ValueError, match=r"arithmetic__mixed takes seeds 0 \.\. 2147483647"):
+        generate_task("arithmetic__mixed", n=1, seed=2**31)
+    assert len(generate_task("arithmetic__mixed", n=1, seed=2**31 - 1)) == 1
+
+
 def test_mathematics_dataset_mixed_task():
     rows = generate_task("arithmetic__mixed", n=5, seed=0)
     assert len(rows) == 5 and all(r["prompt"].endswith("Answer: ") for r in rows)

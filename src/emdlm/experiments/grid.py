@@ -33,6 +33,7 @@ a seed are paired.
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -198,6 +199,10 @@ def _positive_int(value: Any, where: str, *, optional: bool = False) -> int | No
     return value
 
 
+#: More seeds than this in one grid is a typo (e.g. ``seeds: 1000000000``), not a grid to run.
+MAX_SEED_COUNT = 10_000
+
+
 def _seeds(value: Any) -> list[int]:
     """experiment.seeds: a count n (seeds 0 .. n-1, n >= 1) or a list of distinct seeds, each
     one ``transformers.set_seed`` accepts (0 .. MAX_SEED: numpy refuses negative ones), checked
@@ -206,18 +211,22 @@ def _seeds(value: Any) -> list[int]:
         if value < 1:
             raise ConfigError(f"experiment.seeds={value}: a count n means seeds 0 .. n-1 and "
                               "must be >= 1 (or give a list of seeds, e.g. [0, 1, 2])")
-        if value - 1 > MAX_SEED:
-            raise ConfigError(f"experiment.seeds={value}: seeds 0 .. n-1 must stay <= {MAX_SEED}")
+        if value > MAX_SEED_COUNT:
+            raise ConfigError(f"experiment.seeds={value}: at most {MAX_SEED_COUNT} seeds (each "
+                              "seed trains a model per variant and task); give fewer")
         return list(range(value))  # "seeds: 5" means seeds 0..4
     if not isinstance(value, list) or not value:
         raise ConfigError(f"experiment.seeds must be a count >= 1 or a non-empty list of seeds, "
                           f"got {value!r}")
+    if len(value) > MAX_SEED_COUNT:
+        raise ConfigError(f"experiment.seeds lists {len(value)} seeds: at most {MAX_SEED_COUNT} "
+                          "(each seed trains a model per variant and task)")
     for i, seed in enumerate(value):
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
             raise ConfigError(f"experiment.seeds[{i}]={seed!r}: a seed must be an integer from 0 "
                               f"to {MAX_SEED} (transformers.set_seed seeds numpy, which refuses "
                               "others)")
-    repeated = sorted({s for s in value if value.count(s) > 1})
+    repeated = sorted(s for s, k in Counter(value).items() if k > 1)
     if repeated:
         raise ConfigError(f"experiment.seeds has duplicates: {repeated} more than once in "
                           f"{value} (each seed is one paired run)")

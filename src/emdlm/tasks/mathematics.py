@@ -34,6 +34,9 @@ def _is_train(question: str) -> bool:
 
 
 DIFFICULTY_LEVELS = ("easy", "medium", "hard")
+# train and test draw from seeds 2·seed and 2·seed + 1 (the mapping fixes the published data);
+# numpy's legacy seeding takes 0 .. 2**32 - 1, so this task takes seeds below 2**31
+MAX_TASK_SEED = 2**31
 
 
 def _entropy_level(level: int, levels: int = len(DIFFICULTY_LEVELS)) -> Any:
@@ -71,6 +74,8 @@ def math_arithmetic(
     if difficulty != "all" and difficulty not in DIFFICULTY_LEVELS:
         raise ValueError(f"difficulty must be 'all' or one of {', '.join(DIFFICULTY_LEVELS)}, "
                          f"got {difficulty!r}")
+    if not 0 <= seed < MAX_TASK_SEED:
+        raise ValueError(f"arithmetic__mixed takes seeds 0 .. {MAX_TASK_SEED - 1}, got {seed}")
     _shim()
     from mathematics_dataset.modules import arithmetic as md_arith
 
