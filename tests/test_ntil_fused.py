@@ -5,18 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _number_tokens import TOKENS, VOCAB, V
 from emdlm.functional.ntil import NTILSettings, class_candidates, resolve_spans
 from emdlm.losses.ntil import DigitEMDLoss, NTILLoss
 from emdlm.numbers import NumberVocab
 from emdlm.ops.ntil_fused import ntil_fused
-
-TOKENS = (
-    [str(d) for d in range(10)]
-    + [f"Ġ{d}" for d in range(10)]
-    + ["12", "34", "00", "99", "Ġ123", "Ġ45", ".", "-", "Ġ-", "a", "b", "Ġc", "=", "Ġ."]
-)
-V = len(TOKENS) + 5
-VOCAB = NumberVocab.from_token_strings(TOKENS, V)
 
 
 def random_labels(b: int, t: int, seed: int, numeric: float = 0.6) -> torch.Tensor:
