@@ -25,3 +25,27 @@ TINY_BASE = {
               "tensorboard": False},
     "eval": {"kind": "number", "max_new_tokens": 4, "batch_size": 16},
 }
+
+
+def finished_text_grid(output_dir, seeds, metrics_of):
+    """A hand-built, finished text grid (variants ce and emo, checkpoints: final, step 20): each
+    cell gets ``metrics_of(variant, seed)`` as its metrics.json, one predictions row and its
+    cell_done.json. Returns (experiment, cells)."""
+    import json
+
+    from emdlm.experiments import expand_grid
+    from emdlm.experiments.grid import parse_experiment
+    from emdlm.experiments.runner import CELL_DONE, eval_dir
+
+    exp = parse_experiment({"name": "t", "base": FAKE_BASE, "seeds": list(seeds),
+                            "variants": {"ce": [], "emo": ["objective.name=ce"]},
+                            "eval": {"checkpoints": "final"}, "output_dir": str(output_dir)})
+    cells = expand_grid(exp)
+    for cell in cells:
+        folder = eval_dir(cell.folder, 20)
+        folder.mkdir(parents=True)
+        (folder / "metrics.json").write_text(json.dumps(metrics_of(cell.variant, cell.seed)))
+        (folder / "predictions.jsonl").write_text(json.dumps(
+            {"prompt": "a", "reference": "b", "samples": [" c"]}) + "\n")
+        (cell.folder / CELL_DONE).write_text(json.dumps({"wall_s": 1.0}))
+    return exp, cells

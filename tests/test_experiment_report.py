@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from _experiment import FAKE_BASE
+from _experiment import FAKE_BASE, finished_text_grid
 from emdlm.experiments import expand_grid, write_outputs
 from emdlm.experiments.grid import parse_experiment
 from emdlm.experiments.runner import CELL_DONE, _models_to_evaluate, eval_dir
@@ -176,18 +176,8 @@ def test_single_step_grid_plots_final_values_and_a_text_note(tmp_path):
             for m in ("mauve", "ppl_test")]
     assert not plot_learning_curves(rows, "default", ["ce", "emo"], tmp_path / "c.png")
     assert not (tmp_path / "c.png").exists()
-    exp = parse_experiment({"name": "t", "base": FAKE_BASE, "seeds": [0, 1],
-                            "variants": {"ce": [], "emo": ["objective.name=ce"]},
-                            "eval": {"checkpoints": "final"},
-                            "output_dir": str(tmp_path / "out")})
-    cells = expand_grid(exp)
-    for cell in cells:
-        folder = eval_dir(cell.folder, 20)
-        folder.mkdir(parents=True)
-        (folder / "metrics.json").write_text(json.dumps({"mauve": 0.5, "ppl_test": 30.0}))
-        (folder / "predictions.jsonl").write_text(json.dumps(
-            {"prompt": "a", "reference": "b", "samples": [" c"]}) + "\n")
-        (cell.folder / CELL_DONE).write_text(json.dumps({"wall_s": 1.0}))
+    exp, cells = finished_text_grid(tmp_path / "out", [0, 1], lambda v, s: {
+        "mauve": 0.5, "ppl_test": 30.0})
     result = write_outputs(exp, cells)
     report = result.report.read_text()
     assert [p.name for p in result.plots] == ["default_final.png"]

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from _experiment import FAKE_BASE
+from _experiment import FAKE_BASE, finished_text_grid
 from emdlm.experiments import expand_grid, write_outputs
 from emdlm.experiments.grid import parse_experiment
 from emdlm.experiments.runner import CELL_DONE, eval_dir
@@ -185,19 +185,8 @@ def test_text_task_verdict_has_no_floor_and_no_plateau(tmp_path):
 def _text_grid_verdict(tmp_path, mauve_of):
     """The verdict of a hand-built 2-variant, 3-seed text grid whose final MAUVE is
     ``mauve_of(variant, seed)``."""
-    exp = parse_experiment({"name": "t", "base": FAKE_BASE, "seeds": [0, 1, 2],
-                            "variants": {"ce": [], "emo": ["objective.name=ce"]},
-                            "eval": {"checkpoints": "final"},
-                            "output_dir": str(tmp_path / "out")})
-    cells = expand_grid(exp)
-    for cell in cells:
-        folder = eval_dir(cell.folder, 20)
-        folder.mkdir(parents=True)
-        (folder / "metrics.json").write_text(json.dumps(
-            {"mauve": mauve_of(cell.variant, cell.seed), "ppl_test": 30.0 - cell.seed}))
-        (folder / "predictions.jsonl").write_text(json.dumps(
-            {"prompt": "a", "reference": "b", "samples": [" c"]}) + "\n")
-        (cell.folder / CELL_DONE).write_text(json.dumps({"wall_s": 1.0}))
+    exp, cells = finished_text_grid(tmp_path / "out", [0, 1, 2], lambda v, s: {
+        "mauve": mauve_of(v, s), "ppl_test": 30.0 - s})
     return _verdict(write_outputs(exp, cells).report.read_text())
 
 
