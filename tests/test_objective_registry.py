@@ -14,6 +14,7 @@ import pytest
 
 from _objectives import PATHS, SPECS, random_cost_embedding
 from emdlm import config
+from emdlm.losses.base import EMDLMLoss
 from emdlm.objective_specs import OBJECTIVE_SPECS
 from emdlm.objectives import (
     _CLASSES,
@@ -63,9 +64,13 @@ def test_declared_needs_are_the_librarys(name: str) -> None:
     assert spec.needs_digits == (name in NUMERIC)
     assert spec.needs_cost_embedding == (name in COST_EMBEDDING)
     assert spec.needs_teacher == (name in DISTILL)
-    assert spec.needs_teacher == bool(getattr(spec.cls, "needs_teacher", False))
-    assert spec.needs_digits == bool(getattr(spec.cls, "takes_number_mask", False))
-    assert spec.from_hidden == callable(getattr(spec.cls, "from_hidden", None))
+    # the class declares its needs (emdlm.losses.base.EMDLMLoss): nothing is probed
+    assert issubclass(spec.cls, EMDLMLoss)
+    assert spec.needs_teacher == spec.cls.needs_teacher
+    assert spec.needs_digits == spec.cls.takes_number_mask
+    assert spec.from_hidden == spec.cls.has_from_hidden
+    # a declared from-hidden path is the class's own, not the base's refusal
+    assert spec.from_hidden == (spec.cls.from_hidden is not EMDLMLoss.from_hidden)
     assert spec.paths, "at least one implementation path"
     assert spec.reference is None or spec.reference in spec.paths
 

@@ -6,7 +6,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from emdlm._output import LossOutput
 from emdlm.functional._common import (
@@ -18,9 +17,10 @@ from emdlm.functional._common import (
     log_softmax_zero_ignored,
 )
 from emdlm.losses._from_hidden import TokenWeightedFromHidden
+from emdlm.losses.base import EMDLMLoss
 
 
-class CrossEntropyLoss(TokenWeightedFromHidden, nn.Module):
+class CrossEntropyLoss(TokenWeightedFromHidden, EMDLMLoss):
     """Token-level cross-entropy, CE_t = -log softmax(z_t)[y_t], computed in float32.
 
     float64 logits are computed and returned in float64, as every other emdlm loss does

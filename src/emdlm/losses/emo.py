@@ -17,6 +17,7 @@ from torch import nn
 from emdlm._output import LossOutput
 from emdlm.functional._common import IGNORE_INDEX, Reduction, check_reduction
 from emdlm.functional.emo import EMOMode, check_emo_options, emo_loss, normalize_cost_embedding
+from emdlm.losses.base import EMDLMLoss
 from emdlm.ops._chunking import check_chunk_size
 
 Implementation = Literal["chunked", "reference"]
@@ -60,7 +61,7 @@ def check_implementation(implementation: str | None, chunk_size: int | None) -> 
         check_chunk_size(chunk_size)
 
 
-class EMOLoss(nn.Module):
+class EMOLoss(EMDLMLoss):
     """EMO mixed with MLE: per token 0.5·(CE + sg(CE/DEMD)·DEMD) by default (EMO Eq. 19).
 
     DEMD_t = 1 - (Êᵀ q_t)·ê_{y_t}, with q_t = softmax(z_t) and Ê the row-normalized cost

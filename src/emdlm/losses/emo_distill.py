@@ -23,12 +23,13 @@ from emdlm.functional.emo_dense import (
     emo_distill_loss,
     kl_distill_loss,
 )
+from emdlm.losses.base import EMDLMLoss
 from emdlm.losses.emo import check_implementation, cost_embedding_from
 
 Implementation = Literal["chunked", "reference"]
 
 
-class EMODistillLoss(nn.Module):
+class EMODistillLoss(EMDLMLoss):
     """EMO distillation: per token B + mu·DEMD by default, DEMD = |q - p|ᵀ C p (EMO Eq. 15).
 
     q = softmax(student logits), p = softmax(teacher logits / temperature), C = 1 - Ê Êᵀ with Ê
@@ -57,6 +58,7 @@ class EMODistillLoss(nn.Module):
     """
 
     needs_teacher = True
+    has_from_hidden = False
     cost_embedding_normalized: torch.Tensor
 
     def __init__(
@@ -121,7 +123,7 @@ class EMODistillLoss(nn.Module):
         )
 
 
-class KLDistillLoss(nn.Module):
+class KLDistillLoss(EMDLMLoss):
     """The usual distillation baseline: per token (1 - alpha)·CE(y) + alpha·τ²·KL(p_τ ‖ q_τ).
 
     Hinton, Vinyals & Dean 2015 (Sec. 2): teacher and student both softened by τ, the KL scaled
@@ -130,6 +132,7 @@ class KLDistillLoss(nn.Module):
     """
 
     needs_teacher = True
+    has_from_hidden = False
 
     def __init__(
         self,

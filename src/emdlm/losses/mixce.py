@@ -8,15 +8,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from emdlm._output import LossOutput
 from emdlm.functional._common import IGNORE_INDEX, Reduction, check_reduction
 from emdlm.functional.mixce import check_mixce_options, mixce_loss
 from emdlm.losses._from_hidden import TokenWeightedFromHidden
+from emdlm.losses.base import EMDLMLoss
 
 
-class MixCELoss(TokenWeightedFromHidden, nn.Module):
+class MixCELoss(TokenWeightedFromHidden, EMDLMLoss):
     """MixCE: (η + (1-η)·sg(q_y))·CE per token, averaged over counted tokens.
 
     Args:

@@ -58,7 +58,6 @@ import math
 from typing import Any, Literal
 
 import torch
-from torch import nn
 
 from emdlm._output import LossOutput
 from emdlm.functional._common import (
@@ -75,6 +74,7 @@ from emdlm.functional.ntil import (
     resolve_spans,
     sample_noise,
 )
+from emdlm.losses.base import EMDLMLoss
 from emdlm.numbers import GROUP_SEPARATORS, NumberVocab
 from emdlm.ops.from_hidden import NTILObjective
 from emdlm.ops.ntil_fused import DEFAULT_CHUNK_ELEMENTS, ntil_fused_objective
@@ -128,7 +128,7 @@ _PRESETS: dict[str, tuple[dict[str, Any], dict[str, bool]]] = {
 }
 
 
-class NTILLoss(nn.Module):
+class NTILLoss(EMDLMLoss):
     """CE + NTIL (NTIL paper Eq. 4, mixed with CE as in the official code).
 
         NTIL  = emd_weight · mean(W·EMD) + α · mean(relative) + β · mean(magnitude)

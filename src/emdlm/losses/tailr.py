@@ -8,15 +8,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from emdlm._output import LossOutput
 from emdlm.functional._common import IGNORE_INDEX, Reduction, check_reduction
 from emdlm.functional.tailr import TaiLrPreset, check_tailr_options, tailr_loss
 from emdlm.losses._from_hidden import TokenWeightedFromHidden
+from emdlm.losses.base import EMDLMLoss
 
 
-class TaiLrLoss(TokenWeightedFromHidden, nn.Module):
+class TaiLrLoss(TokenWeightedFromHidden, EMDLMLoss):
     """TaiLr: L_t = (1-ε)·clamp(sg(q_y/(γ + (1-γ)·q_y)), w_min, 1)·CE_t + ε/V·Σ_v -log q_t(v).
 
     ``preset="emo_repo"`` gives DRSY/EMO's "tvd" baseline instead:
