@@ -113,9 +113,9 @@ class Recorder:
         self.calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.teacher_calls: list[torch.Tensor | None] = []
 
-    def __call__(self, outputs, labels, num_items_in_batch=None):
-        teacher = self.inner.teacher_logits  # set by with_teacher (distillation), else None
-        loss = self.inner(outputs, labels, num_items_in_batch=num_items_in_batch)
+    def __call__(self, outputs, labels, num_items_in_batch=None, **extras):
+        teacher = extras.get("teacher_logits")  # given by the teacher trainer, else None
+        loss = self.inner(outputs, labels, num_items_in_batch=num_items_in_batch, **extras)
         self.calls.append((outputs["logits"].detach().clone(), labels.clone(),
                            torch.as_tensor(num_items_in_batch), loss.detach().clone()))
         self.teacher_calls.append(None if teacher is None else teacher.clone())

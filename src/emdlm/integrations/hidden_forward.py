@@ -25,11 +25,13 @@ import torch
 from torch import nn
 from transformers.utils import ModelOutput
 
-from emdlm.integrations.loss_contract import IGNORE_INDEX, require_sum_reduction, scaled_loss
+from emdlm.integrations.loss_contract import IGNORE_INDEX, declared_needs, loss_inputs
 from emdlm.integrations.sharding import check_head_weight, gathered_head
 
 # model.forward keyword arguments that the backbone must not receive
-_HEAD_ONLY_KWARGS = ("labels", "num_items_in_batch", "logits_to_keep", "shift_labels")
+_HEAD_ONLY_KWARGS = (
+    "labels", "num_items_in_batch", "logits_to_keep", "shift_labels", "number_mask",
+)
 
 
 @dataclass
@@ -161,19 +163,19 @@ def hidden_loss(
     (LossOutput, count).
     """
     head = output_head(model)
-    if number_mask is not None and shift_labels is None:  # aligned with labels: shift it too
-        number_mask = number_mask[:, 1:]
-    if shift_labels is not None:
-        shift_hidden, shift_labels = hidden, shift_labels.to(hidden.device)
-    elif labels is not None:
-        shift_hidden, shift_labels = hidden[:, :-1, :], labels[:, 1:].to(hidden.device)
-    else:
+    if labels is None and shift_labels is None:
         raise ValueError("from_hidden loss: neither labels nor shift_labels were given")
+    aligned = loss_inputs(  # the one shift of every route (number_mask with the labels)
+        shift_labels if shift_labels is not None else labels, hidden=hidden, model=model,
+        number_mask=number_mask, shifted=shift_labels is not None,
+    )
+    assert aligned.hidden is not None
+    shift_hidden, shift_labels, number_mask = aligned.hidden, aligned.labels, aligned.number_mask
     # only the transforms the model has: a loss whose from_hidden lacks one is refused by name
     extra = {k: v for k, v in (("logit_scale", head.logit_scale), ("softcap", head.softcap))
              if v is not None}
-    params = inspect.signature(loss_fn.from_hidden).parameters
-    missing = [k for k in extra if k not in params]
+    taken = declared_needs(loss_fn).hidden_transforms
+    missing = [k for k in extra if k not in taken]
     if missing:
         raise NotImplementedError(
             f"the model's logits use {missing} (from its config), which "
@@ -192,23 +194,27 @@ def hidden_loss(
 class FromHiddenForward:
     """A replacement ``forward`` bound to one model instance (mode "loss" or "hidden").
 
-    Mode "loss" (:func:`patch`): given labels, returns an output with the emdlm loss
-    (:func:`scaled_loss`) and ``logits=None``. Mode "hidden" (``make_compute_loss_func``):
-    while training with gradients and without labels, returns the backbone's output with the
-    final hidden state under ``"emdlm_hidden"`` and no logits. Otherwise the original forward.
+    Mode "loss" (:func:`~emdlm.integrations.patch.patch`): given labels, runs the backbone and
+    returns ``loss_call``'s loss (the patch's
+    :class:`~emdlm.integrations.transformers.ComputeLoss`, the one loss step of every route)
+    with ``logits=None``; a batch's ``number_mask`` keyword goes to the loss, never to the
+    backbone. Mode "hidden" (``make_compute_loss_func``): while training with gradients and
+    without labels, returns the backbone's output with the final hidden state under
+    ``"emdlm_hidden"`` and no logits. Otherwise the original forward.
     """
 
     def __init__(
         self, model: nn.Module, original: Callable[..., Any], mode: str,
-        loss_fn: nn.Module | None = None, ignore_index: int = IGNORE_INDEX,
+        loss_call: Callable[..., torch.Tensor] | None = None,
     ) -> None:
+        if mode not in ("loss", "hidden"):
+            raise ValueError(f"FromHiddenForward mode must be 'loss' or 'hidden', got {mode!r}")
+        if mode == "loss" and loss_call is None:
+            raise ValueError("FromHiddenForward mode 'loss' needs the loss_call that scores it")
         self.model = model
         self.original = original
         self.mode = mode
-        self.loss_fn = loss_fn
-        self.ignore_index = ignore_index
-        # mode "loss": the ComputeLoss of emdlm.patch, which records the components
-        self.compute_loss: Any = None
+        self.loss_call = loss_call
         # Trainer reads the forward's signature (which batch columns to keep, whether it takes
         # num_items_in_batch): show the original's.
         self.__signature__ = inspect.signature(original)
@@ -226,19 +232,19 @@ class FromHiddenForward:
                 emdlm_hidden=hidden, past_key_values=outputs.get("past_key_values")
             )
         if labels is None and shift_labels is None:
+            kwargs.pop("number_mask", None)  # generation with a batch's mask: not the model's
             return self.original(*args, **kwargs)
-        assert self.loss_fn is not None
-        require_sum_reduction(self.loss_fn, "emdlm.patch")
+        assert self.loss_call is not None
         hidden, outputs = backbone_hidden(self.model, args, kwargs)
-        out, count = hidden_loss(
-            self.loss_fn, self.model, hidden, labels, self.ignore_index, shift_labels
+        loss = self.loss_call(
+            {"emdlm_hidden": hidden},
+            shift_labels if shift_labels is not None else labels,
+            num_items_in_batch=kwargs.get("num_items_in_batch"),
+            shifted=shift_labels is not None,
+            number_mask=kwargs.get("number_mask"),
         )
-        if self.compute_loss is not None and torch.is_grad_enabled():
-            self.compute_loss._record(out.loss.detach(), out.components, count)
         return CausalLMOutputWithPast(
-            loss=scaled_loss(out.loss, count, kwargs.get("num_items_in_batch")),
-            logits=None,
-            past_key_values=outputs.get("past_key_values"),
+            loss=loss, logits=None, past_key_values=outputs.get("past_key_values")
         )
 
 

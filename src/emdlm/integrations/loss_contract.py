@@ -6,14 +6,22 @@ not scored, and, with gradient accumulation, ``num_items_in_batch``: the scored 
 whole accumulated batch. So the loss must return the per-token *sum*
 (:func:`require_sum_reduction`) and the caller divides it once (:func:`scaled_loss`).
 Used by :mod:`emdlm.integrations.hidden_forward`, :mod:`emdlm.integrations.transformers` and
-:mod:`emdlm.integrations.patch`; imports nothing of emdlm.
+:mod:`emdlm.integrations.patch`.
+
+Every route builds one :class:`LossInputs` with :func:`loss_inputs` (the one place labels, the
+number mask and a teacher's logits are shifted) and hands it to
+:meth:`emdlm.integrations.transformers.ComputeLoss.step`, which reads what the loss declares
+(:func:`declared_needs`, from :class:`emdlm.losses.base.EMDLMLoss`) instead of probing it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from emdlm.losses.base import EMDLMLoss
 
 IGNORE_INDEX = -100
 
@@ -50,3 +58,104 @@ def scaled_loss(
     if isinstance(num_items_in_batch, torch.Tensor):
         return summed / num_items_in_batch.to(summed.device).clamp_min(1)
     return summed / max(int(num_items_in_batch), 1)
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """One loss call's tensors, aligned: position t of ``logits`` / ``hidden`` predicts
+    ``labels[:, t]``; ``number_mask`` and ``teacher_logits`` are aligned the same way.
+
+    Exactly one of ``logits`` ([B, T, V]) and ``hidden`` ([B, T, H], with ``model``: the causal
+    LM whose output embedding turns it into logits) is set. Built by :func:`loss_inputs` only,
+    so the shift is made in one place.
+    """
+
+    labels: torch.Tensor
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    model: Any = None
+    number_mask: torch.Tensor | None = None
+    teacher_logits: torch.Tensor | None = None
+
+
+def loss_inputs(
+    labels: torch.Tensor | None,
+    *,
+    logits: torch.Tensor | None = None,
+    hidden: torch.Tensor | None = None,
+    model: Any = None,
+    number_mask: torch.Tensor | None = None,
+    teacher_logits: torch.Tensor | None = None,
+    shifted: bool = False,
+) -> LossInputs:
+    """The :class:`LossInputs` of a framework's call: ``labels`` [B, T] as frameworks pass them
+    (unshifted, :data:`IGNORE_INDEX` where not scored), the model's logits or final hidden
+    state [B, T, ·], and a batch's ``number_mask`` / a teacher's logits of the same inputs,
+    aligned with ``labels`` / ``logits``.
+
+    Shifts once, as every causal LM: position t predicts token t+1, so ``logits[:, :-1]``,
+    ``hidden[:, :-1]`` and ``teacher_logits[:, :-1]`` meet ``labels[:, 1:]`` and
+    ``number_mask[:, 1:]``. ``shifted=True``: the labels are already aligned (transformers'
+    ``shift_labels`` under context parallelism) and nothing is shifted.
+    """
+    if labels is None:
+        raise ValueError("the loss got labels=None: the batch has no 'labels'")
+    if (logits is None) == (hidden is None):
+        raise ValueError("a loss call needs exactly one of logits and hidden states")
+    if hidden is not None and model is None:
+        raise RuntimeError("a from-hidden output reached the loss without its model")
+    states = logits if logits is not None else hidden
+    assert states is not None
+    if teacher_logits is not None:
+        if logits is None:
+            raise ValueError("teacher logits need the student's logits (no from-hidden path)")
+        if tuple(teacher_logits.shape) != tuple(logits.shape):
+            raise ValueError(
+                f"teacher logits {tuple(teacher_logits.shape)} do not match the student's "
+                f"{tuple(logits.shape)}: the teacher must see the same inputs and share the "
+                "vocabulary"
+            )
+    if not shifted:
+        states, labels = states[:, :-1, :], labels[:, 1:]
+        number_mask = None if number_mask is None else number_mask[:, 1:]
+        teacher_logits = None if teacher_logits is None else teacher_logits[:, :-1, :]
+    device = states.device
+    return LossInputs(
+        labels=labels.to(device),
+        logits=states if logits is not None else None,
+        hidden=states if hidden is not None else None,
+        model=model,
+        number_mask=None if number_mask is None else number_mask.to(device),
+        teacher_logits=None if teacher_logits is None else teacher_logits.to(device),
+    )
+
+
+@dataclass(frozen=True)
+class LossNeeds:
+    """What a loss declares it needs from the training loop (:class:`emdlm.losses.base.
+    EMDLMLoss`); a loss that is not an EMDLMLoss (a user's callable) needs nothing and has a
+    from-hidden path when it has a ``from_hidden`` method."""
+
+    needs_teacher: bool
+    takes_number_mask: bool
+    has_from_hidden: bool
+    hidden_transforms: tuple[str, ...] = ()
+
+
+def declared_needs(loss_fn: Any) -> LossNeeds:
+    """The declarations of ``loss_fn`` (read, never probed by calling or by signature).
+
+    An :class:`~emdlm.losses.base.EMDLMLoss` declares all three; another callable may declare
+    them as attributes of the same names (missing ones: False / none; ``has_from_hidden``
+    defaults to whether it has a ``from_hidden`` method)."""
+    if isinstance(loss_fn, EMDLMLoss):
+        return LossNeeds(
+            loss_fn.needs_teacher, loss_fn.takes_number_mask, loss_fn.has_from_hidden,
+            tuple(loss_fn.hidden_transforms),
+        )
+    return LossNeeds(
+        bool(getattr(loss_fn, "needs_teacher", False)),
+        bool(getattr(loss_fn, "takes_number_mask", False)),
+        bool(getattr(loss_fn, "has_from_hidden", callable(getattr(loss_fn, "from_hidden", None)))),
+        tuple(getattr(loss_fn, "hidden_transforms", ())),
+    )

@@ -75,21 +75,24 @@ class PatchHandle:
 
 
 def _loss_hook(compute_loss: ComputeLoss) -> Callable[..., torch.Tensor]:
-    """A transformers ``loss_function`` (``ForCausalLMLoss``'s signature) around ComputeLoss."""
+    """A transformers ``loss_function`` (``ForCausalLMLoss``'s signature) around ComputeLoss.
+
+    The causal-LM heads pass the forward's extra keywords on to the hook, so a batch's
+    ``number_mask`` (``data.number_scope``) reaches the loss here."""
 
     def loss_function(
         logits: torch.Tensor, labels: torch.Tensor | None = None, vocab_size: int | None = None,
         num_items_in_batch: Any = None, ignore_index: int = IGNORE_INDEX,
-        shift_labels: torch.Tensor | None = None, **kwargs: Any,
+        shift_labels: torch.Tensor | None = None, number_mask: torch.Tensor | None = None,
+        **kwargs: Any,
     ) -> torch.Tensor:
-        if shift_labels is not None:  # already aligned with the logits (context parallelism)
-            return compute_loss(
-                {"logits": logits}, shift_labels, num_items_in_batch=num_items_in_batch,
-                shifted=True,
-            )
-        if labels is None:
+        if shift_labels is None and labels is None:
             raise ValueError("emdlm.patch: the model's loss_function got no labels")
-        return compute_loss({"logits": logits}, labels, num_items_in_batch=num_items_in_batch)
+        return compute_loss(
+            {"logits": logits}, shift_labels if shift_labels is not None else labels,
+            num_items_in_batch=num_items_in_batch, shifted=shift_labels is not None,
+            number_mask=number_mask,
+        )
 
     return loss_function
 
@@ -110,12 +113,15 @@ def patch(
     require_sum_reduction(loss_fn, "emdlm.patch")
     hf = unwrap_hf_model(model)
     compute_loss = ComputeLoss(loss_fn, ignore_index=ignore_index, who="emdlm.patch")
-    if from_hidden:
-        output_head(hf)  # a head from_hidden cannot use is refused now, not mid-training
-        wrapper = install_forward(
-            hf, lambda orig: FromHiddenForward(hf, orig, "loss", loss_fn, ignore_index)
+    if compute_loss.needs.needs_teacher:
+        raise ValueError(
+            f"emdlm.patch: {type(loss_fn).__name__} distils from a teacher, which a patched "
+            "forward cannot run; train with EMDLMTrainer(..., teacher=teacher) and "
+            "compute_loss_func=make_compute_loss_func(loss_fn) instead"
         )
-        wrapper.compute_loss = compute_loss
+    if from_hidden:
+        compute_loss.enable_from_hidden(hf, install=False)  # refuses an unusable head now
+        install_forward(hf, lambda orig: FromHiddenForward(hf, orig, "loss", compute_loss))
         return PatchHandle(hf, "forward", compute_loss)
     if not hasattr(type(hf), "loss_function"):
         raise ValueError(

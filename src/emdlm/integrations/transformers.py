@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
 
 from emdlm.integrations.hidden_forward import (
     FromHiddenForward,
@@ -47,11 +47,29 @@ from emdlm.integrations.hidden_forward import (
     install_forward,
     output_head,
 )
-from emdlm.integrations.loss_contract import IGNORE_INDEX, require_sum_reduction, scaled_loss
+from emdlm.integrations.loss_contract import (
+    IGNORE_INDEX,
+    LossInputs,
+    declared_needs,
+    loss_inputs,
+    require_sum_reduction,
+    scaled_loss,
+)
 
 
 class ComputeLoss:
-    """``compute_loss_func`` for ``transformers.Trainer`` around an emdlm loss (reduction "sum").
+    """``compute_loss_func`` for ``transformers.Trainer`` around an emdlm loss (reduction "sum"):
+    the one loss step every route calls (Trainer, :class:`EMDLMTrainer`, TRL's
+    :class:`~emdlm.integrations.trl.EMDLMSFTTrainer`, :func:`emdlm.patch` on logits or hidden
+    states, ``emdlm train``).
+
+    A call builds the aligned :class:`~emdlm.integrations.loss_contract.LossInputs` (one shift,
+    :func:`~emdlm.integrations.loss_contract.loss_inputs`), runs :meth:`step` and divides the
+    summed loss once (:func:`~emdlm.integrations.loss_contract.scaled_loss`). What the loss
+    needs is read from its declarations (:class:`emdlm.losses.base.EMDLMLoss`): a teacher's
+    logits and a batch's number mask are *arguments* of the call, never fields set from
+    outside; a loss that needs a teacher and gets none, or gets one it cannot use, is refused
+    by name.
 
     Args:
         loss_fn: module called as ``loss_fn(logits [B, T-1, V], labels [B, T-1])`` returning a
@@ -68,22 +86,18 @@ class ComputeLoss:
         self.who = who
         self.loss_fn = loss_fn
         self.ignore_index = ignore_index
+        self.needs = declared_needs(loss_fn)
         self._loss_sum: torch.Tensor | None = None
         self._weighted: dict[str, torch.Tensor] = {}
         self._weight: torch.Tensor | None = None
-        # A distillation loss (``needs_teacher``) reads the teacher's logits of the current
-        # forward from here; :func:`with_teacher` sets them before every call.
-        self.teacher_logits: torch.Tensor | None = None
-        # from-hidden (make_compute_loss_func(..., from_hidden=True, model=m)): the model
-        # whose output embedding the loss applies; set by enable_from_hidden.
+        # from-hidden (make_compute_loss_func(..., from_hidden=True, model=m), emdlm.patch):
+        # the model whose output embedding the loss applies; set by enable_from_hidden.
         self.model: nn.Module | None = None
-        # The current batch's number_mask [B, T] (data.number_scope), set by with_number_mask
-        # before the forward and used by the next call only.
-        self.number_mask: torch.Tensor | None = None
         self._warned_mask = False
 
-    def enable_from_hidden(self, model: nn.Module) -> None:
-        """Switch to the from-hidden path for ``model`` (installs its forward wrapper).
+    def enable_from_hidden(self, model: nn.Module, install: bool = True) -> None:
+        """Score ``model``'s final hidden states (``install``: wrap its forward in mode
+        "hidden"; :func:`emdlm.patch` installs mode "loss" itself).
 
         While training, ``model``'s forward (the instance's, not the class's) runs only the
         backbone and returns the final hidden state; this ComputeLoss then applies the output
@@ -91,39 +105,83 @@ class ComputeLoss:
         through DDP / accelerate wrappers, so gradient sync and accumulation are unchanged.
         Evaluation (no gradients) keeps the logits path.
         """
-        if getattr(self.loss_fn, "needs_teacher", False):
+        name = type(self.loss_fn).__name__
+        if self.needs.needs_teacher:
             raise ValueError(
-                f"from_hidden: {type(self.loss_fn).__name__} distils from the teacher's logits "
+                f"from_hidden: {name} distils from the teacher's logits "
                 "and has no from-hidden path; set from_hidden=False (train.fused_linear: false)"
             )
-        if not callable(getattr(self.loss_fn, "from_hidden", None)):
-            raise ValueError(
-                f"from_hidden: {type(self.loss_fn).__name__} has no from_hidden method"
-            )
+        if not self.needs.has_from_hidden:
+            raise ValueError(f"from_hidden: {name} has no from_hidden method")
         output_head(model)  # a head from_hidden cannot use is refused now, not mid-training
-        install_forward(model, lambda orig: FromHiddenForward(model, orig, "hidden"))
+        if install:
+            install_forward(model, lambda orig: FromHiddenForward(model, orig, "hidden"))
         self.model = model
 
-    def _mask_kwargs(self, number_mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """``{"number_mask": m}`` for a loss that takes it (``takes_number_mask``), else {}.
+    def _usable_mask(self, number_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """``number_mask`` for a loss that declares ``takes_number_mask``, else None.
 
         A mask given to a loss that scores no numbers (CE, EMO, ...) is dropped with a
         UserWarning, once per ComputeLoss: the same data (with its number scope) can then feed
         a CE baseline and a numeric objective alike.
         """
-        if number_mask is None:
-            return {}
-        if getattr(self.loss_fn, "takes_number_mask", False):
-            return {"number_mask": number_mask}
+        if number_mask is None or self.needs.takes_number_mask:
+            return number_mask
         if not self._warned_mask:
             self._warned_mask = True
             warnings.warn(
                 f"the batch has a number_mask (data.number_scope) but {type(self.loss_fn).__name__}"
                 " scores no numbers: the mask is ignored (only NTIL / digit EMD use it)",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
-        return {}
+        return None
+
+    def inputs(
+        self, outputs: Any, labels: torch.Tensor | None, *, shifted: bool = False,
+        number_mask: torch.Tensor | None = None, teacher_logits: torch.Tensor | None = None,
+    ) -> LossInputs:
+        """The aligned inputs of one call: the model ``outputs`` (logits, or the final hidden
+        state of the from-hidden forward), the unshifted ``labels`` (already aligned with
+        ``shifted``), the batch's ``number_mask`` and the teacher's logits on the same inputs."""
+        name = type(self.loss_fn).__name__
+        if self.needs.needs_teacher and teacher_logits is None:
+            raise RuntimeError(
+                f"{name} distils from a teacher, but no teacher logits were given for this "
+                "forward: train with EMDLMTrainer / emdlm_trainer(Trainer, teacher=teacher) "
+                "(emdlm train does, given `teacher:`)"
+            )
+        if teacher_logits is not None and not self.needs.needs_teacher:
+            raise ValueError(
+                f"teacher logits were given but {name} does not distil (needs_teacher is False)"
+            )
+        hidden = outputs.get("emdlm_hidden") if isinstance(outputs, Mapping) else None
+        logits = None
+        if hidden is None:
+            logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+        return loss_inputs(
+            labels, logits=logits, hidden=hidden, model=self.model if hidden is not None else None,
+            number_mask=self._usable_mask(number_mask), teacher_logits=teacher_logits,
+            shifted=shifted,
+        )
+
+    def step(self, inputs: LossInputs) -> tuple[Any, torch.Tensor]:
+        """The summed loss of aligned ``inputs`` and the count of scored tokens: the one
+        place a loss is called. From hidden states: :func:`hidden_loss` (the model's output
+        head, gathered under FSDP2 / ZeRO-3); from logits: ``loss_fn(logits, labels, ...)``
+        with the teacher's logits or the number mask as the loss declares."""
+        if inputs.hidden is not None:
+            return hidden_loss(
+                self.loss_fn, inputs.model, inputs.hidden, None, self.ignore_index,
+                shift_labels=inputs.labels, number_mask=inputs.number_mask,
+            )
+        if inputs.teacher_logits is not None:
+            out = self.loss_fn(inputs.logits, inputs.labels, inputs.teacher_logits)
+        elif inputs.number_mask is not None:
+            out = self.loss_fn(inputs.logits, inputs.labels, number_mask=inputs.number_mask)
+        else:
+            out = self.loss_fn(inputs.logits, inputs.labels)
+        return out, (inputs.labels != self.ignore_index).sum()
 
     def __call__(
         self,
@@ -133,74 +191,25 @@ class ComputeLoss:
         *,
         shifted: bool = False,
         number_mask: torch.Tensor | None = None,
+        teacher_logits: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Σ l_t / N for one micro-batch; ``shifted``: ``labels`` are already aligned with the
-        logits (transformers' ``shift_labels``), so no shift here.
+        """Σ l_t / N for one micro-batch (N: ``num_items_in_batch``, else this call's count).
 
-        ``number_mask`` ([B, T] bool aligned with ``labels``, shifted with them; default: the
-        one :func:`with_number_mask` took out of the batch): which tokens the numeric losses
-        may score as numbers. Passed to losses with ``takes_number_mask``; others ignore it
-        (one warning)."""
-        if number_mask is None:
-            number_mask, self.number_mask = self.number_mask, None  # used by one call only
-        if labels is None:
-            raise ValueError("compute_loss_func got labels=None: the batch has no 'labels'")
+        ``shifted``: ``labels`` are already aligned with the logits (transformers'
+        ``shift_labels``), so no shift here. ``number_mask`` ([B, T] bool aligned with
+        ``labels``, shifted with them): which tokens the numeric losses may score as numbers;
+        passed to losses that declare ``takes_number_mask``, ignored by the others (one
+        warning). ``teacher_logits`` ([B, T, V], the teacher's on the same inputs): for a loss
+        that declares ``needs_teacher``, which refuses to run without them."""
         require_sum_reduction(self.loss_fn, self.who)  # an attribute read: may have changed
-        mask_kw = self._mask_kwargs(number_mask)
-        if isinstance(outputs, Mapping) and outputs.get("emdlm_hidden") is not None:
-            return self._call_from_hidden(
-                outputs["emdlm_hidden"], labels, num_items_in_batch, **mask_kw
-            )
-        logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
-        if shifted:
-            if getattr(self.loss_fn, "needs_teacher", False):
-                raise ValueError("pre-shifted labels are not supported for a distillation loss")
-            shift_logits, shift_labels = logits, labels.to(logits.device)
-        else:
-            shift_logits = logits[:, :-1, :]  # [B, T-1, V]: position t predicts token t+1
-            shift_labels = labels[:, 1:].to(logits.device)  # [B, T-1]
-            if mask_kw:
-                mask_kw["number_mask"] = mask_kw["number_mask"][:, 1:]  # shifted like labels
-        if getattr(self.loss_fn, "needs_teacher", False):
-            out = self.loss_fn(shift_logits, shift_labels, self._take_teacher_logits(logits))
-        else:
-            out = self.loss_fn(shift_logits, shift_labels, **mask_kw)
-        count = (shift_labels != self.ignore_index).sum()
-        if torch.is_grad_enabled():
-            self._record(out.loss.detach(), out.components, count)
-        return scaled_loss(out.loss, count, num_items_in_batch)
-
-    def _call_from_hidden(
-        self, hidden: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any,
-        number_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The from-hidden path: the head of ``self.model`` applied chunk by chunk
-        (``loss_fn.from_hidden``), divided by ``num_items_in_batch`` as the logits path."""
-        if self.model is None:
-            raise RuntimeError("a from-hidden output reached a ComputeLoss without a model")
-        out, count = hidden_loss(
-            self.loss_fn, self.model, hidden, labels, self.ignore_index, number_mask=number_mask
+        inputs = self.inputs(
+            outputs, labels, shifted=shifted, number_mask=number_mask,
+            teacher_logits=teacher_logits,
         )
+        out, count = self.step(inputs)
         if torch.is_grad_enabled():
             self._record(out.loss.detach(), out.components, count)
         return scaled_loss(out.loss, count, num_items_in_batch)
-
-    def _take_teacher_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """The teacher's shifted logits [B, T-1, V] for this call (used once, then cleared)."""
-        teacher, self.teacher_logits = self.teacher_logits, None
-        if teacher is None:
-            raise RuntimeError(
-                f"{type(self.loss_fn).__name__} distils from a teacher, but no teacher logits "
-                "were set for this forward: build the Trainer class with "
-                "with_teacher(Trainer, teacher, compute_loss) (emdlm train does, given `teacher:`)"
-            )
-        if tuple(teacher.shape) != tuple(logits.shape):
-            raise ValueError(
-                f"teacher logits {tuple(teacher.shape)} do not match the student's "
-                f"{tuple(logits.shape)}: the teacher must see the same inputs and share the "
-                "vocabulary"
-            )
-        return teacher[:, :-1, :].to(logits.device)
 
     def _record(
         self, summed_loss: torch.Tensor, components: Mapping[str, Any], count: torch.Tensor
@@ -336,74 +345,110 @@ def teacher_logits_for(teacher: nn.Module, inputs: Mapping[str, Any]) -> torch.T
     return logits.detach()
 
 
-def with_teacher(base: type, teacher: nn.Module, compute_loss: ComputeLoss) -> type:
-    """A subclass of Trainer class ``base`` that runs ``teacher`` on every batch's inputs.
+def loss_scale_across_devices(trainer: Any) -> int:
+    """What ``Trainer.compute_loss`` multiplies a loss divided by ``num_items_in_batch`` by when
+    ``average_tokens_across_devices``: N counts every rank's tokens while DDP averages gradients
+    over ranks (tensor-parallel ranks share a batch and count once)."""
+    if trainer.args.n_gpu > 1:
+        return int(trainer.args.n_gpu)
+    tp = trainer.get_tp_size() if hasattr(trainer, "get_tp_size") else 1
+    return int(trainer.accelerator.num_processes // max(tp, 1))
 
-    Its ``compute_loss`` computes the teacher's logits on exactly the inputs the student gets
-    (same micro-batch, same padding, inside the same autocast context) and hands them to
-    ``compute_loss`` (the :class:`ComputeLoss` given to the Trainer) before the student's
-    forward; a loss with ``needs_teacher`` then receives them. The teacher is not part of the
-    Trainer's model: it is never optimized or saved. Freeze it yourself (``eval()``,
-    ``requires_grad_(False)``), as :func:`emdlm.training.train.load_teacher` does.
+
+class EMDLMTrainerMixin:
+    """``compute_loss`` of a ``transformers.Trainer`` (or TRL trainer) whose
+    ``compute_loss_func`` is a :class:`ComputeLoss`: the trainer owns its teacher and hands
+    each batch's extras to the loss as arguments.
+
+    Per micro-batch: the ``number_mask`` the collators add with a number scope
+    (``data.number_scope``) is taken out of the inputs (the model never sees it); the frozen
+    ``teacher`` (if any) runs on exactly the student's inputs (same padding, same autocast);
+    the model runs without labels; then ``compute_loss_func(outputs, labels,
+    num_items_in_batch=N, number_mask=..., teacher_logits=...)`` (only the extras the batch
+    has), scaled like ``Trainer.compute_loss`` (:func:`loss_scale_across_devices`).
+    The teacher is not part of the Trainer's model: never optimized or saved; freeze it
+    yourself (``eval()``, ``requires_grad_(False)``), as :func:`emdlm.training.train.
+    load_teacher` does.
     """
+
+    teacher: nn.Module | None = None
+
+    def emdlm_loss_call(self) -> Any:
+        """The :class:`ComputeLoss` this trainer scores with (the Trainer's
+        ``compute_loss_func``; TRL's trainer keeps its own, see EMDLMSFTTrainer)."""
+        return self.compute_loss_func  # type: ignore[attr-defined]
+
+    def compute_loss(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> Any:
+        loss_call = self.emdlm_loss_call()
+        if loss_call is None:
+            raise ValueError(
+                f"{type(self).__name__} needs compute_loss_func=make_compute_loss_func(loss_fn)"
+            )
+        inputs = dict(inputs)
+        extras: dict[str, torch.Tensor] = {}
+        number_mask = inputs.pop("number_mask", None)
+        if number_mask is not None:
+            extras["number_mask"] = number_mask
+        labels = inputs.pop("labels", None)
+        if self.teacher is not None:
+            extras["teacher_logits"] = teacher_logits_for(self.teacher, inputs)
+        if getattr(self, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None:
+            inputs["num_items_in_batch"] = num_items_in_batch
+        outputs = model(**inputs)
+        loss = loss_call(outputs, labels, num_items_in_batch=num_items_in_batch, **extras)
+        args = self.args  # type: ignore[attr-defined]
+        if args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * loss_scale_across_devices(self)
+        return (loss, outputs) if return_outputs else loss
+
+
+def emdlm_trainer(base: type, teacher: nn.Module | None = None) -> type:
+    """A subclass of Trainer class ``base`` with :class:`EMDLMTrainerMixin`'s ``compute_loss``
+    (``teacher``: the frozen distillation teacher it owns). A ``base`` that already is one
+    keeps its teacher unless another is given."""
+    if isinstance(base, type) and issubclass(base, EMDLMTrainerMixin):
+        if teacher is None:
+            return base
+        return type(base.__name__, (base,), {"teacher": teacher})
+    return type(f"EMDLM{base.__name__}", (EMDLMTrainerMixin, base), {"teacher": teacher})
+
+
+class EMDLMTrainer(EMDLMTrainerMixin, Trainer):
+    """``transformers.Trainer`` with :class:`EMDLMTrainerMixin`'s ``compute_loss``::
+
+        trainer = EMDLMTrainer(model=model, args=args, train_dataset=ds,
+                               compute_loss_func=make_compute_loss_func(loss_fn),
+                               teacher=frozen_teacher)  # teacher only for distillation
+    """
+
+    def __init__(self, *args: Any, teacher: nn.Module | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if teacher is not None:
+            self.teacher = teacher
+
+
+def _check_compute_loss(who: str, compute_loss: Any) -> None:
     if not isinstance(compute_loss, ComputeLoss):
         raise TypeError(
-            f"with_teacher needs the ComputeLoss given to the Trainer, got "
-            f"{type(compute_loss).__name__}"
+            f"{who} needs the ComputeLoss given to the Trainer, got {type(compute_loss).__name__}"
         )
 
-    class TeacherTrainer(base):  # type: ignore[misc, valid-type]
-        def compute_loss(
-            self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
-            num_items_in_batch: Any = None,
-        ) -> Any:
-            compute_loss.teacher_logits = teacher_logits_for(teacher, inputs)
-            try:
-                return super().compute_loss(
-                    model, inputs, return_outputs=return_outputs,
-                    num_items_in_batch=num_items_in_batch,
-                )
-            finally:
-                compute_loss.teacher_logits = None  # never reused by another batch
 
-    return TeacherTrainer
+def with_teacher(base: type, teacher: nn.Module, compute_loss: ComputeLoss) -> type:
+    """Deprecated alias of ``emdlm_trainer(base, teacher=teacher)`` (the teacher's logits of
+    every batch go to ``compute_loss`` as an argument)."""
+    _check_compute_loss("with_teacher", compute_loss)
+    return emdlm_trainer(base, teacher=teacher)
 
 
 def with_number_mask(base: type, compute_loss: ComputeLoss) -> type:
-    """A subclass of Trainer class ``base`` that hands each batch's ``number_mask`` to the loss.
-
-    The collators put ``number_mask`` ([B, T] bool, aligned with the labels) into batches when
-    a number scope is set (``data.number_scope``, :mod:`emdlm.data`). The model must not get
-    it, so ``compute_loss`` takes it out of the inputs and gives it to ``compute_loss`` (the
-    :class:`ComputeLoss` of the Trainer) for this forward; ComputeLoss shifts it like the
-    labels and passes it to a numeric loss (NTIL, digit EMD). Apply it last (outermost), so
-    that a teacher (:func:`with_teacher`) never sees the mask either. Batches without a mask
-    pass through unchanged.
-    """
-    if not isinstance(compute_loss, ComputeLoss):
-        raise TypeError(
-            f"with_number_mask needs the ComputeLoss given to the Trainer, got "
-            f"{type(compute_loss).__name__}"
-        )
-
-    class NumberMaskTrainer(base):  # type: ignore[misc, valid-type]
-        def compute_loss(
-            self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
-            num_items_in_batch: Any = None,
-        ) -> Any:
-            if "number_mask" in inputs:
-                inputs = dict(inputs)
-                compute_loss.number_mask = inputs.pop("number_mask")
-            try:
-                return super().compute_loss(
-                    model, inputs, return_outputs=return_outputs,
-                    num_items_in_batch=num_items_in_batch,
-                )
-            finally:
-                compute_loss.number_mask = None  # never reused by another batch
-
-    NumberMaskTrainer.__name__ = f"NumberMask{base.__name__}"
-    return NumberMaskTrainer
+    """Deprecated alias of ``emdlm_trainer(base)``: every batch's ``number_mask`` goes to
+    ``compute_loss`` as an argument, never to the model."""
+    _check_compute_loss("with_number_mask", compute_loss)
+    return emdlm_trainer(base)
 
 
 def make_compute_loss_func(
@@ -432,6 +477,7 @@ def make_compute_loss_func(
 
 
 __all__ = [
-    "ComputeLoss", "LossComponentsCallback", "make_compute_loss_func", "require_sum_reduction",
-    "teacher_logits_for", "with_number_mask", "with_teacher",
+    "ComputeLoss", "EMDLMTrainer", "EMDLMTrainerMixin", "LossComponentsCallback",
+    "emdlm_trainer", "loss_scale_across_devices", "make_compute_loss_func",
+    "require_sum_reduction", "teacher_logits_for", "with_number_mask", "with_teacher",
 ]

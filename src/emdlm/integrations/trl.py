@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -48,7 +48,11 @@ from trl import SFTConfig, SFTTrainer
 
 from emdlm._output import LossOutput
 from emdlm.functional._common import IGNORE_INDEX
-from emdlm.integrations.transformers import ComputeLoss, make_compute_loss_func
+from emdlm.integrations.transformers import (
+    ComputeLoss,
+    EMDLMTrainerMixin,
+    make_compute_loss_func,
+)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], LossOutput]
 _LOG = logging.getLogger("emdlm")
@@ -118,29 +122,45 @@ def sft_compute_loss_func(loss_fn: LossFn) -> ComputeLoss:
     return make_compute_loss_func(loss_fn)
 
 
-class EMDLMSFTTrainer(SFTTrainer):
+class EMDLMSFTTrainer(EMDLMTrainerMixin, SFTTrainer):
     """``trl.SFTTrainer`` whose training and evaluation loss is an emdlm loss.
 
     Args:
         loss_fn: an emdlm loss module with ``reduction="sum"``, called as
             ``loss_fn(logits [B, T-1, V], labels [B, T-1])`` on the shifted batch.
+        teacher: the frozen teacher of a distillation loss (``needs_teacher``), run on every
+            batch's inputs (:class:`~emdlm.integrations.transformers.EMDLMTrainerMixin`).
+        from_hidden: train from the final hidden states (the model's forward runs the backbone
+            only; the loss applies the output embedding chunk by chunk, no [B, T, V] logits).
         bf16_on_cpu: keep SFTConfig's bf16 on a CPU-only run (default: fp32 there, with a
             warning; see the module docstring).
         *args, **kwargs: passed to ``trl.SFTTrainer`` (``compute_loss_func`` and
             ``loss_type="dft"`` are refused: they would replace the emdlm loss); ``args`` is
             copied with bf16 off on CPU unless ``bf16_on_cpu``.
 
-    Logged next to TRL's metrics: ``mean_token_accuracy`` (argmax of the logits on scored
-    positions, train and eval) and, in training, each loss component as ``emdlm/<name>``.
+    The loss step is the one every route shares (:class:`~emdlm.integrations.transformers.
+    ComputeLoss`): a batch's ``number_mask`` (``data.number_scope``) goes to a numeric loss,
+    never to the model. Logged next to TRL's metrics: ``mean_token_accuracy`` (argmax of the
+    logits on scored positions, train and eval; from hidden states it is not computed) and,
+    in training, each loss component as ``emdlm/<name>``.
     Unsupported: DeepSpeed Ulysses sequence parallelism (TRL reduces its own fused loss there).
     """
 
     def __init__(
-        self, *args: Any, loss_fn: LossFn, bf16_on_cpu: bool = False, **kwargs: Any
+        self, *args: Any, loss_fn: LossFn, teacher: torch.nn.Module | None = None,
+        from_hidden: bool = False, bf16_on_cpu: bool = False, **kwargs: Any,
     ) -> None:
         if kwargs.get("compute_loss_func") is not None:
             raise ValueError("EMDLMSFTTrainer computes the loss itself; drop compute_loss_func")
         emdlm_loss = ComputeLoss(loss_fn, who="EMDLMSFTTrainer")  # refuses reduction != "sum"
+        if emdlm_loss.needs.needs_teacher and teacher is None:
+            raise ValueError(
+                f"EMDLMSFTTrainer: {type(loss_fn).__name__} distils from a teacher: pass teacher="
+            )
+        if teacher is not None and not emdlm_loss.needs.needs_teacher:
+            raise ValueError(
+                f"EMDLMSFTTrainer: teacher= given but {type(loss_fn).__name__} does not distil"
+            )
         config = args[1] if len(args) > 1 else kwargs.get("args")  # SFTTrainer(model, args)
         if config is None:  # TRL's own default, built here so that its precision can be set
             config = _default_config(args[0] if args else kwargs.get("model"), bf16_on_cpu)
@@ -155,7 +175,13 @@ class EMDLMSFTTrainer(SFTTrainer):
                 f"EMDLMSFTTrainer replaces the loss; SFTConfig.loss_type must be 'nll', "
                 f"got {self.args.loss_type!r}"
             )
+        if from_hidden:
+            emdlm_loss.enable_from_hidden(self.model)
         self.emdlm_loss = emdlm_loss
+        self.teacher = teacher
+
+    def emdlm_loss_call(self) -> ComputeLoss:
+        return self.emdlm_loss
 
     def compute_loss(
         self,
@@ -166,23 +192,20 @@ class EMDLMSFTTrainer(SFTTrainer):
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         mode = "train" if model.training else "eval"
         labels = inputs["labels"]  # [B, T], unshifted, -100 where not scored
-        model_inputs = {k: v for k, v in inputs.items() if k != "labels"}
-        model_inputs["use_cache"] = False
-        outputs = model(**model_inputs)  # the original forward: full logits [B, T, V]
-        loss = self.emdlm_loss(outputs, labels, num_items_in_batch=num_items_in_batch)
-        # Like Trainer.compute_loss: num_items_in_batch counts the tokens of every rank while
-        # DDP averages gradients over ranks.
-        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
-            loss = loss * self.accelerator.num_processes
-
+        loss, outputs = super().compute_loss(
+            model, {**inputs, "use_cache": False}, return_outputs=True,
+            num_items_in_batch=num_items_in_batch,
+        )
         with torch.no_grad():  # a host sync or two per step for logging, as TRL does
-            shift_labels = labels[:, 1:]
-            mask = shift_labels != IGNORE_INDEX
-            hits = ((outputs.logits[:, :-1].argmax(-1) == shift_labels) & mask).sum()
-            n_valid = self.accelerator.gather_for_metrics(mask.sum()).sum()
-            n_hits = self.accelerator.gather_for_metrics(hits).sum()
-            acc = (n_hits / n_valid).item() if n_valid > 0 else 0.0
-            self._metrics[mode]["mean_token_accuracy"].append(acc)
+            logits = outputs.get("logits") if isinstance(outputs, Mapping) else None
+            if logits is not None:
+                shift_labels = labels[:, 1:].to(logits.device)
+                mask = shift_labels != IGNORE_INDEX
+                hits = ((logits[:, :-1].argmax(-1) == shift_labels) & mask).sum()
+                n_valid = self.accelerator.gather_for_metrics(mask.sum()).sum()
+                n_hits = self.accelerator.gather_for_metrics(hits).sum()
+                acc = (n_hits / n_valid).item() if n_valid > 0 else 0.0
+                self._metrics[mode]["mean_token_accuracy"].append(acc)
             # The adapter records components only when gradients are on (training).
             for name, value in self.emdlm_loss.pop_components().items():
                 if name != "loss":
