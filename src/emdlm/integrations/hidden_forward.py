@@ -3,12 +3,13 @@ applied to the final hidden state, so the ``[B, T, V]`` logits are never built.
 
 :class:`FromHiddenForward` replaces the forward of one model *instance* (the class is never
 touched; :func:`install_forward`). Mode "loss" (``emdlm.patch(..., from_hidden=True)``): with
-labels it runs the backbone (``model.base_model``), reads the output embedding
-(:func:`output_head`) and returns ``loss_fn.from_hidden``'s loss with ``logits=None``. Mode
-"hidden" (``make_compute_loss_func(..., from_hidden=True, model=m)``): while training it returns
-the final hidden state, and :class:`~emdlm.integrations.transformers.ComputeLoss` applies the
-head itself (:func:`hidden_loss`). Without labels (generation, evaluation) the original forward
-runs unchanged.
+labels it runs the backbone (``model.base_model``) and hands the final hidden state to the
+patch's :class:`~emdlm.integrations.transformers.ComputeLoss` (the one loss step of every
+route), returning its loss with ``logits=None``. Mode "hidden"
+(``make_compute_loss_func(..., from_hidden=True, model=m)``): while training it returns the
+final hidden state, and the Trainer's ComputeLoss scores it. Either way the head is applied by
+:func:`hidden_loss` (the output embedding read by :func:`output_head`, gathered under FSDP2 /
+ZeRO-3). Without labels (generation, evaluation) the original forward runs unchanged.
 
 Below :mod:`emdlm.integrations.transformers` and :mod:`emdlm.integrations.patch`, which both
 install it.
