@@ -221,6 +221,32 @@ def test_cut_rows_are_counted_before_training(tmp_path: Path, capsys: Any) -> No
         cut_image_rows(rows, lengths, source="s", max_length=max_length, on_drop="error")
 
 
+def test_max_length_errors_say_the_measured_need(tmp_path: Path, capsys: Any) -> None:
+    """Issue 36: the image max_length error says how many tokens image + prompt + answer need
+    (measured on the rows, image tokens as the processor expands them)."""
+    from emdlm.vlm.data import cut_image_rows
+
+    tok, built = _built("tiny-qwen2-vl")
+    image = str(_png(tmp_path / "a.png"))
+    rows = [{"image": image, "prompt": "p", "completion": "12"},
+            {"image": image, "prompt": "pp", "completion": "1234567"}]
+    lengths = _collator(tok, built).lengths(rows)
+    (p0, a0), (p1, a1) = lengths
+    assert p1 == p0 + 1 and a1 == a0 + 5  # one more prompt character, five more answer digits
+    need = p1 + a1
+    with pytest.raises(ConfigError, match=rf"no example leaves room.*data\.max_length={need} "
+                       rf"keeps every row whole.*{p1} prompt tokens, image tokens included, "
+                       rf"\+ {a1} answer tokens"):
+        cut_image_rows(rows, lengths, source="s", max_length=p0)
+    with pytest.raises(ConfigError, match=rf"data\.on_truncate=error.*max_length={need} keeps"):
+        cut_image_rows(rows, lengths, source="s", max_length=p1 + 2, on_truncate="error")
+    capsys.readouterr()
+    cut_image_rows(rows, lengths, source="s", max_length=p1 + 2)
+    assert f"note: data.max_length={need} keeps every row whole" in capsys.readouterr().err
+    cut_image_rows(rows, lengths, source="s", max_length=need)  # nothing cut: no note
+    assert "note:" not in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------- data
 def _write_jsonl(path: Path, rows: list[Any]) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))

@@ -17,6 +17,8 @@ through a symlink) must resolve inside that folder.
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -135,8 +137,27 @@ def cut_image_rows(
     kept = [row for row, (p, _) in zip(rows, lengths, strict=True) if p + 1 <= max_length]
     truncated = sum(1 for p, a in lengths if p + 1 <= max_length < p + a)
     cuts = CutCounts(source, len(rows), truncated, len(rows) - len(kept), max_length)
-    report_cuts(cuts, on_truncate, on_drop)
+    need = measured_need(lengths)
+    try:
+        report_cuts(cuts, on_truncate, on_drop)
+    except ConfigError as err:
+        raise ConfigError(f"{err}; {need}") from err
+    if (truncated or len(kept) < len(rows)) and int(os.environ.get("RANK", "0")) == 0:
+        print(f"note: {need}", file=sys.stderr, flush=True)
     if not kept:
         raise ConfigError(f"{source}: no example leaves room for an answer within "
-                          f"data.max_length={max_length}")
+                          f"data.max_length={max_length}; {need}")
     return ImageRowsDataset(kept, cuts)
+
+
+def measured_need(lengths: list[tuple[int, int]]) -> str:
+    """What ``data.max_length`` keeps every row whole, measured on the rows: the longest
+    prompt (its image tokens included, as the processor expands them) plus its answer and EOS.
+    ``lengths``: (prompt, answer-with-EOS) token counts per row."""
+    prompt, answer = max(lengths, key=lambda pa: pa[0] + pa[1])
+    longest_prompt = max(p for p, _ in lengths)
+    return (
+        f"data.max_length={prompt + answer} keeps every row whole (measured: the longest row is "
+        f"{prompt} prompt tokens, image tokens included, + {answer} answer tokens with EOS; the "
+        f"longest prompt alone is {longest_prompt})"
+    )
