@@ -34,6 +34,7 @@ from typing import Any, get_type_hints
 
 import yaml
 
+from emdlm.eval_kinds import EVAL_KINDS  # the one registry of eval kinds
 from emdlm.objective_specs import OBJECTIVE_NAMES, OBJECTIVE_SPECS
 from emdlm.yaml_io import DuplicateKeyError, safe_load_unique
 
@@ -43,7 +44,6 @@ DISTILL_OBJECTIVES = tuple(n for n, s in OBJECTIVE_SPECS.items() if s.teacher)  
 NUMERIC_OBJECTIVES = tuple(n for n, s in OBJECTIVE_SPECS.items() if s.numeric)  # have a λ
 #: λ schedules of the numeric term (emdlm.training.lam_schedule).
 LAM_SCHEDULES = ("constant", "linear", "cosine")
-EVAL_KINDS = ("number", "clock", "box", "boxes", "text", "choice")
 DATA_SPLITS = ("train", "dev", "test")  # "dev" only where the task or dataset has one
 #: The largest seed transformers.set_seed accepts: it seeds numpy (np.random.seed), whose seeds
 #: are 0 .. 2**32 - 1; a negative seed fails there, after the run has started.
@@ -269,7 +269,10 @@ class RunConfig:
                 continue
             if (src.path is None) == (src.task is None):
                 raise ConfigError(f"{name}: give exactly one of 'path' or 'task'")
-            check_choice(f"{name}.split", src.resolved_split, DATA_SPLITS)
+            if src.task is not None:  # a generator's splits; a dataset folder's are its own
+                check_choice(f"{name}.split", src.resolved_split, DATA_SPLITS)
+            elif not isinstance(src.split, (str, type(None))) or src.split == "":
+                raise ConfigError(f"{name}.split must be a split name, got {src.split!r}")
             if src.seed is not None:
                 check_seed(f"{name}.seed", src.seed)
         check_seed("train.seed", self.train.seed)
