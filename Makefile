@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench gpu-suite-quick clean-venv
+.PHONY: demo test docs lint bench gpu-suite-quick clean-venv
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest -n 2 -q tests
+
+# the documentation site (mkdocs.yml) on http://127.0.0.1:8000; CI builds it with --strict
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_ntil.py
