@@ -35,7 +35,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,28 +44,36 @@ import numpy as np
 import torch
 
 from emdlm.config import ConfigError, DataSourceConfig
+from emdlm.tasks import answer_patterns
+from emdlm.tasks import register_answer_pattern as register_answer_pattern  # public here too
 
 IGNORE_INDEX = -100
 CUT_POLICIES = ("warn", "error")  # data.on_truncate / data.on_drop
 _BASE_KEYS = ("input_ids", "labels", "attention_mask", "number_mask")
 
-_QWEN_BOX = r"\(\s*\d+\s*,\s*\d+\s*\)\s*,\s*\(\s*\d+\s*,\s*\d+\s*\)"  # (x1,y1),(x2,y2)
-_LLAVA_BOX = r"\[\s*\d*\.?\d+(?:\s*,\s*\d*\.?\d+){3}\s*\]"  # [x1, y1, x2, y2]
+
+class _AnswerPatterns(Mapping[str, re.Pattern[str]]):
+    """A read-only view of the task registry's answer patterns, read on each access."""
+
+    def __getitem__(self, task: str) -> re.Pattern[str]:
+        return answer_patterns()[task]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(answer_patterns())
+
+    def __len__(self) -> int:
+        return len(answer_patterns())
+
+    def __repr__(self) -> str:
+        return f"ANSWER_PATTERNS({answer_patterns()!r})"
+
+
 #: The answer pattern of each task for ``number_scope="answer"``: the numbers inside its
-#: matches are scored. Boxes in both formats of :mod:`emdlm.vision.boxes` (text_detection's
-#: list of boxes is one match per box); the clock's "H_MM".
-ANSWER_PATTERNS: dict[str, re.Pattern[str]] = {
-    "clock": re.compile(r"\b\d{1,2}_\d{2}\b"),
-    "grounding": re.compile(f"{_QWEN_BOX}|{_LLAVA_BOX}"),
-    "text_detection": re.compile(f"{_QWEN_BOX}|{_LLAVA_BOX}"),
-}
+#: matches are scored. Registered with the task, next to its generator
+#: (``register_task(..., answer_pattern=...)``, :mod:`emdlm.tasks`); this is a read-only view
+#: of that registry. :func:`register_answer_pattern` adds one for any task name.
+ANSWER_PATTERNS: Mapping[str, re.Pattern[str]] = _AnswerPatterns()
 NUMBER_SCOPE_KEY = "number_scope"  # the row field
-
-
-def register_answer_pattern(task: str, pattern: str | re.Pattern[str]) -> None:
-    """Make ``number_scope="answer"`` work for ``task``: only numbers inside ``pattern``'s
-    matches are scored (a second registration replaces the first)."""
-    ANSWER_PATTERNS[task] = re.compile(pattern) if isinstance(pattern, str) else pattern
 
 
 def scope_pattern(scope: Any, task: str | None, where: str) -> re.Pattern[str] | None:
@@ -86,19 +94,20 @@ def scope_pattern(scope: Any, task: str | None, where: str) -> re.Pattern[str] |
             ) from None
     if scope == "answer" or scope.startswith("answer:"):
         name = scope[len("answer:") :] if scope.startswith("answer:") else task
+        patterns = answer_patterns()
         if not name:
             raise ConfigError(
                 f"{where}: number_scope='answer' needs the task (a row field 'task', a data "
                 f"source with `task:`, or 'answer:<task>'); tasks with an answer pattern: "
-                f"{', '.join(sorted(ANSWER_PATTERNS))}"
+                f"{', '.join(sorted(patterns))}"
             )
-        if name not in ANSWER_PATTERNS:
+        if name not in patterns:
             raise ConfigError(
                 f"{where}: task {name!r} has no answer pattern for number_scope='answer' (known: "
-                f"{', '.join(sorted(ANSWER_PATTERNS))}); use 'regex:<pattern>' or "
+                f"{', '.join(sorted(patterns))}); use 'regex:<pattern>' or "
                 "emdlm.data.register_answer_pattern"
             )
-        return ANSWER_PATTERNS[name]
+        return patterns[name]
     raise ConfigError(
         f"{where}: number_scope must be 'all', 'answer', 'answer:<task>' or 'regex:<pattern>', "
         f"got {scope!r}"

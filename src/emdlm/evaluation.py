@@ -14,15 +14,15 @@ import contextlib
 import json
 import math
 import statistics
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from emdlm._files import atomic_write
+from emdlm.eval_kinds import eval_kind
 from emdlm.metrics import (
-    TASK_KINDS,
     TaskKind,
     box_iou,
     choice_metrics,
@@ -351,22 +351,45 @@ def sequence_perplexity(
 # ----------------------------------------------------------------------------------------------
 
 
+def _exact_fields(pred: str, ref: str) -> dict[str, Any]:
+    return {"correct": exact_match(pred, ref, numeric=False)}
+
+
+def _number_fields(pred: str, ref: str) -> dict[str, Any]:
+    p, r = parse_number(pred), parse_number(ref)
+    return {
+        "correct": exact_match(pred, ref, numeric=True),
+        "abs_error": abs(p - r) if p is not None and r is not None else None,
+    }
+
+
+def _clock_fields(pred: str, ref: str) -> dict[str, Any]:
+    gap = clock_time_gap(pred, ref)
+    return {"correct": gap == 0.0, "time_gap": gap}
+
+
+def _box_fields(pred: str, ref: str) -> dict[str, Any]:
+    p_box, r_box = parse_box(pred), parse_box(ref)
+    iou = box_iou(p_box, r_box) if p_box is not None and r_box is not None else None
+    return {"correct": iou is not None and iou >= 0.5, "iou": iou}
+
+
+#: The per-prediction diagnostics of each task kind written to predictions.jsonl:
+#: ``fn(prediction, reference) -> {"correct": ..., ...}``. Exactly the registered kinds
+#: (tests/test_task_registry.py).
+ROW_FIELDS: dict[str, Callable[[str, str], dict[str, Any]]] = {
+    "number": _number_fields,  # correct by value, abs_error
+    "clock": _clock_fields,  # correct when the gap is 0, time_gap
+    "box": _box_fields,  # correct at IoU >= 0.5, iou
+    "boxes": _exact_fields,
+    "text": _exact_fields,
+    "choice": _exact_fields,
+}
+
+
 def _per_example_fields(pred: str, ref: str, kind: TaskKind) -> dict[str, Any]:
-    """Per-prediction diagnostics written to predictions.jsonl."""
-    fields: dict[str, Any] = {"correct": exact_match(pred, ref, numeric=kind == "number")}
-    if kind == "number":
-        p, r = parse_number(pred), parse_number(ref)
-        fields["abs_error"] = abs(p - r) if p is not None and r is not None else None
-    elif kind == "clock":
-        gap = clock_time_gap(pred, ref)
-        fields["time_gap"] = gap
-        fields["correct"] = gap == 0.0
-    elif kind == "box":
-        p_box, r_box = parse_box(pred), parse_box(ref)
-        iou = box_iou(p_box, r_box) if p_box is not None and r_box is not None else None
-        fields["iou"] = iou
-        fields["correct"] = iou is not None and iou >= 0.5
-    return fields
+    """Per-prediction diagnostics written to predictions.jsonl (:data:`ROW_FIELDS`)."""
+    return ROW_FIELDS[kind](pred, ref)
 
 
 def evaluate_examples(
@@ -388,9 +411,10 @@ def evaluate_examples(
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Generate answers for ``examples`` (dicts with "prompt" and "completion") and score them.
 
-    ``stop_at`` defaults to ``("\\n",)`` for answer kinds ("number", "clock", "box") and to no
-    stop string for "text". The reference is the completion cut at the first stop string and
-    stripped (so a training completion "42\\n" is the answer "42"); predictions are stripped.
+    ``stop_at`` defaults to the kind's (:mod:`emdlm.eval_kinds`): ``("\\n",)`` for answer kinds
+    ("number", "clock", "box", ...) and no stop string for "text". The reference is the
+    completion cut at the first stop string and stripped (so a training completion "42\\n" is the
+    answer "42"); predictions are stripped.
 
     Returns ``(metrics, predictions)``: metrics from
     :func:`emdlm.metrics.compute_task_metrics` plus ``perplexity`` of the full reference
@@ -398,13 +422,12 @@ def evaluate_examples(
     ``with_perplexity``; one dict per example with prompt,
     reference, prediction and per-example diagnostics (correct, abs_error / time_gap / iou).
     """
-    if kind not in TASK_KINDS:  # checked before any generation
-        raise ValueError(f"unknown task kind {kind!r}; expected one of {TASK_KINDS}")
+    spec = eval_kind(kind)  # checked before any generation: ValueError on an unknown kind
     for i, ex in enumerate(examples):
         if "prompt" not in ex or "completion" not in ex:
             raise KeyError(f"example {i} needs keys 'prompt' and 'completion', has {sorted(ex)}")
     if stop_at is None:
-        stop_at = () if kind == "text" else ("\n",)
+        stop_at = spec.stop_at
     prompts = [ex["prompt"] for ex in examples]
     references = [_cut_at_stop(ex["completion"], stop_at).strip() for ex in examples]
     preds = generate_answers(

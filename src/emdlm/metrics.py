@@ -44,6 +44,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from emdlm.eval_kinds import EVAL_KINDS
 from emdlm.vision.boxes import Box, box_iou, boxes_metrics, parse_box
 
 TaskKind = Literal["number", "clock", "box", "boxes", "text", "choice"]
@@ -695,7 +696,68 @@ def choice_metrics(
 # One entry point per task kind
 # ----------------------------------------------------------------------------------------------
 
-TASK_KINDS: tuple[str, ...] = ("number", "clock", "box", "boxes", "text", "choice")
+#: Every task kind (the registry's, :mod:`emdlm.eval_kinds`).
+TASK_KINDS: tuple[str, ...] = EVAL_KINDS
+
+
+def _number_metrics(
+    preds: Sequence[str], refs: Sequence[str], *, rel_eps: float, **_: Any
+) -> dict[str, float]:
+    out = {"exact_match": exact_match_rate(preds, refs)}
+    out.update(numeric_errors(preds, refs, eps=rel_eps))
+    return out
+
+
+def _clock_metrics(preds: Sequence[str], refs: Sequence[str], **_: Any) -> dict[str, float]:
+    return clock_metrics(preds, refs)
+
+
+def _box_metrics(preds: Sequence[str], refs: Sequence[str], **_: Any) -> dict[str, float]:
+    ious, failures, n = _box_update(preds, refs)
+    return {
+        "acc_iou50": sum(i >= 0.5 for i in ious) / n if n else 0.0,
+        "mean_iou": statistics.fmean(ious) if ious else float("nan"),
+        "parse_failure_rate": failures / n if n else 0.0,
+        "n": n,
+    }
+
+
+def _boxes_metrics(preds: Sequence[str], refs: Sequence[str], **_: Any) -> dict[str, float]:
+    return boxes_metrics(preds, refs)
+
+
+def _text_metrics(
+    preds: Sequence[str],
+    refs: Sequence[str],
+    *,
+    mauve: bool,
+    featurizer: Featurizer | None,
+    **_: Any,
+) -> dict[str, float]:
+    out = {"exact_match": exact_match_rate(preds, refs, numeric=False)}
+    out.update(rouge(preds, refs))
+    if mauve:
+        out["mauve"] = mauve_score(preds, refs, featurizer=featurizer)
+    out["n"] = len(preds)
+    return out
+
+
+def _choice_accuracy(preds: Sequence[str], refs: Sequence[str], **_: Any) -> dict[str, float]:
+    n = len(preds)
+    hits = sum(p == r for p, r in zip(preds, refs, strict=True))
+    return {"accuracy": hits / n if n else float("nan"), "n": n}
+
+
+#: The metrics of each task kind: ``fn(predictions, references, *, mauve, featurizer, rel_eps)``
+#: (see :func:`compute_task_metrics`). Exactly the registered kinds (tests/test_task_registry.py).
+TASK_METRICS: dict[str, Callable[..., dict[str, float]]] = {
+    "number": _number_metrics,
+    "clock": _clock_metrics,
+    "box": _box_metrics,
+    "boxes": _boxes_metrics,
+    "text": _text_metrics,
+    "choice": _choice_accuracy,
+}
 
 
 def compute_task_metrics(
@@ -707,7 +769,7 @@ def compute_task_metrics(
     featurizer: Featurizer | None = None,
     rel_eps: float = 1.0,
 ) -> dict[str, float]:
-    """All metrics of one task kind, as a flat dict of floats.
+    """All metrics of one task kind, as a flat dict of floats (:data:`TASK_METRICS`).
 
     * ``"number"``: exact_match (value equality), abs/rel error mean and median,
       parse_failure_rate, n.
@@ -724,31 +786,7 @@ def compute_task_metrics(
       and majority rates need the candidates: :func:`choice_metrics`.
     """
     _check_pairs(predictions, references)
-    if kind == "number":
-        out = {"exact_match": exact_match_rate(predictions, references)}
-        out.update(numeric_errors(predictions, references, eps=rel_eps))
-        return out
-    if kind == "clock":
-        return clock_metrics(predictions, references)
-    if kind == "box":
-        ious, failures, n = _box_update(predictions, references)
-        return {
-            "acc_iou50": sum(i >= 0.5 for i in ious) / n if n else 0.0,
-            "mean_iou": statistics.fmean(ious) if ious else float("nan"),
-            "parse_failure_rate": failures / n if n else 0.0,
-            "n": n,
-        }
-    if kind == "boxes":
-        return boxes_metrics(predictions, references)
-    if kind == "text":
-        out = {"exact_match": exact_match_rate(predictions, references, numeric=False)}
-        out.update(rouge(predictions, references))
-        if mauve:
-            out["mauve"] = mauve_score(predictions, references, featurizer=featurizer)
-        out["n"] = len(predictions)
-        return out
-    if kind == "choice":
-        n = len(predictions)
-        hits = sum(p == r for p, r in zip(predictions, references, strict=True))
-        return {"accuracy": hits / n if n else float("nan"), "n": n}
-    raise ValueError(f"unknown task kind {kind!r}; expected one of {TASK_KINDS}")
+    metrics = TASK_METRICS.get(kind) if isinstance(kind, str) else None
+    if metrics is None:
+        raise ValueError(f"unknown task kind {kind!r}; expected one of {TASK_KINDS}")
+    return metrics(predictions, references, mauve=mauve, featurizer=featurizer, rel_eps=rel_eps)

@@ -1,24 +1,55 @@
-"""Named data generators (a registry), so new tasks plug in without touching the trainer.
+"""The one registry of tasks: named data generators with what evaluation needs to know of them.
 
 A task is a function ``task(n, *, split, seed, **params) -> list[dict]`` returning examples with
 "prompt" and "completion" fields (or "text"; extra fields pass through to the collator). The
 "train" and "test" splits of a task (and "dev", for a task registered with it) must be
 disjoint.
 
-Register one with ``@register_task("name")``; build examples with
-``generate_task("name", n=..., split="train", seed=0, **params)``.
+Register one once, next to its generator, with ``@register_task("name", splits=...,
+answer_pattern=..., eval_kind=...)``: its :class:`TaskSpec` holds the generator, its splits, the
+regex of its answer (the numbers ``number_scope="answer"`` scores, :mod:`emdlm.data`) and the
+eval kind its answers are read as (:mod:`emdlm.eval_kinds`, which in turn names the parser,
+the metrics and the picture of that kind). Build examples with
+``generate_task("name", n=..., split="train", seed=0, **params)``; look a task up with
+:func:`task_spec`. Adding a task touches its module (and ``_BUILTIN_MODULES`` for a new module)
+and its tests, nothing else.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+from emdlm.eval_kinds import EVAL_KINDS
 
 TaskFn = Callable[..., list[dict[str, Any]]]
 
-_REGISTRY: dict[str, TaskFn] = {}
-_SPLITS: dict[str, tuple[str, ...]] = {}  # the splits each task serves
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One task.
+
+    name: the task's name (``data.train.task``, a row's ``"task"`` field).
+    generator: ``fn(n, *, split, seed, **params) -> rows``; None for a task named only for its
+        answer pattern (rows from files, :func:`register_answer_pattern`).
+    splits: the splits it serves.
+    answer_pattern: the regex of the answer inside a completion (``number_scope="answer"``
+        scores only the numbers inside its matches); None when the task has none.
+    eval_kind: the :mod:`emdlm.eval_kinds` kind its answers are read as, where there is one.
+    """
+
+    name: str
+    generator: TaskFn | None
+    splits: tuple[str, ...] = ("train", "test")
+    answer_pattern: re.Pattern[str] | None = None
+    eval_kind: str | None = None
+
+
+_REGISTRY: dict[str, TaskSpec] = {}
 # Built-in tasks live in these modules; they register on import (imported lazily).
 _BUILTIN_MODULES = (
     "emdlm.tasks.arithmetic",
@@ -30,20 +61,47 @@ _BUILTIN_MODULES = (
 )
 
 
+def _compiled(pattern: str | re.Pattern[str] | None) -> re.Pattern[str] | None:
+    return re.compile(pattern) if isinstance(pattern, str) else pattern
+
+
 def register_task(
-    name: str, *, splits: tuple[str, ...] = ("train", "test")
+    name: str,
+    *,
+    splits: tuple[str, ...] = ("train", "test"),
+    answer_pattern: str | re.Pattern[str] | None = None,
+    eval_kind: str | None = None,
 ) -> Callable[[TaskFn], TaskFn]:
     """Decorator: register ``fn`` under ``name`` (a second registration of a name is an error);
-    ``splits``: the splits it serves (a task with a held-out "dev" split lists it)."""
+    ``splits``: the splits it serves (a task with a held-out "dev" split lists it);
+    ``answer_pattern``: the regex of its answer (``number_scope="answer"``); ``eval_kind``: the
+    eval kind its answers are read as (:data:`emdlm.eval_kinds.EVAL_KINDS`)."""
+    if eval_kind is not None and eval_kind not in EVAL_KINDS:
+        raise ValueError(f"task {name!r}: unknown eval kind {eval_kind!r}; expected one of "
+                         f"{EVAL_KINDS}")
+    pattern = _compiled(answer_pattern)
 
     def wrap(fn: TaskFn) -> TaskFn:
-        if name in _REGISTRY and _REGISTRY[name] is not fn:
+        old = _REGISTRY.get(name)
+        if old is not None and old.generator is not None and old.generator is not fn:
             raise ValueError(f"task {name!r} is already registered")
-        _REGISTRY[name] = fn
-        _SPLITS[name] = tuple(splits)
+        if old is not None and old.generator is None and pattern is None:
+            keep = old.answer_pattern  # named earlier for its answer pattern only
+        else:
+            keep = pattern
+        _REGISTRY[name] = TaskSpec(name, fn, tuple(splits), keep, eval_kind)
         return fn
 
     return wrap
+
+
+def register_answer_pattern(task: str, pattern: str | re.Pattern[str]) -> None:
+    """Make ``number_scope="answer"`` work for ``task``: only numbers inside ``pattern``'s
+    matches are scored (it replaces the task's pattern). ``task`` need not have a generator
+    (e.g. the name in the ``"task"`` field of a JSONL file's rows)."""
+    _load_builtins()  # a built-in task's registration must not overwrite the pattern later
+    old = _REGISTRY.get(task) or TaskSpec(task, None)
+    _REGISTRY[task] = dataclasses.replace(old, answer_pattern=_compiled(pattern))
 
 
 def _load_builtins() -> None:
@@ -51,18 +109,41 @@ def _load_builtins() -> None:
         importlib.import_module(module)
 
 
+def _generators() -> list[str]:
+    return sorted(name for name, spec in _REGISTRY.items() if spec.generator is not None)
+
+
 def available_tasks() -> list[str]:
-    """Names of all registered tasks."""
+    """Names of all registered tasks (those with a generator)."""
     _load_builtins()
-    return sorted(_REGISTRY)
+    return _generators()
+
+
+def task_spec(name: str) -> TaskSpec:
+    """The :class:`TaskSpec` registered under ``name`` (ValueError listing the known tasks)."""
+    _load_builtins()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown task {name!r}; available tasks: {', '.join(_generators())}")
+    return _REGISTRY[name]
+
+
+def task_specs() -> dict[str, TaskSpec]:
+    """Every registered task's spec by name (a copy), generator-less ones included."""
+    _load_builtins()
+    return dict(_REGISTRY)
+
+
+def answer_patterns() -> dict[str, re.Pattern[str]]:
+    """The answer pattern of every task that has one, by task name."""
+    return {n: s.answer_pattern for n, s in task_specs().items() if s.answer_pattern is not None}
 
 
 def get_task(name: str) -> TaskFn:
     """The generator registered under ``name`` (ValueError listing the known names if absent)."""
-    _load_builtins()
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown task {name!r}; available tasks: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name]
+    fn = task_spec(name).generator
+    if fn is None:
+        raise ValueError(f"unknown task {name!r}; available tasks: {', '.join(_generators())}")
+    return fn
 
 
 def generate_task(
@@ -71,10 +152,9 @@ def generate_task(
     """Generate ``n`` examples of task ``name`` for ``split`` ("train" or "test"; "dev" for
     tasks registered with it)."""
     fn = get_task(name)
-    if split not in _SPLITS[name]:
-        raise ValueError(
-            f"task {name!r} has splits {', '.join(_SPLITS[name])}; got split={split!r}"
-        )
+    splits = _REGISTRY[name].splits
+    if split not in splits:
+        raise ValueError(f"task {name!r} has splits {', '.join(splits)}; got split={split!r}")
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     try:
@@ -83,4 +163,14 @@ def generate_task(
         raise ValueError(f"bad parameters for task {name!r}: {err}") from err
 
 
-__all__ = ["available_tasks", "generate_task", "get_task", "register_task"]
+__all__ = [
+    "TaskSpec",
+    "answer_patterns",
+    "available_tasks",
+    "generate_task",
+    "get_task",
+    "register_answer_pattern",
+    "register_task",
+    "task_spec",
+    "task_specs",
+]

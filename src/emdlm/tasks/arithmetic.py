@@ -68,7 +68,7 @@ def _sample_operands(rng: np.random.Generator, n: int, lo: int, hi: int) -> np.n
     return (low + np.floor(rng.random(n) * (high - low))).astype(np.int64)
 
 
-@register_task("arithmetic", splits=SPLITS)
+@register_task("arithmetic", splits=SPLITS, eval_kind="number")
 def arithmetic(
     n: int,
     *,

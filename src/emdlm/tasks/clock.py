@@ -200,7 +200,7 @@ def render_clock(
     return add_noise(img, rng, noise * rng.random())
 
 
-@register_task("clock")
+@register_task("clock", answer_pattern=r"\b\d{1,2}_\d{2}\b", eval_kind="clock")  # "H_MM"
 def clock(
     n: int,
     *,

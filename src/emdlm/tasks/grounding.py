@@ -37,6 +37,7 @@ from PIL import Image, ImageDraw
 
 from emdlm.tasks import register_task
 from emdlm.tasks.render import (
+    BOX_ANSWER_PATTERN,
     COLORS,
     add_noise,
     background,
@@ -199,7 +200,7 @@ def render_scene(
     return add_noise(img, rng, noise * rng.random())
 
 
-@register_task("grounding")
+@register_task("grounding", answer_pattern=BOX_ANSWER_PATTERN, eval_kind="box")
 def grounding(
     n: int,
     *,

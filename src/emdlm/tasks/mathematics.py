@@ -51,7 +51,7 @@ def _entropy_level(level: int, levels: int = len(DIFFICULTY_LEVELS)) -> Any:
     return restrict
 
 
-@register_task("math_arithmetic")
+@register_task("math_arithmetic", eval_kind="number")
 def math_arithmetic(
     n: int,
     *,
@@ -103,4 +103,4 @@ def math_arithmetic(
 
 
 # The name for it.
-register_task("arithmetic__mixed")(math_arithmetic)
+register_task("arithmetic__mixed", eval_kind="number")(math_arithmetic)

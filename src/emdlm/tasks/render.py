@@ -1,4 +1,5 @@
-"""Shared machinery of the image tasks: fonts, colours, backgrounds, noise and the image cache.
+"""Shared machinery of the image tasks: fonts, colours, backgrounds, noise, the image cache and
+the answer pattern of a box.
 
 Fonts are matplotlib's bundled DejaVu TTFs (``matplotlib.get_data_path()/fonts/ttf``), read by
 Pillow, so rendered text never depends on the fonts installed on the system.
@@ -29,6 +30,12 @@ from PIL import Image, ImageDraw, ImageFont
 from emdlm._files import atomic_write, exclusive_lock
 
 RGB = tuple[int, int, int]
+
+_QWEN_BOX = r"\(\s*\d+\s*,\s*\d+\s*\)\s*,\s*\(\s*\d+\s*,\s*\d+\s*\)"  # (x1,y1),(x2,y2)
+_LLAVA_BOX = r"\[\s*\d*\.?\d+(?:\s*,\s*\d*\.?\d+){3}\s*\]"  # [x1, y1, x2, y2]
+#: The answer pattern of the box tasks (``number_scope="answer"``): one box in either answer
+#: format of :mod:`emdlm.vision.boxes`, so a list of boxes is one match per box.
+BOX_ANSWER_PATTERN = f"{_QWEN_BOX}|{_LLAVA_BOX}"
 
 #: Named colours of the generated scenes (names appear in the referring expressions).
 COLORS: dict[str, RGB] = {

@@ -206,7 +206,7 @@ def english_text(
     return _take(rows, n, seed)
 
 
-@register_task("english_continuation", splits=SPLITS)
+@register_task("english_continuation", splits=SPLITS, eval_kind="text")
 def english_continuation(
     n: int,
     *,
@@ -268,7 +268,7 @@ def format_demonstrations(demos: Sequence[tuple[str, int]], labels: Sequence[str
     return "".join(RT_TEMPLATE.format(text=t, label=labels[y]) + "\n" for t, y in demos)
 
 
-@register_task("polarity_choice", splits=SPLITS)
+@register_task("polarity_choice", splits=SPLITS, eval_kind="choice")
 def polarity_choice(
     n: int,
     *,

@@ -33,6 +33,7 @@ from PIL import Image, ImageDraw
 
 from emdlm.tasks import register_task
 from emdlm.tasks.render import (
+    BOX_ANSWER_PATTERN,
     FONT_FAMILIES,
     add_clutter,
     add_noise,
@@ -119,7 +120,7 @@ def render_words(
     return img, words, boxes, styles
 
 
-@register_task("text_detection")
+@register_task("text_detection", answer_pattern=BOX_ANSWER_PATTERN, eval_kind="boxes")
 def text_detection(
     n: int,
     *,

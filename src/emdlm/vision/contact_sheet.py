@@ -16,25 +16,35 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from PIL import Image, ImageDraw
 
 from emdlm._files import atomic_write
+from emdlm.eval_kinds import PICTURE_KINDS
 from emdlm.metrics import clock_time_gap
 from emdlm.tasks.render import load_font
-from emdlm.vision.boxes import answer_box_to_pixels, box_iou, match_boxes, parse_box, parse_boxes
+from emdlm.vision.boxes import (
+    Box,
+    answer_box_to_pixels,
+    box_iou,
+    match_boxes,
+    parse_box,
+    parse_boxes,
+)
 from emdlm.vision.images import open_rgb
 
 PAD = 4
 CAPTION_H = 30
 LEGEND_H = 22
+RGB = tuple[int, int, int]
 GOLD = (0, 190, 0)
 PRED = (255, 0, 255)
 WRONG = (220, 0, 0)
-SHEET_KINDS = ("box", "boxes", "clock")
+SHEET_KINDS = PICTURE_KINDS  # the kinds with a picture (emdlm.eval_kinds)
 
 
 def sheet_size(n_items: int, columns: int, thumb: int) -> tuple[int, int]:
@@ -58,12 +68,15 @@ def _gold_boxes(row: dict[str, Any], size: tuple[int, int], fmt: str) -> list[tu
     return [answer_box_to_pixels(b, size[0], size[1], fmt) for b in boxes]
 
 
-def _pred_boxes(pred: str, kind: str, size: tuple[int, int], fmt: str) -> list[tuple] | None:
-    if kind == "box":
-        box = parse_box(pred)
-        boxes = None if box is None else [box]
-    else:
-        boxes = parse_boxes(pred)
+def _one_box(pred: str) -> list[Box] | None:
+    box = parse_box(pred)
+    return None if box is None else [box]
+
+
+def _pred_boxes(
+    pred: str, parse: Callable[[str], list[Box] | None], size: tuple[int, int], fmt: str
+) -> list[tuple] | None:
+    boxes = parse(pred)
     if boxes is None:
         return None
     return [answer_box_to_pixels(b, size[0], size[1], fmt) for b in boxes]
@@ -77,22 +90,37 @@ def _shorten(text: str, font: Any, width: int) -> str:
     return text + "..."
 
 
+def _iou_caption(preds: list[tuple], gold: list[tuple]) -> tuple[str, RGB]:
+    iou = box_iou(preds[0], gold[0]) if gold else 0.0
+    return f"IoU {iou:.2f}", GOLD if iou >= 0.5 else WRONG
+
+
+def _match_caption(preds: list[tuple], gold: list[tuple]) -> tuple[str, RGB]:
+    matched = len(match_boxes(preds, gold, 0.5))
+    ok = matched == len(gold) == len(preds)
+    return f"matched {matched}/{len(gold)}, pred {len(preds)}", GOLD if ok else WRONG
+
+
 def _box_cell(
     draw: ImageDraw.ImageDraw,
     row: dict[str, Any],
     pred: str,
-    kind: str,
     size: tuple[int, int],
     origin: tuple[int, int],
     scale: float,
-) -> tuple[str, tuple[int, int, int]]:
-    """Draw gold and predicted boxes on the cell; returns the score caption and its colour."""
+    *,
+    parse: Callable[[str], list[Box] | None],
+    caption: Callable[[list[tuple], list[tuple]], tuple[str, RGB]],
+) -> tuple[str, str, RGB]:
+    """Draw gold and predicted boxes on the cell; returns the caption lines (the referring
+    expression or the words, then the score) and the score's colour."""
     fmt = row.get("box_format", "qwen2vl")
     gold = _gold_boxes(row, size, fmt)
-    preds = _pred_boxes(pred, kind, size, fmt)
+    preds = _pred_boxes(pred, parse, size, fmt)
     ox, oy = origin
+    line1 = str(row.get("expression") or " ".join(row.get("words", [])) or "")
 
-    def rect(b: Sequence[float], color: tuple[int, int, int], width: int) -> None:
+    def rect(b: Sequence[float], color: RGB, width: int) -> None:
         x1, y1, x2, y2 = (
             ox + b[0] * scale,
             oy + b[1] * scale,
@@ -106,15 +134,58 @@ def _box_cell(
     for b in gold:
         rect(b, GOLD, 2)
     if preds is None:
-        return "unparsed prediction", WRONG
+        return line1, "unparsed prediction", WRONG
     for b in preds:
         rect(b, PRED, 1)
-    if kind == "box":
-        iou = box_iou(preds[0], gold[0]) if gold else 0.0
-        return f"IoU {iou:.2f}", GOLD if iou >= 0.5 else WRONG
-    matched = len(match_boxes(preds, gold, 0.5))
-    ok = matched == len(gold) == len(preds)
-    return f"matched {matched}/{len(gold)}, pred {len(preds)}", GOLD if ok else WRONG
+    return (line1, *caption(preds, gold))
+
+
+def _clock_cell(
+    draw: ImageDraw.ImageDraw,
+    row: dict[str, Any],
+    pred: str,
+    size: tuple[int, int],
+    origin: tuple[int, int],
+    scale: float,
+) -> tuple[str, str, RGB]:
+    """The gold and the predicted time; green when they match."""
+    gap = clock_time_gap(pred, row["completion"])
+    line1 = f"gold {row['completion']}"
+    line2 = f"pred {pred.strip() or '(empty)'}" + ("  (unparsed)" if gap is None else "")
+    return line1, line2, GOLD if gap == 0.0 else WRONG
+
+
+def _box_legend(draw: ImageDraw.ImageDraw, font: Any) -> None:
+    draw.text((PAD, 4), "gold box", fill=GOLD, font=font)
+    draw.text((PAD + 70, 4), "predicted box", fill=PRED, font=font)
+
+
+def _clock_legend(draw: ImageDraw.ImageDraw, font: Any) -> None:
+    draw.text(
+        (PAD, 4), "gold / predicted time (green: exact, red: wrong)", fill=(0, 0, 0), font=font
+    )
+
+
+class Sheet(NamedTuple):
+    """How a contact sheet draws one task kind.
+
+    legend(draw, font): the legend strip on top.
+    cell(draw, row, prediction, image size, origin, scale) -> (line1, line2, colour of line2):
+        draws on the cell's thumbnail (placed at ``origin``, scaled by ``scale``) and returns
+        its two caption lines.
+    """
+
+    legend: Callable[[ImageDraw.ImageDraw, Any], None]
+    cell: Callable[..., tuple[str, str, RGB]]
+
+
+#: The drawing of each task kind with a picture (:data:`emdlm.eval_kinds.PICTURE_KINDS`;
+#: pinned by tests/test_task_registry.py).
+SHEETS: dict[str, Sheet] = {
+    "clock": Sheet(_clock_legend, _clock_cell),
+    "box": Sheet(_box_legend, partial(_box_cell, parse=_one_box, caption=_iou_caption)),
+    "boxes": Sheet(_box_legend, partial(_box_cell, parse=parse_boxes, caption=_match_caption)),
+}
 
 
 def make_contact_sheet(
@@ -139,7 +210,8 @@ def make_contact_sheet(
         thumb: side of the square each image is fitted into (>= 32).
         max_items: draw only the first ``max_items`` rows (None for all).
     """
-    if kind not in SHEET_KINDS:
+    drawer = SHEETS.get(kind) if isinstance(kind, str) else None
+    if drawer is None:
         raise ValueError(f"kind must be one of {SHEET_KINDS}, got {kind!r}")
     if len(rows) != len(predictions):
         raise ValueError(f"{len(rows)} rows but {len(predictions)} predictions")
@@ -151,13 +223,7 @@ def make_contact_sheet(
     sheet = Image.new("RGB", sheet_size(len(items), columns, thumb), (255, 255, 255))
     draw = ImageDraw.Draw(sheet)
     font = load_font(11)
-    if kind == "clock":
-        draw.text(
-            (PAD, 4), "gold / predicted time (green: exact, red: wrong)", fill=(0, 0, 0), font=font
-        )
-    else:
-        draw.text((PAD, 4), "gold box", fill=GOLD, font=font)
-        draw.text((PAD + 70, 4), "predicted box", fill=PRED, font=font)
+    drawer.legend(draw, font)
     cell = thumb + 2 * PAD
     for i, (row, pred) in enumerate(items):
         x0 = (i % columns) * cell
@@ -168,14 +234,7 @@ def make_contact_sheet(
         origin = (x0 + PAD + (thumb - small.width) // 2, y0 + PAD + (thumb - small.height) // 2)
         sheet.paste(small, origin)
         text_y = y0 + cell
-        if kind == "clock":
-            gap = clock_time_gap(pred, row["completion"])
-            color = GOLD if gap == 0.0 else WRONG
-            line1 = f"gold {row['completion']}"
-            line2 = f"pred {pred.strip() or '(empty)'}" + ("  (unparsed)" if gap is None else "")
-        else:
-            line2, color = _box_cell(draw, row, pred, kind, size, origin, scale)
-            line1 = str(row.get("expression") or " ".join(row.get("words", [])) or "")
+        line1, line2, color = drawer.cell(draw, row, pred, size, origin, scale)
         draw.text(
             (x0 + PAD, text_y), _shorten(line1, font, cell - 2 * PAD), fill=(0, 0, 0), font=font
         )
