@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from _objectives import SPECS, random_cost_embedding
+from emdlm.integrations.loss_contract import declared_needs
 from emdlm.losses.ce import CrossEntropyLoss
 from emdlm.losses.emo import EMOLoss
 from emdlm.losses.ntil import DigitEMDLoss, NTILLoss
@@ -216,7 +217,7 @@ def test_every_registered_objective_is_covered(tok: Any) -> None:
     assert {name for name, _ in CASES} == set(SPECS)
     for name in OBJECTIVES:
         module = _build(name, tok, len(tok) + EXTRA_ROWS, False)
-        assert callable(getattr(module, "from_hidden", None)) == (name not in DISTILL), name
+        assert declared_needs(module).has_from_hidden == (name not in DISTILL), name
 
 
 CASES = [(name, "logits") for name in OBJECTIVES] + [(name, "hidden") for name in FROM_HIDDEN]

@@ -25,7 +25,7 @@ SRC = Path(os.environ.get("EMDLM_LAYERS_SRC") or ROOT / "src")
 # docs/architecture.md (checked below).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundations", ("emdlm._files", "emdlm._output", "emdlm.yaml_io", "emdlm.objective_specs",
-                     "emdlm.config", "emdlm.weights")),
+                     "emdlm.eval_kinds", "emdlm.config", "emdlm.weights")),
     ("vocabularies", ("emdlm.numbers", "emdlm.tokenizers")),
     ("functional", ("emdlm.functional.*",)),
     ("ops", ("emdlm.ops.*",)),

@@ -14,6 +14,7 @@ attributes or signatures:
 ``has_from_hidden``         ``from_hidden(hidden, lm_head_weight, labels, lm_head_bias=None, *,
                             logit_scale=None, softcap=None, ...)``: the same loss from the final
                             hidden state and the output embedding, never building [N, V] logits.
+``hidden_transforms``       the logit transforms ``from_hidden`` takes (every emdlm loss: both).
 ``reduction``, ``ignore_index``  set per instance: ``"mean"`` over scored tokens or ``"sum"``
                             (what a framework that divides by the token count needs).
 ==========================  =====================================================================
@@ -47,6 +48,7 @@ class EMDLMLoss(nn.Module):
     needs_teacher: ClassVar[bool] = False
     takes_number_mask: ClassVar[bool] = False
     has_from_hidden: ClassVar[bool] = True
+    hidden_transforms: ClassVar[tuple[str, ...]] = HIDDEN_TRANSFORMS
 
     reduction: str
     ignore_index: int

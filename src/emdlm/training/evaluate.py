@@ -1,5 +1,7 @@
 """The ``emdlm eval`` recipe: load a trained folder, generate answers for a test set, score them
-with :func:`emdlm.evaluation.evaluate_examples`, write metrics.json + predictions.jsonl."""
+with :func:`emdlm.evaluation.evaluate_examples`, write metrics.json + predictions.jsonl. What
+differs between a text model and an image-text model is the folder's model adapter's
+(:func:`emdlm.training.adapters.adapter_for_folder`)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from emdlm.config import (
     load_config_dict,
     read_yaml_file,
 )
-from emdlm.data import load_examples
+from emdlm.training.text_eval import load_trained as load_trained  # re-exported (sample, training)
 
 RUN_CONFIG = "run_config.yaml"
 
@@ -43,39 +45,6 @@ def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
-
-
-def load_trained(run_dir: str | Path, tokenizer_name: str | None = None) -> tuple[Any, Any]:
-    """(model, tokenizer) from a trained output folder or checkpoint folder."""
-    from transformers import AutoModelForCausalLM
-
-    from emdlm.models import check_vocab, load_tokenizer
-    from emdlm.training.run_folder import checkpoint_folders, checkpoint_problem, weights_problem
-
-    folder = Path(run_dir)
-    if not folder.is_dir():
-        raise ConfigError(f"model folder not found: {folder}")
-    if not (folder / "config.json").exists():
-        complete = [c for c in checkpoint_folders(folder) if checkpoint_problem(c) is None]
-        hint = f"; evaluate a checkpoint instead: emdlm eval {complete[0]}" if complete else ""
-        raise ConfigError(f"{folder} holds no model (config.json missing){hint}")
-    has_tok = (folder / "tokenizer_config.json").exists() or (folder / "tokenizer.json").exists()
-    if has_tok:
-        tokenizer = load_tokenizer(str(folder))
-    elif tokenizer_name is not None:
-        tokenizer = load_tokenizer(tokenizer_name)
-    else:
-        raise ConfigError(f"{folder} has no tokenizer files; pass tokenizer=<name or folder>")
-    problem = weights_problem(folder)
-    if problem:  # before transformers, whose error would name no file
-        raise ConfigError(f"cannot load the model in {folder}: {problem}")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(folder))
-    except (OSError, ValueError, RuntimeError) as err:
-        raise ConfigError(f"cannot load the model in {folder}: {err}") from err
-    check_vocab(model, tokenizer)
-    model.eval()
-    return model, tokenizer
 
 
 def evaluate_run(
@@ -130,62 +99,10 @@ def _evaluate(
     run_dir: Path, cfg: RunConfig, target: Path
 ) -> tuple[dict[str, Any], list[dict[str, Any]], list[Path]]:
     """Metrics, prediction rows and the pictures drawn (a VLM's ``target/contact_sheet.png``)
-    of the model in ``run_dir`` (see :func:`evaluate_run`)."""
-    from emdlm.evaluation import evaluate_examples
-    from emdlm.vlm.models import folder_model_type
+    of the model in ``run_dir`` (see :func:`evaluate_run`), by the folder's model adapter
+    (:func:`emdlm.training.adapters.adapter_for_folder`: a causal LM, or an image-text-to-text
+    model evaluated on images, :func:`emdlm.vlm.training.evaluate_vlm`)."""
+    from emdlm.training.adapters import adapter_for_folder
 
     assert cfg.data.eval is not None  # checked by evaluate_run
-    vlm_type = folder_model_type(run_dir)
-    if vlm_type is not None:  # an image-text-to-text folder: images + generation (emdlm.vlm)
-        from emdlm.vlm.training import evaluate_vlm
-
-        sheet = target / "contact_sheet.png"
-        metrics, predictions = evaluate_vlm(run_dir, vlm_type, cfg, sheet=sheet)
-        return metrics, predictions, [sheet] if sheet.is_file() else []
-    examples = load_examples(cfg.data.eval, seed=cfg.train.seed)
-    if any("completion" not in ex for ex in examples):
-        raise ConfigError(f"{cfg.data.eval.describe()}: eval needs prompt/completion examples")
-    e = cfg.eval
-    if e.kind == "choice" and any("choices" not in ex or "label" not in ex for ex in examples):
-        raise ConfigError(f"{cfg.data.eval.describe()}: eval.kind=choice needs 'choices' and "
-                          "'label' in every example (e.g. --task polarity_choice)")
-    oracle = load_trained(e.oracle, cfg.tokenizer) if e.kind == "text" and e.oracle else None
-    model, tokenizer = load_trained(run_dir, cfg.tokenizer)
-    if e.kind == "text":
-        metrics, predictions = _evaluate_text(model, tokenizer, examples, e, oracle)
-    elif e.kind == "choice":
-        from emdlm.evaluation import evaluate_choice
-
-        try:
-            metrics, predictions = evaluate_choice(
-                model, tokenizer, examples, batch_size=e.batch_size
-            )
-        except ValueError as err:  # e.g. k-shot prompts longer than the model's context
-            raise ConfigError(f"choice evaluation: {err}") from err
-    else:
-        metrics, predictions = evaluate_examples(
-            model, tokenizer, examples, kind=e.kind, max_new_tokens=e.max_new_tokens,
-            batch_size=e.batch_size, do_sample=e.do_sample, temperature=e.temperature,
-            top_p=e.top_p, seed=e.seed,
-        )
-    return metrics, predictions, []
-
-
-def _evaluate_text(
-    model: Any, tokenizer: Any, examples: list[dict[str, Any]], e: Any, oracle: Any
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """eval.kind=text: sampled continuations, scored (ValueError becomes ConfigError)."""
-    from emdlm.evaluation import evaluate_text
-
-    try:
-        metrics, rows = evaluate_text(
-            model, tokenizer, examples, num_samples=e.num_samples,
-            max_new_tokens=e.max_new_tokens, batch_size=e.batch_size,
-            temperature=e.temperature, top_p=e.top_p, seed=e.seed, oracle=oracle,
-            mauve=e.mauve, mauve_mode=e.mauve_mode,
-        )
-    except ValueError as err:
-        raise ConfigError(f"text evaluation: {err}") from err
-    if oracle is not None:
-        metrics["oracle"] = str(e.oracle)
-    return metrics, rows
+    return adapter_for_folder(run_dir).evaluate(run_dir, cfg, target)

@@ -1,5 +1,6 @@
 """The VLM half of ``emdlm train`` / ``emdlm eval``: what :mod:`emdlm.training.train` and
-:mod:`emdlm.training.evaluate` call when ``model.name`` is a VLM (a named tiny VLM, or a folder
+:mod:`emdlm.training.evaluate` call, through :class:`ImageTextAdapter` (chosen by
+:mod:`emdlm.training.adapters`), when ``model.name`` is a VLM (a named tiny VLM, or a folder
 whose config.json is an image-text-to-text model)."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 
 from emdlm.config import ConfigError, RunConfig
 from emdlm.data import row_scopes
+from emdlm.eval_kinds import eval_kind
 from emdlm.models import load_tokenizer
 from emdlm.vlm.collator import VLMCollator
 from emdlm.vlm.data import ImageRowsDataset, cut_image_rows, load_image_examples
@@ -130,7 +132,7 @@ def evaluate_vlm(
     from emdlm.vlm.generate import generate_vlm_answers, other_images, vlm_perplexity
 
     e = cfg.eval
-    if e.kind in ("text", "choice"):
+    if not eval_kind(e.kind).short_answer:
         raise ConfigError(f"eval.kind={e.kind} is not supported for VLMs; use clock, box, boxes "
                           "or number")
     assert cfg.data.eval is not None
@@ -153,7 +155,7 @@ def evaluate_vlm(
     if len(rows) >= 2:  # the same answers shown the next row's image: does the model look?
         metrics["perplexity_other_images"] = vlm_perplexity(
             model, collator, other_images(rows, key), batch_size=e.batch_size)
-    if sheet is not None and e.kind in ("clock", "box", "boxes") and all(
+    if sheet is not None and eval_kind(e.kind).picture and all(
         isinstance(r[key], str) for r in rows
     ):
         from emdlm.vision.contact_sheet import make_contact_sheet
@@ -167,3 +169,59 @@ def evaluate_vlm(
         for r, ref, pred in zip(rows, refs, preds, strict=True)
     ]
     return metrics, predictions
+
+
+class ImageTextAdapter:
+    """The image-text model (VLM) adapter of the recipes (:mod:`emdlm.training.adapters` has
+    the text one and the methods' contract): image rows, the VLM and its image processor
+    (:func:`prepare_vlm_run`), LoRA on the language model only, the VLM collator, the image
+    processor saved in the run folder, :func:`evaluate_vlm`. ``model_type``: a trained
+    folder's (for ``evaluate``; read from the folder when None)."""
+
+    family = "image-text"
+
+    def __init__(self, model_type: str | None = None) -> None:
+        self.model_type = model_type
+        self.parts: VLMParts | None = None
+
+    def _built(self) -> VLMParts:
+        if self.parts is None:
+            raise RuntimeError("ImageTextAdapter.build has not run")
+        return self.parts
+
+    def build(self, cfg: RunConfig) -> tuple[Any, Any]:
+        from transformers import set_seed
+
+        set_seed(cfg.train.seed)
+        self.parts = prepare_vlm_run(cfg)
+        return self.parts.tokenizer, self.parts.model
+
+    def lora_targets(self, configured: Any) -> Any:
+        return lora_targets(configured)
+
+    def datasets(self, cfg: RunConfig, tokenizer: Any) -> tuple[Any, Any]:
+        parts = self._built()  # built (and checked) with the model
+        return parts.train_dataset, parts.eval_dataset
+
+    def check_before_training(self, cfg: RunConfig, eval_configs: Any, model: Any,
+                              tokenizer: Any) -> None:
+        return None  # image rows were checked when built
+
+    def collator(self, cfg: RunConfig, tokenizer: Any) -> VLMCollator:
+        return self._built().collator
+
+    def save_beside_model(self, out: Path) -> list[str]:
+        """The image processor: before training, so eval of a checkpoint-N finds it in the run
+        folder."""
+        self._built().image_processor.save_pretrained(str(out))
+        return ["preprocessor_config.json"]
+
+    def evaluate(
+        self, run_dir: Path, cfg: RunConfig, target: Path
+    ) -> tuple[dict[str, Any], list[dict[str, Any]], list[Path]]:
+        model_type = self.model_type or folder_model_type(run_dir)
+        if model_type is None:
+            raise ConfigError(f"{run_dir} holds no image-text-to-text model")
+        sheet = target / "contact_sheet.png"
+        metrics, predictions = evaluate_vlm(run_dir, model_type, cfg, sheet=sheet)
+        return metrics, predictions, [sheet] if sheet.is_file() else []
