@@ -108,7 +108,15 @@ class ObjectiveSpec:
 SPECS: dict[str, ObjectiveSpec] = {
     spec.name: spec
     for spec in (
-        ObjectiveSpec("ce", {"default": {}}),
+        ObjectiveSpec(
+            "ce",
+            {
+                "default": {},
+                "smoothing-zloss-accuracy": {
+                    "label_smoothing": 0.1, "z_loss": 1e-3, "token_accuracy": True,
+                },
+            },
+        ),
         ObjectiveSpec(
             "emd",
             {"fused": {"implementation": "fused"}, "reference": {"implementation": "reference"}},
@@ -144,6 +152,25 @@ SPECS: dict[str, ObjectiveSpec] = {
             },
         ),
         ObjectiveSpec("mixce", {"default": {}}),
+        ObjectiveSpec("dft", {"default": {}}),
+        ObjectiveSpec(
+            "ntl_mse",
+            {
+                "classes": {},
+                "ntloss-l1": {"preset": "ntloss", "loss": "l1"},
+                "huber-token-no-reweigh": {"loss": "huber", "averaging": "token", "reweigh": False},
+            },
+            needs_digits=True,
+        ),
+        ObjectiveSpec(
+            "number_level",
+            {
+                "classes": {},
+                "ntloss-float": {"preset": "ntloss", "float_level": True},
+                "token-no-reweigh": {"averaging": "token", "reweigh": False},
+            },
+            needs_digits=True,
+        ),
         ObjectiveSpec(
             "emo_distill",
             {

@@ -35,14 +35,16 @@ from _compile_marks import needs_dynamo
 from _objectives import SPECS
 from emdlm.functional.emo import normalize_cost_embedding
 from emdlm.losses.ce import CrossEntropyLoss
+from emdlm.losses.dft import DFTLoss
 from emdlm.losses.mixce import MixCELoss
 from emdlm.losses.ntil import DigitEMDLoss, NTILLoss
+from emdlm.losses.ntl import NTLMSELoss, NumberLevelLoss
 from emdlm.losses.tailr import TaiLrLoss
 from emdlm.numbers import NumberVocab
 from emdlm.ops._chunking import prepare_cost
 from emdlm.ops.chunked import ChunkObjective, HeadOptions, _Pass
 from emdlm.ops.emo_dense_chunked import EMODistillObjective
-from emdlm.ops.from_hidden import EMOObjective, NTILObjective
+from emdlm.ops.from_hidden import EMOObjective, NTILObjective, NTLObjective
 
 pytestmark = needs_dynamo
 
@@ -83,6 +85,17 @@ def _ntil(cls: type[NTILLoss], **kwargs: Any) -> Callable[[torch.Tensor], ChunkO
     return make
 
 
+def _ntl(
+    cls: type[NTLMSELoss | NumberLevelLoss], **kwargs: Any
+) -> Callable[[torch.Tensor], ChunkObjective]:
+    def make(labels: torch.Tensor) -> ChunkObjective:
+        stand_in = torch.zeros(()).expand(*labels.shape, V)  # as from_hidden
+        draft, vocab, _ = cls(VOCAB, **kwargs)._draft(stand_in, labels, None)
+        return NTLObjective(draft, vocab, cls(VOCAB, **kwargs).settings)
+
+    return make
+
+
 def _distill(base: str, mode: str) -> Callable[[torch.Tensor], ChunkObjective]:
     teacher = torch.randn(N, V, generator=torch.Generator().manual_seed(9))
     opts = {"base": base, "mode": mode, "mu": 0.7, "temperature": 2.0, "max_ratio": None}
@@ -104,6 +117,17 @@ CASES: dict[str, tuple[str, Callable[[torch.Tensor], ChunkObjective], tuple[str,
         BOTH,
     ),
     "mixce": ("mixce", lambda y: MixCELoss(eta=0.3).hidden_objective(), BOTH),
+    "dft": ("dft", lambda y: DFTLoss().hidden_objective(), BOTH),
+    "ce_smoothing_zloss_accuracy": (
+        "ce",
+        lambda y: CrossEntropyLoss(
+            label_smoothing=0.1, z_loss=1e-3, token_accuracy=True
+        ).hidden_objective(),
+        BOTH,
+    ),
+    "ntl_mse": ("ntl_mse", _ntl(NTLMSELoss), BOTH),
+    "ntl_l1_token": ("ntl_mse", _ntl(NTLMSELoss, loss="l1", averaging="token"), BOTH),
+    "number_level": ("number_level", _ntl(NumberLevelLoss), BOTH),
     "emd": ("emd", _ntil(DigitEMDLoss), BOTH),
     "ntil": ("ntil", _ntil(NTILLoss), BOTH),
     "emo1": ("emo", lambda y: EMOObjective(_cost(), "emo1", 1.0, 3.0), BOTH),

@@ -6,8 +6,11 @@
   (each rank holds about half of the elements, as DTensors): a run that fell back to DDP or to
   one process fails here.
 - The from-hidden loss on a head that is an FSDP ``DTensor`` shard when the loss reads it: the
-  gathered weight gives the single-process loss and gradients; the shard itself (or its local
-  rows) is refused with a clear error; ``DTensor.full_tensor()`` alone gives wrong gradients.
+  gathered weight gives the single-process loss and gradients, for every registered objective
+  with ``has_from_hidden`` (tests/_objectives.py ``SPECS``: a new objective is checked here by
+  being registered; the conformance suite, tests/test_conformance.py, points here); the shard
+  itself (or its local rows) is refused with a clear error; ``DTensor.full_tensor()`` alone
+  gives wrong gradients.
 
 One ``torchrun`` launch of this file runs the head checks and three of the four trainings
 (``python tests/test_fsdp.py``, see ``_worker``); the fourth goes through the
@@ -183,6 +186,21 @@ def test_sharded_head_is_gathered_for_the_from_hidden_loss(runs):
     assert head["max_grad"] > 1e-3  # the gradients compared are not all zero
 
 
+def test_every_objective_from_hidden_on_a_sharded_head(runs):
+    """As above for every registered objective with a from-hidden path (class defaults; an
+    objective with batch-level terms under the options that make a row split exact,
+    tests/test_conformance.py BATCH_LEVEL): 2 ranks x 2 rows equal 1 process x 4 rows."""
+    from _objectives import SPECS
+
+    objectives = runs["head"]["objectives"]
+    assert set(objectives) == {n for n, spec in SPECS.items() if spec.cls.has_from_hidden}
+    for name, result in objectives.items():
+        assert result["head_is_dtensor"], name
+        assert result["loss_diff"] < 1e-5 * max(1.0, result["loss"]), (name, result)
+        assert result["grad_diff"] < 1e-5, (name, result)
+        assert result["max_grad"] > 1e-3, (name, result)
+
+
 def test_a_head_shard_reaching_the_loss_is_refused(runs):
     """Without the gather the loss would see a DTensor or its local rows: both are refused,
     naming the shapes; DTensor.full_tensor() (whose backward keeps only the local rank's part
@@ -330,10 +348,74 @@ def _head_checks() -> dict:
     for kind in ("dtensor", "local_rows"):  # the message of rank 0's shard (12 rows)
         if rank != 0:
             result.pop(kind)
+    result["objectives"] = _every_objective(ref, ids, labels, n_items)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, result)
-    return gathered[0] | {"grad_diff": {
+    objectives = {
+        name: gathered[0]["objectives"][name] | {
+            k: max(r["objectives"][name][k] for r in gathered) for k in ("loss_diff", "grad_diff")
+        } | {"head_is_dtensor": all(r["objectives"][name]["head_is_dtensor"] for r in gathered)}
+        for name in result["objectives"]
+    }
+    return gathered[0] | {"objectives": objectives, "grad_diff": {
         k: max(r["grad_diff"][k] for r in gathered) for k in result["grad_diff"]}}
+
+
+def _every_objective(ref, ids, labels, n_items) -> dict:
+    """Rank-local: for every registered objective with a from-hidden path, a fresh sharded copy
+    of ``ref`` (lm_head its own FSDP unit), its from-hidden loss of this rank's 2 rows against
+    the logits-path loss of all 4 rows on ``ref``: loss and gradient differences."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from _objectives import SPECS, random_cost_embedding
+    from emdlm.integrations.transformers import make_compute_loss_func
+    from emdlm.numbers import NumberVocab
+    from test_conformance import BATCH_LEVEL
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    vocab = ref.config.vocab_size
+    tokens = [str(d) for d in range(10)] + [f"Ġ{d}" for d in range(10)] + [".", "-", "a"]
+    digits = NumberVocab.from_token_strings(tokens[:vocab], vocab)
+    cost = random_cost_embedding(vocab, 6, seed=3)
+    rows = slice(2 * rank, 2 * rank + 2)
+    out: dict = {}
+    for name, spec in SPECS.items():
+        if not spec.cls.has_from_hidden:
+            continue
+        options = BATCH_LEVEL.get(name, {})  # a row split is exact under these
+        loss_fn = spec.build(digits=digits, cost_embedding=cost, reduction="sum", **options)
+        ref.zero_grad(set_to_none=True)
+        ref_loss = make_compute_loss_func(loss_fn)(
+            ref(input_ids=ids), labels, num_items_in_batch=n_items)
+        ref_loss.backward()
+        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+        model = copy.deepcopy(ref)
+        model.zero_grad(set_to_none=True)
+        fully_shard(model.lm_head, reshard_after_forward=True)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        compute_loss = make_compute_loss_func(loss_fn, from_hidden=True, model=model)
+        hidden_out = model(input_ids=ids[rows])
+        is_dtensor = isinstance(model.lm_head.weight, DTensor)
+        loss = compute_loss(hidden_out, labels[rows], num_items_in_batch=n_items)
+        (loss * world).backward()  # as the Trainer: FSDP averages gradients over ranks
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        grad_diff = 0.0
+        for n, p in model.named_parameters():
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            grad_diff = max(grad_diff, float((g - ref_grads[n]).abs().max()))
+        out[name] = {
+            "loss": abs(float(ref_loss)), "loss_diff": abs(float(total) - float(ref_loss)),
+            "grad_diff": grad_diff, "head_is_dtensor": is_dtensor,
+            "max_grad": max(float(g.abs().max()) for g in ref_grads.values()),
+        }
+    return out
 
 
 def _worker(head_json: str, configs: list[str]) -> None:

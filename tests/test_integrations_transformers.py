@@ -30,6 +30,9 @@ EXACT_OBJECTIVES = {
     "emo": ("emo", {}),
     "emd-static-token": ("emd", dict(TOKEN_NTIL)),
     "ntil-static-token": ("ntil", {**TOKEN_NTIL, "value_mode": "expected"}),
+    "dft": ("dft", {}),
+    "ntl_mse-token": ("ntl_mse", {"averaging": "token"}),
+    "number_level-token": ("number_level", {"averaging": "token"}),
 }
 # With the default averaging ("batch": means over the numbers of the batch it is given) or the
 # dynamic mix (a batch ratio sg(CE/NTIL), with any averaging), NTIL / digit EMD's "sum" is
@@ -40,6 +43,8 @@ BATCH_MEAN_OBJECTIVES = {
     "emd": {"value_mode": "expected"},
     "ntil": {"value_mode": "expected"},  # deterministic value (no Gumbel noise per call)
     "ntil-dynamic-token": {"value_mode": "expected", "averaging": "token"},
+    "ntl_mse": {},  # mean over the batch's number tokens (ntloss's averaging)
+    "number_level": {},  # mean over the batch's numbers
 }
 
 

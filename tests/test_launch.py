@@ -3,6 +3,7 @@ and the tidy console (no raw Trainer dicts), also in the demo."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import re
 from types import SimpleNamespace
@@ -108,8 +109,10 @@ def test_log_line_has_no_raw_dict():
     assert ev == "eval step 5/10: eval_loss 2"
     end = log_line({"train_runtime": 12.34, "train_loss": 1.5, "epoch": 1.0}, 10, 10)
     assert end == (
-        "stopped at step 10 after 12.3 s, mean train loss 1.5 over the steps run since (re)start"
-    )
+        "done: 10 steps in 12.3 s, mean train loss 1.5 over the steps run since (re)start"
+    )  # issue 36: a normal end does not read like an interruption
+    cut = log_line({"train_runtime": 3.0, "epoch": 0.4}, 4, 10)
+    assert cut == "stopped at step 4 of 10 after 3.0 s"  # Ctrl-C: it says what was left
 
 
 @pytest.mark.parametrize("disable_tqdm", [False, True])
@@ -145,7 +148,9 @@ def test_demo_console_is_clean_and_says_what_reproduces(tmp_path, capsys):
     text = captured.out + captured.err
     assert "{'loss'" not in text and "'grad_norm'" not in text  # no raw Trainer dicts
     assert "train_runtime" not in text
-    assert text.count("stopped at step 4 after") == 2  # one summary line per run
+    assert text.count("done: 4 steps in") == 2  # one summary line per run
+    assert "stopped at step" not in text
+    assert "Writing model shards" not in text  # one bar per phase: no per-save bars
     assert re.search(r"\| metric +\| +ce \| +ntil \|", text)  # the final table
     saved = (tmp_path / "demo" / "demo_results.md").read_text()
     assert "torch threads" in saved and "same thread count" in saved
@@ -184,3 +189,34 @@ def test_close_process_group_without_a_process_group_does_nothing():
 
     close_process_group(finished=True)  # no torch.distributed group: returns, no exit
     close_process_group(finished=False)
+
+
+def test_report_to_passes_through_to_the_trainer(tmp_path):
+    """Issue 36: train.report_to reaches TrainingArguments (a name or a list; 'none' or left
+    out: no integration, emdlm's own train_log.jsonl and tb/ stay); an integration transformers
+    does not know (or whose package is missing) is refused; DDP does not search a causal LM for
+    unused parameters."""
+    from emdlm.config import ConfigError, apply_overrides, build_config
+    from emdlm.training.arguments import training_arguments
+
+    def config(*overrides):
+        cfg = build_config(apply_overrides({}, list(overrides)))
+        cfg.validate()
+        return cfg
+
+    def args_for(*overrides):
+        return training_arguments(config(*overrides), tmp_path, has_eval=False, use_cpu=True)
+
+    assert args_for().report_to == []
+    assert args_for("train.report_to=tensorboard").report_to == ["tensorboard"]
+    assert args_for("train.report_to=[tensorboard]").report_to == ["tensorboard"]
+    assert args_for("train.report_to=none").report_to == []
+    assert args_for().ddp_find_unused_parameters is False
+    with pytest.raises(ConfigError, match=r"train\.report_to must be a name or a list"):
+        config("train.report_to=[1]")
+    with pytest.raises(ValueError, match=r"'no_such_tool' is not a transformers logging"):
+        args_for("train.report_to=no_such_tool")
+    installed = importlib.util.find_spec("wandb") is not None
+    if not installed:  # not in this project's pinned set: refused before anything is written
+        with pytest.raises(ValueError, match=r"'wandb' needs its package.*pip install wandb"):
+            args_for("train.report_to=wandb")

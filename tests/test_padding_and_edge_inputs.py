@@ -32,7 +32,7 @@ def _emo_embedding(vocab: int) -> torch.Tensor:
     return random_cost_embedding(vocab, WIDTH, seed=1)
 
 
-def _build(name: str, path: str, tokenizer: Any, vocab: int, **kw: Any) -> nn.Module:
+def _build(name: str, path: str | None, tokenizer: Any, vocab: int, **kw: Any) -> nn.Module:
     """Objective ``name`` on implementation path / preset ``path`` (tests/_objectives.py) for
     ``vocab`` logit rows, called as ``fn(logits, labels)`` (a distillation objective gets fixed
     teacher logits); noise (NTIL's Gumbel values) from a generator seeded alike every build."""
@@ -202,10 +202,11 @@ def test_log_softmax_zero_ignored_gradient() -> None:
 
 @pytest.mark.parametrize("name", [name for name, spec in SPECS.items() if spec.needs_digits])
 def test_numeric_losses_with_other_label_ranks(char_tokenizer: Any, name: str) -> None:
-    """1-D labels [0] and 3-D labels [B, C, 0] (T = 0) also give an explicit 0."""
+    """1-D labels [0] and 3-D labels [B, C, 0] (T = 0) also give an explicit 0 (the class
+    defaults: NTIL's fused path)."""
     vocab = len(char_tokenizer)
     for shape in ((0,), (2, 3, 0)):
-        fn = _build(name, "fused", char_tokenizer, vocab)
+        fn = _build(name, None, char_tokenizer, vocab)
         x = torch.randn(*shape, vocab, requires_grad=True)
         out = fn(x, torch.zeros(shape, dtype=torch.long))
         assert float(out.loss.detach()) == 0.0

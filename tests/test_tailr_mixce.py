@@ -1,5 +1,9 @@
 """TaiLr (both presets) and MixCE against the official codes' semantics (restated here as plain
-references), hand-worked numbers, closed-form gradients, gradcheck and properties."""
+references), hand-worked numbers, closed-form gradients, gradcheck and properties.
+
+What every registered objective must do (padding never leaks, an all-ignored batch is an exact
+0, "sum" = "mean" x count, exact gradient accumulation, from-hidden and compiled paths) is
+checked for both presets of TaiLr and for MixCE in tests/test_conformance.py."""
 
 from __future__ import annotations
 
@@ -253,32 +257,6 @@ LOSSES = {
 
 
 @pytest.mark.parametrize("name", list(LOSSES))
-def test_padding_with_ignored_positions_changes_nothing(name: str) -> None:
-    fn = LOSSES[name]
-    logits, labels = _case(6)
-    padded_logits = torch.cat([logits, 5 * torch.randn(3, 3, 23, dtype=F64)], dim=1)
-    padded_labels = torch.cat([labels, torch.full((3, 3), -100)], dim=1)
-    a = logits.clone().requires_grad_()
-    b = padded_logits.clone().requires_grad_()
-    la, lb = fn(a, labels).loss, fn(b, padded_labels).loss
-    la.backward()
-    lb.backward()
-    torch.testing.assert_close(la, lb)
-    torch.testing.assert_close(a.grad, b.grad[:, :8])
-    assert b.grad[:, 8:].abs().max().item() == 0.0
-
-
-@pytest.mark.parametrize("name", list(LOSSES))
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_all_ignored_is_zero_with_zero_gradient(name: str, reduction: str) -> None:
-    logits = torch.randn(2, 3, 9, requires_grad=True)
-    out = LOSSES[name](logits, torch.full((2, 3), -100), reduction=reduction)
-    out.loss.backward()
-    assert out.loss.item() == 0.0 and logits.grad.abs().max().item() == 0.0
-    assert int(out.components["n_tokens"]) == 0
-
-
-@pytest.mark.parametrize("name", list(LOSSES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_and_extreme_logits_are_finite(name: str, dtype: torch.dtype) -> None:
     logits, labels = _case(7, torch.float32)
@@ -299,9 +277,10 @@ def test_emo_repo_eta_one_with_underflowing_q_is_plain_ce() -> None:
     assert torch.isfinite(logits.grad).all()
 
 
-def test_sum_reduction_and_modules() -> None:
+def test_modules_are_the_functions() -> None:
+    """The modules call the functions with their options ("sum" = "mean" x count:
+    tests/test_conformance.py)."""
     logits, labels = _case(8)
-    count = int((labels != -100).sum())
     for module, fn in (
         (TaiLrLoss(gamma=0.1), lambda r: tailr_loss(logits, labels, gamma=0.1, reduction=r)),
         (
@@ -312,7 +291,6 @@ def test_sum_reduction_and_modules() -> None:
     ):
         out = module(logits, labels)
         torch.testing.assert_close(out.loss, fn("mean").loss)
-        torch.testing.assert_close(fn("sum").loss, out.loss * count)
         assert set(out.components) == {"ce", "weight_mean", "n_tokens"}
         assert 0.0 < float(out.components["weight_mean"]) <= 1.0
 

@@ -2,8 +2,11 @@
 
 CE and NTIL on the logits path: a compiled tiny Llama and an eager copy take the same 2 SGD steps.
 The loss runs eagerly outside the compiled module (as ``transformers.Trainer`` with
-``torch_compile=True`` does). The full sweep (every objective, both paths, graph breaks) is
-``benchmarks/compile_check.py``; findings in ``docs/results/torch_compile_cpu.md``.
+``torch_compile=True`` does), so the objective is not what is compiled here. Every registered
+objective's loss compiled together with the head (logits path and from hidden states; the
+chunked kernels as graph breaks) equals eager in tests/test_conformance.py. The full sweep
+(every objective, both paths, graph breaks) is ``benchmarks/compile_check.py``; findings in
+``docs/results/torch_compile_cpu.md``.
 """
 
 from __future__ import annotations
@@ -104,53 +107,3 @@ def test_compiled_model_trains_like_eager(
         torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
         moved = max(moved, float((p - start[key]).abs().max()))
     assert moved > 1e-3  # the comparison is not between two untouched models
-
-
-def _ntil() -> nn.Module:
-    return LOSSES["ntil"]()
-
-
-def _emo(model: nn.Module) -> nn.Module:
-    from emdlm.losses.emo import EMOLoss
-
-    return EMOLoss.from_model(model)
-
-
-# One case per chunked kernel that Dynamo cannot trace (emdlm.ops._compile.eager_under_compile):
-# ntil_fused (NTIL logits), emo_loss_chunked (EMO logits), chunked_linear_loss (from hidden),
-# all users of the engine in emdlm.ops.chunked.
-STEP_CASES = {
-    "ntil_logits": (lambda m: _ntil(), "logits"),
-    "emo_logits": (_emo, "logits"),
-    "ce_from_hidden": (lambda m: CrossEntropyLoss(), "from_hidden"),
-    "emo_from_hidden": (_emo, "from_hidden"),
-}
-
-
-@pytest.mark.parametrize("case", list(STEP_CASES))
-def test_loss_inside_compiled_step_runs_eagerly(case: str) -> None:
-    """Forward + loss compiled as one function (as when a patched model's forward returns the
-    loss): the kernels run as a graph break and the gradients equal eager. Dynamo's "eager"
-    backend traces exactly as inductor does (where the kernels used to fail) without codegen."""
-    make, path = STEP_CASES[case]
-    eager = tiny_model()
-    model = copy.deepcopy(eager)
-
-    def step(m: nn.Module, loss_fn: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        if path == "logits":
-            return loss_fn(m(input_ids=ids).logits[:, :-1], ids[:, 1:]).loss
-        hidden = m.model(input_ids=ids)[0][:, :-1]
-        return loss_fn.from_hidden(hidden, m.lm_head.weight, ids[:, 1:]).loss
-
-    ids = batches()[0]
-    ref = step(eager, make(eager), ids)
-    ref.backward()
-    torch._dynamo.reset()
-    out = torch.compile(step, backend="eager")(model, make(model), ids)
-    out.backward()
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
-    for (key, p), q in zip(eager.named_parameters(), model.parameters(), strict=True):
-        assert p.grad is not None and q.grad is not None, key
-        torch.testing.assert_close(
-            q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}"
-        )

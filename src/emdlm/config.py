@@ -191,6 +191,10 @@ class TrainConfig:
     eval_steps: int | None = None
     progress_bar: bool = True
     tensorboard: bool = True
+    # transformers.Trainer's logging integrations besides emdlm's own train_log.jsonl and tb/:
+    # a name or a list ("wandb", "mlflow", "tensorboard", "comet_ml", ...; their packages must be
+    # installed; WANDB_MODE=offline / MLFLOW_TRACKING_URI=file:./mlruns keep them offline)
+    report_to: list[str] = field(default_factory=list)
     num_workers: int = 0
     gradient_checkpointing: bool = False
     bf16: bool = False
@@ -276,6 +280,7 @@ class RunConfig:
             if src.seed is not None:
                 check_seed(f"{name}.seed", src.seed)
         check_seed("train.seed", self.train.seed)
+        self._validate_report_to()
         self._validate_teacher()
         self._validate_lam_schedule()
         t = self.train
@@ -308,6 +313,16 @@ class RunConfig:
                                   f"or eval.kind=text), got {e.temperature!r}")
             if not 0 <= e.top_p <= 1:
                 raise ConfigError(f"eval.top_p must be in [0, 1] when sampling, got {e.top_p!r}")
+
+    def _validate_report_to(self) -> None:
+        """``train.report_to``: a name or a list of names (a plain string becomes a list)."""
+        value = self.train.report_to
+        names = [value] if isinstance(value, str) else value
+        if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+            raise ConfigError(
+                f"train.report_to must be a name or a list of names (e.g. wandb), got {value!r}"
+            )
+        self.train.report_to = [n for n in names if n != "none"]
 
     def _validate_lam_schedule(self) -> None:
         """A λ schedule only for the objectives with a numeric term weight λ (emd, ntil)."""

@@ -15,6 +15,9 @@ signature (:func:`emdlm.objectives.settable_parameters`), so it cannot drift.
 | emo         | emdlm.losses.emo.EMOLoss               | a cost embedding [V, d]                |
 | tailr       | emdlm.losses.tailr.TaiLrLoss           | -                                      |
 | mixce       | emdlm.losses.mixce.MixCELoss           | -                                      |
+| dft         | emdlm.losses.dft.DFTLoss               | -                                      |
+| ntl_mse     | emdlm.losses.ntl.NTLMSELoss            | number tokens (NumberVocab)            |
+| number_level| emdlm.losses.ntl.NumberLevelLoss       | number tokens (NumberVocab)            |
 | emo_distill | emdlm.losses.emo_distill.EMODistillLoss | a teacher, a cost embedding (teacher's)|
 | kl_distill  | emdlm.losses.emo_distill.KLDistillLoss  | a teacher                              |
 """
@@ -68,8 +71,8 @@ OBJECTIVE_SPECS: dict[str, ObjectiveSpec] = {
     for spec in (
         ObjectiveSpec(
             "ce", "emdlm.losses.ce", "CrossEntropyLoss",
-            "cross-entropy, the baseline",
-            ("ignore_index",),
+            "cross-entropy, the baseline (optional label smoothing, z-loss, token accuracy)",
+            ("ignore_index", "label_smoothing", "z_loss", "token_accuracy"),
         ),
         ObjectiveSpec(
             "emd", "emdlm.losses.ntil", "DigitEMDLoss",
@@ -101,6 +104,25 @@ OBJECTIVE_SPECS: dict[str, ObjectiveSpec] = {
             "mixce", "emdlm.losses.mixce", "MixCELoss",
             "MixCE: forward and reverse cross-entropy mixed by eta",
             ("eta", "ignore_index"),
+        ),
+        ObjectiveSpec(
+            "dft", "emdlm.losses.dft", "DFTLoss",
+            "DFT: CE weighted by the model's own probability of the label (TRL loss_type=dft)",
+            ("ignore_index",),
+        ),
+        ObjectiveSpec(
+            "ntl_mse", "emdlm.losses.ntl", "NTLMSELoss",
+            "CE + ntloss's NTL-MSE: expected token value vs the gold value (mse / l1 / huber)",
+            ("preset", "lam", "loss", "reweigh", "averaging", "ignore_index", "vocab_size",
+             "digits_only"),
+            numeric=True,
+        ),
+        ObjectiveSpec(
+            "number_level", "emdlm.losses.ntl", "NumberLevelLoss",
+            "CE + ntloss's number-level loss: relative error of each whole number's value",
+            ("preset", "lam", "reweigh", "float_level", "averaging", "ignore_index",
+             "vocab_size", "digits_only"),
+            numeric=True,
         ),
         ObjectiveSpec(
             "emo_distill", "emdlm.losses.emo_distill", "EMODistillLoss",

@@ -1,19 +1,22 @@
-"""Per-chunk functions of CE, TaiLr, MixCE, digit EMD, NTIL and EMO for :mod:`emdlm.ops.chunked`.
+"""Per-chunk functions of CE, TaiLr, MixCE, DFT, digit EMD, NTIL, NTL and EMO for
+:mod:`emdlm.ops.chunked`.
 
 Each is a :class:`emdlm.ops.chunked.ChunkObjective`, run from hidden states (the loss modules'
 ``from_hidden``) and, for NTIL and EMO, from given logits too (:mod:`emdlm.ops.ntil_fused`,
 :mod:`emdlm.ops.emo_chunked`): one per-chunk function per objective, whichever the path.
 
-Weighted cross-entropy (CE, TaiLr, MixCE): per counted token t of a chunk, with
+Weighted cross-entropy (CE, TaiLr, MixCE, DFT): per counted token t of a chunk, with
 lse_t = logsumexp(z_t), CE_t = lse_t − z_t[y_t], q_t = softmax(z_t) and a detached multiplier
 a_t = f(sg(q_t(y_t))) that depends only on the token's own gold probability (so it is local to
 the chunk):
 
-    L_t      = a_t·CE_t + ε·(lse_t − mean_v z_tv)          (ε: TaiLr's label smoothing,
-                                                             ε/V·Σ_v −log q_tv)
-    dL_t/dz_t = (a_t + ε)·q_t − a_t·onehot(y_t) − ε/V
+    L_t      = a_t·CE_t + ε·(lse_t − mean_v z_tv) + s·lse_t²     (ε: label smoothing,
+                                                                  ε/V·Σ_v −log q_tv; s: z-loss)
+    dL_t/dz_t = (a_t + ε + 2s·lse_t)·q_t − a_t·onehot(y_t) − ε/V
 
-CE: a = 1. MixCE (ACL 2023): a = η + (1−η)·q_y. TaiLr (ICLR 2023, preset "paper"):
+CE: a = 1, or 1 − ε with label smoothing (torch / Liger's definition; s is Liger's
+``lse_square_scale``). DFT (TRL ``loss_type="dft"``): a = q_y. MixCE (ACL 2023):
+a = η + (1−η)·q_y. TaiLr (ICLR 2023, preset "paper"):
 a = (1−ε)·clamp(q_y/(γ + (1−γ)·q_y), w_min, 1); preset "emo_repo" (DRSY/EMO):
 a = η + (1−η)·clamp(q_y/((1−η) + η·q_y), w_min, 1). The formulas are those of
 :mod:`emdlm.functional.tailr` and :mod:`emdlm.functional.mixce` (the oracles in the tests).
@@ -24,6 +27,10 @@ on that small tensor (``ntil_terms`` on a float64 leaf, ``mix_coefficient`` with
 mean), and their gradient goes back on those logits only
 (:class:`emdlm.ops.chunked.SparseLogitGrad`).
 
+NTL (:class:`NTLObjective`, ntloss's NTL-MSE family and number-level loss): token level in the
+chunk (a row term in closed form), number level after the pass on the kept [M, K] candidate
+logits, as NTIL.
+
 EMO (:class:`EMOObjective`): :func:`emdlm.ops._chunking.emo_chunk` per chunk (EMO Eq. 14, 19).
 
 Shape notation: n rows in a chunk, V vocabulary, M number tokens, K candidates per token.
@@ -32,6 +39,7 @@ Shape notation: n rows in a chunk, V vocabulary, M number tokens, K candidates p
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -44,6 +52,17 @@ from emdlm.functional.ntil import (
     mix_coefficient,
     ntil_terms,
     sample_noise,
+)
+from emdlm.functional.ntl import (
+    REWEIGH_FACTOR,
+    DistanceKind,
+    NTLSettings,
+    distance,
+    distance_slope,
+    leading_units,
+    ntl_denominator,
+    number_ntl,
+    worst_distance,
 )
 from emdlm.numbers import NumberSpans, NumberVocab, SpanDraft
 from emdlm.ops._chunking import (
@@ -77,6 +96,15 @@ def mixce_weights(eta: float) -> TokenWeights:
     return weights
 
 
+def dft_weights() -> TokenWeights:
+    """DFT's multiplier a = q_y (TRL ``loss_type="dft"``; reported as is)."""
+
+    def weights(q_gold: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q_gold, q_gold
+
+    return weights
+
+
 def tailr_weights(
     preset: str, gamma: float, min_weight: float, label_smoothing: float, mixing_ratio: float | None
 ) -> TokenWeights:
@@ -100,21 +128,22 @@ def tailr_weights(
 
 def _log_softmax_parts(
     z: torch.Tensor, out: torch.Tensor, safe: torch.Tensor, smoothing: bool
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-    """CE_t = −log q_t(y_t), (1/V)·Σ_v −log q_tv (if ``smoothing``) and e [n, V] in ``out``:
-    e = q (total None), or e = exp(z − max) with q = e / total (total [n]).
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """CE_t = −log q_t(y_t), (1/V)·Σ_v −log q_tv (if ``smoothing``), e [n, V] in ``out`` and
+    lse_t = logsumexp(z_t) [n]: e = q (total None), or e = exp(z − max) with q = e / total.
 
     Given logits (z read only, compute dtype) take one fused log-softmax into ``out`` and an
-    exp in place, the kernels of ``F.cross_entropy``. From hidden states z is ``out`` (and a
-    half-precision chunk is staged into it): then lse = max + log Σ exp(z − max) is taken in
-    place, with no other [n, V] tensor.
+    exp in place, the kernels of ``F.cross_entropy``; lse = z_y − log q_y. From hidden states z
+    is ``out`` (and a half-precision chunk is staged into it): then lse = max + log Σ exp(z − max)
+    is taken in place, with no other [n, V] tensor.
     """
     cdtype = out.dtype
     if z.dtype == cdtype and z is not out:  # identity, not data_ptr: traceable
         log_q = torch.ops.aten._log_softmax.out(z, 1, False, out=out)  # [n, V]
         ce = -log_q.gather(1, safe).squeeze(1)  # [n]
+        lse = z.gather(1, safe).squeeze(1) + ce  # [n]
         smooth = -log_q.mean(dim=-1) if smoothing else None  # [n]
-        return ce, smooth, log_q.exp_(), None
+        return ce, smooth, log_q.exp_(), None, lse
     gold = z.gather(1, safe).squeeze(1).to(cdtype)  # [n] z_y, read before z is overwritten
     mean_z = z.mean(dim=-1, dtype=cdtype) if smoothing else None  # [n]
     top = z.amax(dim=-1, keepdim=True).to(cdtype)  # [n, 1]
@@ -122,22 +151,72 @@ def _log_softmax_parts(
     e = e.exp_()  # [n, V]
     total = e.sum(dim=-1)  # [n]
     lse = top.squeeze(1) + total.log()  # [n]
-    return lse - gold, None if mean_z is None else lse - mean_z, e, total
+    return lse - gold, None if mean_z is None else lse - mean_z, e, total, lse
+
+
+@dataclass
+class RowTerms:
+    """A token-local term a subclass of :class:`WeightedCEObjective` adds to a chunk.
+
+    Attributes (sum units, before ``grad_scale``; rows local to the chunk):
+        loss: [n] added to each row's loss (0 where nothing is added).
+        q_coef: [n] added to the coefficient of q in the row's gradient (∂term/∂lse_t, since
+            ∂lse_t/∂z_tv = q_tv).
+        rows: [m] local rows of the sparse part; ids: [m, K] vocabulary ids; grad: [m, K]
+            ∂term/∂z at those places (padding columns 0).
+        stats: [e] sums reported to ``finish`` after the base's four.
+    """
+
+    loss: torch.Tensor
+    q_coef: torch.Tensor
+    rows: torch.Tensor
+    ids: torch.Tensor
+    grad: torch.Tensor
+    stats: torch.Tensor
 
 
 class WeightedCEObjective(ChunkObjective):
-    """Σ_t a_t·CE_t (+ label smoothing ε) per chunk; stats [Σ CE_t, Σ reported weight].
+    """Σ_t a_t·CE_t (+ label smoothing ε, + z-loss s·lse_t²) per chunk.
+
+    stats [Σ CE_t, Σ reported weight, Σ lse_t², Σ 1(argmax z_t = y_t)], then a subclass's own
+    (:meth:`_row_terms`).
 
     Args:
         weights: f(q_y) -> (a, reported weight), or None for plain CE (a = 1).
-        label_smoothing: ε (TaiLr's unweighted smoothing term), 0 otherwise.
+        label_smoothing: ε, the unweighted smoothing term ε·(lse_t − mean_v z_tv).
+        gold_scale: a constant factor on a (CE with label smoothing: 1 − ε, as torch / Liger).
+        z_loss: s, the weight of lse_t² (Liger's ``lse_square_scale``; PaLM's z-loss).
+        token_accuracy: count argmax z_t == y_t (an extra read of the chunk, before z may be
+            overwritten); reported as "token_accuracy".
+
+    Per counted token, L_t = a_t·CE_t + ε·(lse_t − mean_v z_tv) + s·lse_t² (+ a subclass's
+    row term) and dL_t/dz_t = (a_t + ε + 2s·lse_t + c_t)·q_t − a_t·onehot(y_t) − ε/V (+ the
+    row term's sparse part), c_t the row term's ∂/∂lse_t.
     """
 
-    n_stats = 2
+    n_stats = 4
 
-    def __init__(self, weights: TokenWeights | None = None, label_smoothing: float = 0.0) -> None:
+    def __init__(
+        self,
+        weights: TokenWeights | None = None,
+        label_smoothing: float = 0.0,
+        *,
+        gold_scale: float = 1.0,
+        z_loss: float = 0.0,
+        token_accuracy: bool = False,
+    ) -> None:
         self.weights = weights
         self.label_smoothing = float(label_smoothing)
+        self.gold_scale = float(gold_scale)
+        self.z_loss = float(z_loss)
+        self.token_accuracy = bool(token_accuracy)
+
+    def _row_terms(
+        self, lse: torch.Tensor, valid: torch.Tensor, start: int
+    ) -> RowTerms | None:
+        """A subclass's token-local term for the chunk at ``start`` given lse [n] (0 where
+        ignored); None: nothing added."""
+        return None
 
     def chunk(
         self,
@@ -150,35 +229,57 @@ class WeightedCEObjective(ChunkObjective):
     ) -> ChunkOut:
         safe = torch.where(valid, labels, 0).unsqueeze(1)  # [n, 1]
         zero = out.new_zeros(())
-        eps = self.label_smoothing
-        ce_raw, smooth_raw, e, total = _log_softmax_parts(z, out, safe, eps > 0.0)
+        eps, s = self.label_smoothing, self.z_loss
+        if self.token_accuracy:  # before z may be overwritten (z is out from hidden states)
+            correct = ((z.argmax(dim=-1) == labels) & valid).sum().to(out.dtype)
+        else:
+            correct = zero
+        ce_raw, smooth_raw, e, total, lse_raw = _log_softmax_parts(z, out, safe, eps > 0.0)
         # where, not a multiply: an ignored row may hold NaN / ±inf (0·NaN = NaN).
         ce = torch.where(valid, ce_raw, zero)  # [n]
+        lse = torch.where(valid, lse_raw, zero)  # [n]
         if self.weights is None:
             a, reported = None, torch.where(valid, 1.0, zero)
-            per_token = ce
         else:
             a, reported = self.weights(torch.exp(-ce))
             a, reported = torch.where(valid, a, zero), torch.where(valid, reported, zero)
-            per_token = a * ce
+        if self.gold_scale != 1.0:
+            a = torch.where(valid, self.gold_scale, zero) if a is None else a * self.gold_scale
+        per_token = ce if a is None else a * ce
         if smooth_raw is not None:
             smooth = torch.where(valid, smooth_raw, zero)  # (1/V)·Σ_v −log q_v: [n]
             per_token = per_token + eps * smooth
-        stats = torch.stack([ce.sum(), reported.sum()])
+        lse_sq = lse * lse  # [n]
+        if s > 0.0:
+            per_token = per_token + s * lse_sq
+        extra = self._row_terms(lse, valid, start)
+        if extra is not None:
+            per_token = per_token + extra.loss
+        base = [ce.sum(), reported.sum(), lse_sq.sum(), correct]
+        stats = torch.stack(base if extra is None else [*base, *extra.stats.to(out.dtype)])
         if grad_scale is None:
             return ChunkOut(loss=per_token.sum(), grad=None, stats=stats)
         a_col = torch.ones_like(ce) if a is None else a  # [n]
-        if total is not None:  # the 1/Σe normalization carries k·(a + ε) (no extra pass)
-            g = e.mul_(((a_col + eps) * grad_scale / total).unsqueeze(1))  # [n, V]
-        elif a is None and eps == 0.0:  # plain CE on given logits: q − onehot; k comes later
+        q_coef = a_col + eps
+        if s > 0.0:
+            q_coef = q_coef + (2.0 * s) * lse
+        if extra is not None:
+            q_coef = q_coef + extra.q_coef
+        plain = a is None and eps == 0.0 and s == 0.0 and extra is None
+        if total is not None:  # the 1/Σe normalization carries k·(a + ε + ...) (no extra pass)
+            g = e.mul_((q_coef * grad_scale / total).unsqueeze(1))  # [n, V]
+        elif plain:  # plain CE on given logits: q − onehot; k comes later
             g = e.scatter_add_(1, safe, -a_col.unsqueeze(1))
             return ChunkOut(loss=per_token.sum(), grad=g, stats=stats, scaled=False)
         else:
-            g = e.mul_(((a_col + eps) * grad_scale).unsqueeze(1))  # [n, V]
-        # k·((a + ε)·q − a·onehot(y) − ε/V)
+            g = e.mul_((q_coef * grad_scale).unsqueeze(1))  # [n, V]
+        # k·((a + ε + 2s·lse + c)·q − a·onehot(y) − ε/V)
         g.scatter_add_(1, safe, -(a_col * grad_scale).unsqueeze(1))
         if eps > 0.0:
             g.sub_(grad_scale * (eps / z.shape[-1]))
+        if extra is not None:  # the row term's sparse part, k·∂term/∂z[rows, ids]
+            rows = extra.rows.unsqueeze(1).expand_as(extra.ids)  # [m, K]
+            g.index_put_((rows, extra.ids), (extra.grad * grad_scale).to(g.dtype), accumulate=True)
         return ChunkOut(loss=per_token.sum(), grad=g, stats=stats)
 
     def finish(self, stats: torch.Tensor, count: torch.Tensor, want_grad: bool) -> Finish:
@@ -186,6 +287,10 @@ class WeightedCEObjective(ChunkObjective):
         components = {"ce": stats[0] / denom, "n_tokens": count}
         if self.weights is not None:
             components["weight_mean"] = stats[1] / denom
+        if self.z_loss > 0.0:
+            components["z_loss"] = self.z_loss * stats[2] / denom
+        if self.token_accuracy:
+            components["token_accuracy"] = stats[3] / denom
         return Finish(extra_loss=stats.new_zeros(()), sparse=None, components=components)
 
 
@@ -347,6 +452,190 @@ class NTILObjective(WeightedCEObjective):
             "n_tokens": count,
         }
         return Finish(extra_loss=count_f * coef * ntil, sparse=sparse, components=components)
+
+
+def token_ntl_with_grad(
+    class_logits: torch.Tensor,
+    lse: torch.Tensor,
+    mask: torch.Tensor,
+    values: torch.Tensor,
+    gold: torch.Tensor,
+    worst: torch.Tensor,
+    kind: DistanceKind,
+    reweigh: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ℓ_m of :func:`emdlm.functional.ntl.token_ntl` with its gradient in closed form.
+
+    With p = softmax(c) over the candidates, ŷ = Σ p·u, d = ŷ − u_y, ∂ŷ/∂c_k = p_k(u_k − ŷ)
+    and μ = exp(logsumexp(c) − lse) (∂μ/∂c_k = μ·p_k, ∂μ/∂lse = −μ):
+
+        no reweigh:  ℓ = f(d),                 ∂ℓ/∂c_k = f'(d)·p_k(u_k − ŷ),  ∂ℓ/∂lse = 0
+        reweigh:     ℓ = f(d)·μ + R·(1 − μ),   ∂ℓ/∂c_k = μ·p_k·(f'(d)(u_k − ŷ) + f(d) − R),
+                                               ∂ℓ/∂lse = (R − f(d))·μ
+
+    Args (float64, M rows): class_logits [M, K], lse [M], mask [M, K], values u [M, K] (leading-
+    place units), gold u_y [M], worst R [M] (1.01·f(class range)), kind f, reweigh.
+
+    Returns:
+        (ℓ [M], ∂ℓ/∂c [M, K] (0 on padding), ∂ℓ/∂lse [M], μ [M]).
+    """
+    masked = class_logits.masked_fill(~mask, float("-inf"))  # [M, K]
+    lse_c = torch.logsumexp(masked, dim=-1)  # [M]
+    p = torch.exp(masked - lse_c.unsqueeze(1))  # [M, K], 0 on padding
+    y_hat = (p * values).sum(dim=-1)  # [M]
+    d = y_hat - gold  # [M]
+    f, slope = distance(d, kind), distance_slope(d, kind)  # [M]
+    dy = p * (values - y_hat.unsqueeze(1))  # [M, K] ∂ŷ/∂c
+    mass = torch.exp(lse_c - lse)  # [M]
+    if not reweigh:
+        return f, slope.unsqueeze(1) * dy, torch.zeros_like(f), mass
+    ell = f * mass + worst * (1.0 - mass)
+    grad_c = mass.unsqueeze(1) * (slope.unsqueeze(1) * dy + (f - worst).unsqueeze(1) * p)
+    return ell, grad_c, (worst - f) * mass, mass
+
+
+class NTLObjective(NTILObjective):
+    """CE per chunk plus ntloss's NTL (:mod:`emdlm.functional.ntl`): CE + λ·Σℓ/D.
+
+    Built from the labels' :class:`emdlm.numbers.SpanDraft`: the span sizes, the widest class
+    and n (counted labels, for D) are read in the engine's one host sync of the call
+    (:meth:`host_sizes`); the candidate logits of the number positions are copied out of each
+    chunk as in :class:`NTILObjective`.
+
+    * level "token": ℓ_m depends on its own row only (its candidates' logits and lse), so it is
+      added in the chunk (:meth:`_row_terms`), value and gradient in closed form
+      (:func:`token_ntl_with_grad`): the reweigh's ∂ℓ/∂lse joins the coefficient of q, the rest
+      is scattered onto the candidates. Nothing is left for after the pass.
+    * level "number": ℓ_s spans tokens (maybe chunks), so the [M, K] candidate logits and the
+      lse of the number rows are kept and the terms are taken after the pass (as NTIL's): the
+      candidates' gradient goes back as a :class:`SparseLogitGrad`; the reweigh's ∂/∂lse at each
+      number's first token, a dense q-row term, is left in :attr:`lse_grad` (sum units) for the
+      caller to add through the head (``emdlm.losses.ntl.NumberLevelLoss.from_hidden``).
+
+    Args:
+        draft: the labels' span draft; vocab: the number vocabulary; settings: the NTL knobs.
+    """
+
+    def __init__(self, draft: SpanDraft, vocab: NumberVocab, settings: NTLSettings) -> None:
+        super().__init__(None, None, 1, None, None)  # type: ignore[arg-type]  # NTIL's fields
+        self.draft, self.vocab, self.ntl = draft, vocab, settings
+        self.n_stats = 6 if settings.level == "token" else 4
+        self.n_counted = 0
+        self.item_weight = 0.0
+        self.lse_kept: torch.Tensor | None = None
+        self.lse_grad: torch.Tensor | None = None  # [M] float64, number level with reweigh
+        self.count: torch.Tensor | None = None
+        self.token_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def host_sizes(
+        self, labels: torch.Tensor, valid: torch.Tensor, bounds: list[int], vocab: int
+    ) -> torch.Tensor:
+        """[n, M, S, widest class, U, number tokens before each bound]."""
+        return torch.cat([valid.sum().reshape(1), super().host_sizes(labels, valid, bounds, vocab)])
+
+    def begin(self, starts: list[int], n_rows: int, sizes: list[int]) -> None:
+        self.n_counted = sizes[0]
+        n_tok, n_num, width = sizes[1:4]
+        assert self.draft is not None and self.vocab is not None
+        self.spans = self.draft.finish(n_tok, n_num)
+        self.candidates = class_candidates(self.vocab, self.spans, width=width)
+        self.draft = None
+        self.n_members, self.bounds = sizes[4], sizes[5:]
+        ids = self.candidates.ids
+        self.class_logits = torch.zeros(ids.shape, dtype=torch.float64, device=ids.device)
+        self.lse_kept = torch.zeros(ids.shape[0], dtype=torch.float64, device=ids.device)
+        self.chunk_of = {s: i for i, s in enumerate(starts)}
+        settings = self.ntl
+        n_items = n_tok if settings.level == "token" else n_num
+        # Σℓ enters the summed loss with λ·n/D: D = the items ("number") or n ("token").
+        share = 1.0 if settings.averaging == "token" else self.n_counted / max(n_items, 1)
+        self.item_weight = settings.lam * share
+        if settings.level == "token":
+            unit = leading_units(self.candidates, self.spans)  # [M, 1]
+            values = self.candidates.values / unit  # [M, K]
+            gold = values.gather(1, self.spans.gold_column.unsqueeze(1)).squeeze(1)  # [M]
+            worst = REWEIGH_FACTOR * worst_distance(self.candidates, unit, settings.loss)
+            self.token_tables = (values, gold, worst)
+
+    def _row_terms(
+        self, lse: torch.Tensor, valid: torch.Tensor, start: int
+    ) -> RowTerms | None:
+        k = self.chunk_of[start]
+        lo, hi = self.bounds[k], self.bounds[k + 1]
+        spans, candidates = self.spans, self.candidates
+        assert spans is not None and candidates is not None and self.lse_kept is not None
+        local = spans.flat_index[lo:hi] - start  # [m]
+        lse_m = lse[local].double()  # [m]
+        if self.ntl.level == "number":
+            self.lse_kept[lo:hi] = lse_m
+            return None
+        assert self.token_tables is not None and self.class_logits is not None
+        values, gold, worst = self.token_tables
+        ell, grad_c, grad_lse, mass = token_ntl_with_grad(
+            self.class_logits[lo:hi],
+            lse_m,
+            candidates.mask[lo:hi],
+            values[lo:hi],
+            gold[lo:hi],
+            worst[lo:hi],
+            self.ntl.loss,
+            self.ntl.reweigh,
+        )
+        w, n = self.item_weight, lse.shape[0]
+        loss = lse.new_zeros(n).index_add(0, local, (w * ell).to(lse.dtype))  # [n]
+        q_coef = lse.new_zeros(n).index_add(0, local, (w * grad_lse).to(lse.dtype))  # [n]
+        return RowTerms(
+            loss=loss,
+            q_coef=q_coef,
+            rows=local,
+            ids=candidates.ids[lo:hi],
+            grad=w * grad_c,
+            stats=torch.stack([ell.sum(), mass.sum()]),
+        )
+
+    def finish(self, stats: torch.Tensor, count: torch.Tensor, want_grad: bool) -> Finish:
+        spans, settings = self.spans, self.ntl
+        assert spans is not None and self.candidates is not None
+        self.count = count
+        dtype = stats.dtype
+        ce_mean = stats[0] / count.clamp_min(1).to(dtype)
+        extra = stats.new_zeros(())
+        sparse = None
+        if settings.level == "token":
+            ntl_sum, mass_sum, n_items = stats[4].double(), stats[5], spans.n_tokens
+        else:
+            n_items = spans.n_numbers
+            need = want_grad and n_items > 0
+            leaf = self.class_logits.requires_grad_(need)  # type: ignore[union-attr]
+            lse_leaf = self.lse_kept.requires_grad_(need)  # type: ignore[union-attr]
+            with torch.enable_grad():
+                per_number, mass = number_ntl(leaf, lse_leaf, self.candidates, spans, settings)
+                total = per_number.sum()
+            ntl_sum, mass_sum = total.detach(), mass.detach().sum()
+            extra = (self.item_weight * ntl_sum).to(dtype)
+            if need:
+                grad_c, grad_lse = torch.autograd.grad(total, [leaf, lse_leaf], allow_unused=True)
+                if grad_c is not None:  # in sum units (the engine applies k)
+                    sparse = SparseLogitGrad(
+                        rows=spans.flat_index,
+                        ids=self.candidates.ids,
+                        grad=grad_c * self.item_weight,
+                        logits=leaf.detach(),
+                        columns=self._columns,
+                    )
+                if grad_lse is not None and settings.reweigh:
+                    self.lse_grad = grad_lse * self.item_weight  # [M], at first tokens only
+        ntl = ntl_sum / ntl_denominator(n_items, count, settings.averaging)
+        components = {
+            "ce": ce_mean,
+            "ntl": ntl.to(dtype),
+            "number_mass": (mass_sum / max(n_items, 1)).to(dtype),
+            "n_digit_tokens": torch.tensor(spans.n_tokens),
+            "n_tokens": count,
+        }
+        if settings.level == "number":
+            components["n_numbers"] = torch.tensor(spans.n_numbers)
+        return Finish(extra_loss=extra, sparse=sparse, components=components)
 
 
 class EMOObjective(ChunkObjective):

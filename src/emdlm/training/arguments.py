@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from emdlm.config import RunConfig
+from emdlm.vlm.models import is_vlm
 
 
 def has_accelerator() -> bool:
@@ -20,6 +21,28 @@ def has_accelerator() -> bool:
         return True
     mps = getattr(torch.backends, "mps", None)
     return bool(mps is not None and mps.is_available())
+
+
+def report_integrations(value: str | list[str]) -> list[str]:
+    """``train.report_to`` as the Trainer's list; ValueError naming an integration transformers
+    does not know (with the known ones) or one whose package is not installed."""
+    from transformers.integrations import integration_utils
+
+    names = [n for n in ([value] if isinstance(value, str) else list(value)) if n != "none"]
+    known = sorted(integration_utils.INTEGRATION_TO_CALLBACK)
+    installed = set(integration_utils.get_available_reporting_integrations())
+    for name in names:
+        if name not in known:
+            raise ValueError(
+                f"train.report_to: {name!r} is not a transformers logging integration "
+                f"(known: {', '.join(known)})"
+            )
+        if name not in installed:
+            raise ValueError(
+                f"train.report_to: {name!r} needs its package, which is not installed here "
+                f"(pip install {name.replace('_', '-')})"
+            )
+    return names
 
 
 def training_arguments(
@@ -58,7 +81,12 @@ def training_arguments(
         seed=t.seed,
         data_seed=t.seed,
         disable_tqdm=not t.progress_bar,
-        report_to="none",
+        # emdlm logs every loss component to train_log.jsonl and tb/ itself; train.report_to
+        # adds the Trainer's integrations (wandb, mlflow, ...)
+        report_to=report_integrations(t.report_to) or "none",
+        # every parameter of a causal LM takes part in each forward, so DDP need not search the
+        # graph for unused ones (and warn that it found none); VLMs keep transformers' default
+        ddp_find_unused_parameters=None if is_vlm(cfg.model.name) else False,
         remove_unused_columns=False,
         dataloader_num_workers=t.num_workers,
         dataloader_pin_memory=torch.cuda.is_available(),

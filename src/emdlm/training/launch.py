@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
+from transformers.utils import logging as hf_logging
 
 from emdlm.yaml_io import safe_load_unique
 
@@ -177,7 +178,10 @@ def log_line(logs: Mapping[str, Any], step: int, max_steps: int) -> str:
         # the whole run (train_summary.json has the whole run's mean), so say which steps
         tail = (f", mean train loss {_fmt(float(loss))} over the steps run since (re)start"
                 if loss is not None else "")
-        return f"stopped at step {step} after {float(logs['train_runtime']):.1f} s{tail}"
+        seconds = float(logs["train_runtime"])
+        if max_steps <= 0 or step >= max_steps:  # the normal end: every step was run
+            return f"done: {step} steps in {seconds:.1f} s{tail}"
+        return f"stopped at step {step} of {max_steps} after {seconds:.1f} s{tail}"
     skip = {"epoch", "total_flos", "step"}
     prefix = "eval " if any(k.startswith("eval_") for k in logs) else ""
     parts = [f"{k} {_fmt(v)}" for k, v in logs.items()
@@ -234,6 +238,9 @@ def start_run_console(trainer: Any) -> LaunchInfo:
         if warning is not None:
             _LOG.warning(warning)
     tidy_console(trainer)
+    # one bar per phase: the Trainer's own training / evaluation bars stay (plain tqdm), the
+    # library's per-save "Writing model shards" bars (one per checkpoint and final save) go
+    hf_logging.disable_progress_bar()
     return info
 
 

@@ -1,0 +1,349 @@
+"""Number Token Loss, regression-like (NTL-MSE / NTL-L1 / NTL-Huber) and number-level: reference.
+
+Source: Zausinger et al., "Regress, Don't Guess: A Regression-like Loss on Number Tokens for
+Language Models", ICML 2025; official package ``ntloss`` 0.3.2 (ai4sd/number-token-loss,
+ntloss/core.py: ``NTLossDotProduct``, ``NumberLevelLoss``, ``AbstractNTLoss.reweigh_fn``).
+
+Token level (``NTLossDotProduct``, "NTL-MSE"). For every number token m of the labels, with
+c_m = z_m[candidates] the logits of its candidate set (ntloss: the ten digit tokens; emdlm: the
+class of the gold token, :class:`emdlm.numbers.NumberVocab`), p_m = softmax(c_m) and u the
+candidates' values in units of the token's leading place (value / 10^(L−1), L its digit count):
+
+    ŷ_m = Σ_k p_mk · u_k,         ℓ_m = f(ŷ_m − u_y)      f: (·)² "mse" | |·| "l1" | Huber, δ = 1
+
+Number level (``NumberLevelLoss``). For every gold number s (a span of number tokens,
+:func:`emdlm.numbers.find_number_spans`) with its tokens' expected values t_m = Σ_k p_mk·v_k:
+
+    Ŷ_s = Σ_{m∈s} t_m · 10^place_m,   Y_s = Σ_{m∈s} v_y(m) · 10^place_m,
+    ℓ_s = |Ŷ_s − Y_s| / (|Ŷ_s| + |Y_s| + ε),   ε = 2^-23 (float32's eps, as ntloss's y dtype)
+
+``reweigh`` (ntloss's default True): with μ = Σ_k softmax(z_m)_k over the candidates (the mass
+the model puts on them; for the number level at the number's first token) and R the largest
+value ℓ can take (token level: f(class range in leading-place units); number level: 1),
+
+    ℓ ← ℓ·μ + 1.01·R·(1 − μ)
+
+so a gold number whose mass went to text tokens costs more than the worst number. The gradient
+flows through μ (ntloss does not detach it).
+
+Averaging and mixing (ntloss recommends CE + 0.3·NTL):
+
+    total = CE + λ · NTL,   NTL = Σ ℓ / D,   D = items scored ("number": number tokens / numbers,
+    ntloss's mean) or n, the counted labels ("token": ``reduction="sum"`` is then Σ CE_t + λ·Σ ℓ,
+    exact under gradient accumulation).
+
+``reduction="sum"`` returns n · total (the CE sum plus n·λ·NTL).
+
+NOTE (departures from ntloss, all where ntloss has no answer): multi-digit tokens ('Ġ123',
+'45') are scored over their class (``digits_only=False``, the "classes" preset); ntloss scores
+only the bare '0'..'9' (its ``digit_level`` default; preset "ntloss" and ``digits_only=True``
+reproduce it). The token-level R is per class (f of the class's value range); for the ten
+digits it is ntloss's global max distance. Number values are taken in float64, shifted per
+number above 300 digits (no overflow); ntloss caps the place at 10^19. ``join_decimal``
+(ntloss's ``float_level``) reads "12.34" as 12.34 where ntloss reads 1234: ℓ_s is scale-free,
+so the two agree, except for a chain "1.2.3" (ntloss: one number, emdlm: 1.2 and 3).
+
+Shape notation: B batch, T time, V vocabulary, N = B*T positions, M number tokens, K candidates
+per token (widest class present), S numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from emdlm._output import LossOutput
+from emdlm.functional._common import (
+    IGNORE_INDEX,
+    Reduction,
+    check_reduction,
+    token_log_probs,
+)
+from emdlm.functional.digit_emd import masked_class_softmax
+from emdlm.functional.ntil import ClassCandidates, class_candidates
+from emdlm.functional.number_value import number_values, value_place_shift
+from emdlm.numbers import NumberSpans, NumberVocab, SpanDraft
+
+DistanceKind = Literal["mse", "l1", "huber"]
+NTLLevel = Literal["token", "number"]
+NTLAveraging = Literal["number", "token"]
+#: ntloss's ε in the number-level ratio: ``torch.finfo(y.dtype).eps`` with y float32.
+NUMBER_LEVEL_EPS = float(torch.finfo(torch.float32).eps)
+#: ntloss's factor on the worst distance in ``reweigh_fn``.
+REWEIGH_FACTOR = 1.01
+
+
+@dataclass(frozen=True)
+class NTLSettings:
+    """The knobs of both NTL objectives (``lam`` is what ``objective.lam_schedule`` sets).
+
+    Attributes:
+        lam: λ, weight of NTL in CE + λ·NTL (ntloss's recommendation: 0.3).
+        level: "token" (NTL-MSE family) or "number" (number-level).
+        loss: f of the token level, "mse", "l1" or "huber" (δ = 1, ``F.huber_loss``'s default).
+        reweigh: scale by the candidates' mass μ (module docstring).
+        averaging: "number" (mean over the scored items, ntloss) or "token" (Σ / n).
+        reduction: "mean" or "sum".
+        ignore_index: label value that is not scored.
+    """
+
+    lam: float = 0.3
+    level: NTLLevel = "token"
+    loss: DistanceKind = "mse"
+    reweigh: bool = True
+    averaging: NTLAveraging = "number"
+    reduction: Reduction = "mean"
+    ignore_index: int = IGNORE_INDEX
+
+    def __post_init__(self) -> None:
+        check_reduction(self.reduction)
+        if self.level not in ("token", "number"):
+            raise ValueError(f"level must be 'token' or 'number', got {self.level!r}")
+        if self.loss not in ("mse", "l1", "huber"):
+            raise ValueError(f"loss must be 'mse', 'l1' or 'huber', got {self.loss!r}")
+        if self.averaging not in ("number", "token"):
+            raise ValueError(f"averaging must be 'number' or 'token', got {self.averaging!r}")
+        if not (float(self.lam) >= 0.0 and float(self.lam) < float("inf")):
+            raise ValueError(f"lam must be a finite number >= 0, got {self.lam!r}")
+
+
+def distance(d: torch.Tensor, kind: DistanceKind) -> torch.Tensor:
+    """f(d): d² ("mse"), |d| ("l1") or Huber with δ = 1 (0.5·d² below 1, |d| − 0.5 above)."""
+    if kind == "mse":
+        return d * d
+    if kind == "l1":
+        return d.abs()
+    small = d.abs() < 1.0
+    return torch.where(small, 0.5 * d * d, d.abs() - 0.5)
+
+
+def distance_slope(d: torch.Tensor, kind: DistanceKind) -> torch.Tensor:
+    """f'(d), the subgradient autograd takes (sign(0) = 0)."""
+    if kind == "mse":
+        return 2.0 * d
+    if kind == "l1":
+        return torch.sign(d)
+    return d.clamp(-1.0, 1.0)
+
+
+def leading_units(candidates: ClassCandidates, spans: NumberSpans) -> torch.Tensor:
+    """[M, 1] float64 10^(L − 1): one unit in the gold token's leading place."""
+    return torch.pow(10.0, (spans.num_digits - 1).double()).unsqueeze(1)
+
+
+def worst_distance(
+    candidates: ClassCandidates, unit: torch.Tensor, kind: DistanceKind
+) -> torch.Tensor:
+    """[M] R = f((max − min of the class values) / unit): the largest value ℓ can take.
+
+    ntloss: max(|f(min, max)|, |f(max, min)|) over its number tokens (81 for MSE on 0..9)."""
+    values = candidates.values  # [M, K] sorted by value within the class, real members left
+    top = values.masked_fill(~candidates.mask, float("-inf")).amax(dim=1)  # [M]
+    low = values.masked_fill(~candidates.mask, float("inf")).amin(dim=1)  # [M]
+    return distance((top - low) / unit.squeeze(1), kind)
+
+
+def log_mass(class_logits: torch.Tensor, mask: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """[M] log μ = logsumexp(z[candidates]) − logsumexp(z): log of the candidates' mass."""
+    masked = class_logits.masked_fill(~mask, float("-inf"))
+    return torch.logsumexp(masked, dim=-1) - lse
+
+
+def token_ntl(
+    class_logits: torch.Tensor,
+    lse: torch.Tensor,
+    candidates: ClassCandidates,
+    spans: NumberSpans,
+    settings: NTLSettings,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per number token ℓ_m (reweighed if asked) and μ_m; both [M] float64.
+
+    Args:
+        class_logits: [M, K] logits of the candidates (or log-probabilities, with lse = 0).
+        lse: [M] logsumexp of the full logit row (0 for log-probabilities).
+        candidates, spans: the batch's class candidates and number spans.
+        settings: loss, reweigh.
+    """
+    z = class_logits.double()
+    unit = leading_units(candidates, spans)  # [M, 1]
+    values = candidates.values / unit  # [M, K] u, leading-place units
+    gold = values.gather(1, spans.gold_column.unsqueeze(1)).squeeze(1)  # [M]
+    p = masked_class_softmax(z, candidates.mask)  # [M, K]
+    y_hat = (p * values).sum(dim=-1)  # [M]
+    per_token = distance(y_hat - gold, settings.loss)  # [M]
+    mass = torch.exp(log_mass(z, candidates.mask, lse.double()))  # [M]
+    if settings.reweigh:
+        worst = REWEIGH_FACTOR * worst_distance(candidates, unit, settings.loss)  # [M]
+        per_token = per_token * mass + worst * (1.0 - mass)
+    return per_token, mass
+
+
+def first_tokens(spans: NumberSpans) -> torch.Tensor:
+    """[S] long: index in [0, M) of each number's first token (no host sync)."""
+    arange = torch.arange(spans.number_id.numel(), device=spans.number_id.device)
+    start = torch.zeros(spans.n_numbers, dtype=torch.long, device=arange.device)
+    return start.scatter_reduce(0, spans.number_id, arange, reduce="amin", include_self=False)
+
+
+def number_ntl(
+    class_logits: torch.Tensor,
+    lse: torch.Tensor,
+    candidates: ClassCandidates,
+    spans: NumberSpans,
+    settings: NTLSettings,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per number ℓ_s (reweighed at the first token if asked) and μ at that token; [S] float64.
+
+    Arguments as :func:`token_ntl`.
+    """
+    z = class_logits.double()
+    p = masked_class_softmax(z, candidates.mask)  # [M, K]
+    t = (p * candidates.values).sum(dim=-1)  # [M] expected token value
+    gold_t = candidates.values.gather(1, spans.gold_column.unsqueeze(1)).squeeze(1)  # [M]
+    # Scale-free ratio: places shifted per number above 300 digits (no overflow).
+    shift = value_place_shift(spans.place, spans.num_digits, spans.number_id, spans.n_numbers)
+    place = spans.place - shift[spans.number_id]  # [M]
+    ones = torch.ones(spans.n_numbers, dtype=torch.float64, device=z.device)
+    x = number_values(t, place, spans.number_id, ones)  # [S] Ŷ
+    y = number_values(gold_t, place, spans.number_id, ones)  # [S] Y
+    per_number = (x - y).abs() / (x.abs() + y.abs() + NUMBER_LEVEL_EPS)  # [S]
+    first = first_tokens(spans)  # [S]
+    mass = torch.exp(log_mass(z[first], candidates.mask[first], lse.double()[first]))  # [S]
+    if settings.reweigh:
+        per_number = per_number * mass + REWEIGH_FACTOR * (1.0 - mass)
+    return per_number, mass
+
+
+def ntl_terms(
+    class_logits: torch.Tensor,
+    lse: torch.Tensor,
+    candidates: ClassCandidates,
+    spans: NumberSpans,
+    settings: NTLSettings,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ℓ, μ) per scored item of ``settings.level``: number tokens [M] or numbers [S]."""
+    fn = token_ntl if settings.level == "token" else number_ntl
+    return fn(class_logits, lse, candidates, spans, settings)
+
+
+def class_width(draft: SpanDraft, vocab: NumberVocab) -> torch.Tensor:
+    """0-d long: the size of the widest class among the draft's number tokens (0 with none),
+    read with the call's other sizes (no host sync here)."""
+    is_num = draft.num.reshape(-1)  # [N]
+    n_cls = vocab.num_classes
+    token_class = vocab.token_class.index_select(0, draft.idx.reshape(-1))  # [N]
+    slot = torch.where(is_num, token_class, n_cls)
+    per_class = torch.zeros(n_cls + 1, dtype=torch.long, device=is_num.device)
+    per_class.index_add_(0, slot, torch.ones_like(slot))
+    present = per_class[:n_cls] > 0  # [C]
+    return (vocab.class_mask.sum(dim=1) * present).amax()
+
+
+def resolve_with_width(
+    draft: SpanDraft, vocab: NumberVocab
+) -> tuple[NumberSpans, ClassCandidates]:
+    """The spans and class candidates of a draft in ONE host sync (sizes, the widest class and
+    the label-range check read together); raises the range error for labels outside [0, V)."""
+    n_tok, n_num, n_bad, width = torch.cat(
+        [draft.sizes(), class_width(draft, vocab).reshape(1)]
+    ).tolist()  # the host sync of the call
+    if n_bad:
+        raise draft.range_error()
+    spans = draft.finish(n_tok, n_num)
+    return spans, class_candidates(vocab, spans, width=width)
+
+
+def ntl_denominator(n_items: int, n_tokens: torch.Tensor, averaging: NTLAveraging) -> torch.Tensor:
+    """D of NTL = Σℓ / D: the items scored ("number") or the counted labels n ("token"), ≥ 1."""
+    if averaging == "token":
+        return n_tokens.double().clamp_min(1)
+    return torch.full((), float(max(n_items, 1)), dtype=torch.float64, device=n_tokens.device)
+
+
+def ntl_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    spans: NumberSpans,
+    candidates: ClassCandidates,
+    settings: NTLSettings,
+) -> LossOutput:
+    """CE + λ·NTL on full logits with plain autograd (the oracle of the chunked paths).
+
+    Args:
+        logits: z [..., V], any float dtype (CE in float32, float64 kept; NTL in float64).
+        labels: y [...] aligned with the logits, already checked (shapes, range).
+        spans: the labels' number spans (:func:`emdlm.functional.ntil.resolve_spans`).
+        candidates: their class candidates (:func:`emdlm.functional.ntil.class_candidates`).
+        settings: :class:`NTLSettings`.
+
+    Returns:
+        LossOutput; components "ce", "ntl" (Σℓ/D, before λ), "number_mass" (mean μ over the
+        scored items), "n_digit_tokens" (M), "n_numbers" (S, number level) and "n_tokens".
+        With no number in the batch NTL is an explicit 0 and the loss is CE's.
+    """
+    tokens = token_log_probs(logits, labels, settings.ignore_index)
+    ce, count = tokens.ce, tokens.count
+    # log q at the candidates: softmax over them equals softmax over their logits, and the
+    # candidates' mass is Σ exp(log q); the backward of log q carries the lse term.
+    rows = spans.flat_index.unsqueeze(1).expand_as(candidates.ids)  # [M, K]
+    class_log_q = tokens.log_q[rows, candidates.ids]  # [M, K]
+    lse = torch.zeros(spans.n_tokens, dtype=torch.float64, device=ce.device)
+    per_item, mass = ntl_terms(class_log_q, lse, candidates, spans, settings)
+    n_items = per_item.numel()
+    denom = ntl_denominator(n_items, count, settings.averaging)
+    ntl = per_item.sum() / denom  # 0-d float64 (an explicit 0 with no number)
+    count_f = count.to(ce.dtype)
+    ce_sum = ce.sum()
+    scale = count_f if settings.reduction == "sum" else torch.ones_like(count_f)
+    ce_part = ce_sum if settings.reduction == "sum" else ce_sum / count_f.clamp_min(1)
+    loss = ce_part + (settings.lam * ntl * scale.double()).to(ce.dtype)
+    components = ntl_components(
+        ce_sum.detach() / count_f.clamp_min(1), ntl, mass, spans, count, settings
+    )
+    return LossOutput(loss=loss, components=components)
+
+
+def ntl_components(
+    ce_mean: torch.Tensor,
+    ntl: torch.Tensor,
+    mass: torch.Tensor,
+    spans: NumberSpans,
+    count: torch.Tensor,
+    settings: NTLSettings,
+) -> dict[str, torch.Tensor | float]:
+    """The components both paths report (detached, in CE's dtype)."""
+    dtype = ce_mean.dtype
+    components: dict[str, torch.Tensor | float] = {
+        "ce": ce_mean.detach(),
+        "ntl": ntl.detach().to(dtype),
+        "number_mass": (mass.detach().sum() / max(mass.numel(), 1)).to(dtype),
+        "n_digit_tokens": torch.tensor(spans.n_tokens),
+        "n_tokens": count,
+    }
+    if settings.level == "number":
+        components["n_numbers"] = torch.tensor(spans.n_numbers)
+    return components
+
+
+__all__ = [
+    "NUMBER_LEVEL_EPS",
+    "REWEIGH_FACTOR",
+    "DistanceKind",
+    "NTLSettings",
+    "class_width",
+    "distance",
+    "distance_slope",
+    "first_tokens",
+    "leading_units",
+    "log_mass",
+    "ntl_components",
+    "ntl_denominator",
+    "ntl_loss",
+    "ntl_terms",
+    "number_ntl",
+    "resolve_with_width",
+    "token_ntl",
+    "worst_distance",
+]

@@ -1,0 +1,335 @@
+"""NTLMSELoss and NumberLevelLoss: CE + λ·NTL of ntloss (ICML 2025), on every emdlm tokenizer.
+
+Formulas, ntloss's semantics and emdlm's departures (NOTE lines): :mod:`emdlm.functional.ntl`.
+The logits path is the plain-autograd reference (:func:`emdlm.functional.ntl.ntl_loss`); the
+from-hidden path runs :class:`emdlm.ops.from_hidden.NTLObjective` through the chunked engine.
+
+Presets (explicit keyword arguments override them):
+
+* ``"classes"`` (default): every number token is scored over its class
+  (:class:`emdlm.numbers.NumberVocab`: same digit count and space marker), so GPT-2's 'Ġ123' or
+  a LLaMA-3-like '45' count as the ten digits do.
+* ``"ntloss"``: only the ten bare tokens '0'..'9' are number tokens (ntloss's ``digit_level``
+  default); with ``averaging="number"`` (ntloss's mean) the NTL term equals ntloss's own output
+  (tests/test_ntl.py pins it on GPT-2's and the char tokenizer's vocabularies).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from emdlm._output import LossOutput
+from emdlm.functional._common import (
+    IGNORE_INDEX,
+    Reduction,
+    check_logits_labels_shapes,
+    compute_dtype,
+)
+from emdlm.functional.ntil import draft_spans
+from emdlm.functional.ntl import (
+    DistanceKind,
+    NTLAveraging,
+    NTLSettings,
+    first_tokens,
+    ntl_loss,
+    resolve_with_width,
+)
+from emdlm.losses.base import EMDLMLoss
+from emdlm.numbers import NumberVocab
+from emdlm.ops.from_hidden import NTLObjective, loss_from_hidden
+
+NTLPreset = Literal["classes", "ntloss"]
+_DIGITS_ONLY = {"classes": False, "ntloss": True}
+
+
+class _NTLBase(EMDLMLoss):
+    """What both NTL losses share: the number vocabulary, presets, the two paths."""
+
+    takes_number_mask: ClassVar[bool] = True
+
+    settings: NTLSettings
+    span_options: dict[str, Any]
+
+    def _setup(
+        self,
+        tokenizer_or_number_vocab: Any,
+        preset: str,
+        settings: NTLSettings,
+        vocab_size: int | None,
+        digits_only: bool | None,
+        join_decimal: bool,
+    ) -> None:
+        if preset not in _DIGITS_ONLY:
+            raise ValueError(f"preset must be one of {tuple(_DIGITS_ONLY)}, got {preset!r}")
+        self.preset = preset
+        self.settings = settings
+        self.span_options = {
+            "digits_only": _DIGITS_ONLY[preset] if digits_only is None else bool(digits_only),
+            "join_decimal": bool(join_decimal),
+            "signed": False,  # the sign cancels in every NTL term
+        }
+        if isinstance(tokenizer_or_number_vocab, NumberVocab):
+            self._tokenizer = None
+            self._vocab: NumberVocab | None = tokenizer_or_number_vocab
+            if vocab_size is not None and vocab_size != self._vocab.vocab_size:
+                raise ValueError(
+                    f"vocab_size={vocab_size} disagrees with the NumberVocab's "
+                    f"{self._vocab.vocab_size} rows"
+                )
+            self._fixed_size = True
+        else:
+            self._tokenizer = tokenizer_or_number_vocab
+            self._vocab = (
+                NumberVocab.from_tokenizer(self._tokenizer, vocab_size)
+                if vocab_size is not None
+                else None
+            )
+            self._fixed_size = vocab_size is not None
+
+    @property
+    def reduction(self) -> Reduction:  # type: ignore[override]
+        """"mean" or "sum" (read-only: integrations check it as every loss's)."""
+        return self.settings.reduction
+
+    @property
+    def ignore_index(self) -> int:  # type: ignore[override]
+        return self.settings.ignore_index
+
+    @property
+    def number_vocab(self) -> NumberVocab | None:
+        """The :class:`NumberVocab` in use (None until the first call when built lazily)."""
+        return self._vocab
+
+    def _vocab_for(self, logits: torch.Tensor) -> NumberVocab:
+        rows = logits.shape[-1]
+        if self._vocab is None or (not self._fixed_size and self._vocab.vocab_size != rows):
+            self._vocab = NumberVocab.from_tokenizer(self._tokenizer, rows)
+        if self._vocab.vocab_size != rows:
+            raise ValueError(
+                f"logits have {rows} vocabulary rows (shape {tuple(logits.shape)}) but the "
+                f"NumberVocab was built for {self._vocab.vocab_size}: build it with "
+                f"vocab_size={rows}"
+            )
+        return self._vocab.to(logits.device)
+
+    def _draft(
+        self, logits: torch.Tensor, labels: torch.Tensor, number_mask: torch.Tensor | None
+    ) -> tuple[Any, NumberVocab, torch.Tensor]:
+        """Shape checks (no host sync), the vocabulary, and the labels' span draft."""
+        check_logits_labels_shapes(logits, labels)
+        vocab = self._vocab_for(logits)
+        labels = labels.to(logits.device)
+        draft = draft_spans(
+            labels,
+            vocab,
+            ignore_index=self.settings.ignore_index,
+            number_mask=number_mask,
+            **self.span_options,
+        )
+        return draft, vocab, labels
+
+    def forward(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        number_mask: torch.Tensor | None = None,
+    ) -> LossOutput:
+        """CE + λ·NTL of ``logits`` [..., V] against ``labels`` [...] (aligned, no shift).
+
+        ``number_mask`` (bool, the labels' shape; None = every token): a number is scored only
+        if all its number tokens are True (:func:`emdlm.numbers.find_number_spans`); CE is taken
+        on every counted label. One host sync (sizes and the label-range check).
+        """
+        draft, vocab, labels = self._draft(logits, labels, number_mask)
+        spans, candidates = resolve_with_width(draft, vocab)
+        return ntl_loss(logits, labels, spans, candidates, self.settings)
+
+    def from_hidden(
+        self,
+        hidden: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        labels: torch.Tensor,
+        lm_head_bias: torch.Tensor | None = None,
+        *,
+        logit_scale: float | None = None,
+        softcap: float | None = None,
+        chunk_size: int | None = None,
+        number_mask: torch.Tensor | None = None,
+    ) -> LossOutput:
+        """The same loss from hidden states, never materializing the [N, V] logits.
+
+        Value, components and gradients (hidden, weight, bias) equal
+        ``self(head(hidden), labels)`` (:class:`emdlm.ops.from_hidden.NTLObjective`).
+
+        Args:
+            hidden: [..., H] final hidden states, aligned with ``labels`` (no shift inside).
+            lm_head_weight: [V, H] output embedding, same dtype as ``hidden``.
+            labels: [...] integer labels.
+            lm_head_bias: optional [V] head bias.
+            logit_scale: s, logits s·(hWᵀ + b); softcap: cap, logits cap·tanh(z/cap).
+            chunk_size: rows per chunk (default: 2^26 / V rows, :mod:`emdlm.ops.chunked`).
+            number_mask: as in ``forward``.
+        """
+        if lm_head_weight.dim() != 2 or hidden.dim() < 1:
+            raise ValueError(
+                f"lm_head_weight must be [V, H] and hidden [..., H]; got "
+                f"{tuple(lm_head_weight.shape)} and {tuple(hidden.shape)}"
+            )
+        stand_in = hidden.new_zeros(()).expand(*hidden.shape[:-1], lm_head_weight.shape[0])
+        draft, vocab, labels = self._draft(stand_in, labels, number_mask)
+        objective = NTLObjective(draft, vocab, self.settings)
+        out = loss_from_hidden(
+            objective,
+            hidden,
+            lm_head_weight,
+            labels,
+            lm_head_bias,
+            ignore_index=self.settings.ignore_index,
+            reduction=self.settings.reduction,
+            chunk_size=chunk_size,
+            logit_scale=logit_scale,
+            softcap=softcap,
+        )
+        if objective.lse_grad is None:
+            return out
+        # Number level with reweigh: ∂L/∂lse at each number's first token reaches every logit
+        # of that row (∂lse/∂z = q). Those S rows are scored again through the head here, with
+        # value 0 and gradient g·q (no host sync: S was read in the engine's one sync).
+        spans = objective.spans
+        assert spans is not None and objective.count is not None
+        rows = spans.flat_index.index_select(0, first_tokens(spans))  # [S]
+        grad = objective.lse_grad.index_select(0, first_tokens(spans))  # [S] sum units
+        if self.settings.reduction == "mean":
+            grad = grad / objective.count.clamp_min(1).double()
+        h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)  # [S, H]
+        z = h @ lm_head_weight.T  # [S, V], as the engine's head: input dtype
+        if lm_head_bias is not None:
+            z = z + lm_head_bias
+        z = z.to(compute_dtype(hidden.dtype))
+        if logit_scale is not None:
+            z = z * logit_scale
+        if softcap is not None:
+            z = softcap * torch.tanh(z / softcap)
+        lse = torch.logsumexp(z, dim=-1)  # [S]
+        term = (grad.to(lse.dtype) * (lse - lse.detach())).sum()  # value 0
+        return LossOutput(loss=out.loss + term.to(out.loss.dtype), components=out.components)
+
+    def extra_repr(self) -> str:
+        fields = dataclasses.asdict(self.settings)
+        return f"preset={self.preset!r}, " + ", ".join(
+            f"{k}={v!r}" for k, v in {**fields, **self.span_options}.items()
+        )
+
+
+class NTLMSELoss(_NTLBase):
+    """CE + λ·NTL-MSE (ntloss ``NTLossDotProduct``): the expected value of each number token
+    under the predicted distribution over its candidates against the gold token's value.
+
+        ŷ_m = Σ_k softmax(z_m[candidates])_k · u_k,   ℓ_m = f(ŷ_m − u_y),
+        ℓ_m ← ℓ_m·μ_m + 1.01·R·(1 − μ_m)    (reweigh; μ_m the candidates' mass)
+        total = CE + λ · Σ_m ℓ_m / D
+
+    with f the squared ("mse"), absolute ("l1") or Huber (δ = 1) distance and u the candidates'
+    values in units of the token's leading place (:mod:`emdlm.functional.ntl`).
+
+    Args:
+        tokenizer_or_number_vocab: a transformers tokenizer or a :class:`NumberVocab`.
+        preset: "classes" (default: every number token over its class) or "ntloss" (the ten
+            digits only, as ntloss's default).
+        lam: λ (ntloss's recommendation: 0.3); ``objective.lam_schedule`` schedules it.
+        loss: "mse" (NTL-MSE), "l1" or "huber".
+        reweigh: scale by the candidates' mass (ntloss's default True).
+        averaging: "number" (mean over number tokens, ntloss) or "token" (Σℓ / counted labels:
+            with ``reduction="sum"`` exact under gradient accumulation).
+        ignore_index: label value that is not scored.
+        reduction: "mean" or "sum" (n · the mean-reduced total).
+        vocab_size: logit rows V when building from a tokenizer (default: the logits').
+        digits_only: override the preset's choice of number tokens.
+
+    Call: ``out = loss_fn(logits [B, T, V], labels [B, T], number_mask=None)``;
+    ``out.components``: "ce", "ntl" (Σℓ/D), "number_mass" (mean μ), "n_digit_tokens" (M),
+    "n_tokens". With no number in the batch the loss is CE's.
+
+    Example:
+        >>> loss_fn = NTLMSELoss(tokenizer, preset="ntloss")        # doctest: +SKIP
+        >>> out = loss_fn(logits[:, :-1], input_ids[:, 1:])       # doctest: +SKIP
+
+    Shape notation: B batch, T time, V vocabulary rows, M number tokens.
+    """
+
+    def __init__(
+        self,
+        tokenizer_or_number_vocab: Any,
+        preset: NTLPreset = "classes",
+        lam: float = 0.3,
+        loss: DistanceKind = "mse",
+        reweigh: bool = True,
+        averaging: NTLAveraging = "number",
+        ignore_index: int = IGNORE_INDEX,
+        reduction: Reduction = "mean",
+        vocab_size: int | None = None,
+        *,
+        digits_only: bool | None = None,
+    ) -> None:
+        super().__init__()
+        settings = NTLSettings(
+            lam=lam,
+            level="token",
+            loss=loss,
+            reweigh=bool(reweigh),
+            averaging=averaging,
+            reduction=reduction,
+            ignore_index=ignore_index,
+        )
+        self._setup(tokenizer_or_number_vocab, preset, settings, vocab_size, digits_only, False)
+
+
+class NumberLevelLoss(_NTLBase):
+    """CE + λ·number-level NTL (ntloss ``NumberLevelLoss``): a symmetric relative error of each
+    gold number's value against the value built from the expected token values.
+
+        Ŷ_s = Σ_{m∈s} t_m·10^place_m,   ℓ_s = |Ŷ_s − Y_s| / (|Ŷ_s| + |Y_s| + ε),
+        ℓ_s ← ℓ_s·μ_first + 1.01·(1 − μ_first)    (reweigh)
+        total = CE + λ · Σ_s ℓ_s / D
+
+    Args: as :class:`NTLMSELoss`, without ``loss``, plus
+        float_level: a bare '.' between two runs joins them into one number (ntloss's
+            ``float_level``; :func:`emdlm.numbers.find_number_spans`'s ``join_decimal``).
+
+    ``averaging="number"`` is the mean over numbers (ntloss). Components: those of
+    :class:`NTLMSELoss` plus "n_numbers" (S); "number_mass" is the mean μ at first tokens.
+    """
+
+    def __init__(
+        self,
+        tokenizer_or_number_vocab: Any,
+        preset: NTLPreset = "classes",
+        lam: float = 0.3,
+        reweigh: bool = True,
+        float_level: bool = False,
+        averaging: NTLAveraging = "number",
+        ignore_index: int = IGNORE_INDEX,
+        reduction: Reduction = "mean",
+        vocab_size: int | None = None,
+        *,
+        digits_only: bool | None = None,
+    ) -> None:
+        super().__init__()
+        settings = NTLSettings(
+            lam=lam,
+            level="number",
+            reweigh=bool(reweigh),
+            averaging=averaging,
+            reduction=reduction,
+            ignore_index=ignore_index,
+        )
+        self._setup(
+            tokenizer_or_number_vocab, preset, settings, vocab_size, digits_only, float_level
+        )
+
+
+__all__ = ["NTLMSELoss", "NumberLevelLoss"]

@@ -1,0 +1,166 @@
+"""CrossEntropyLoss's options (label smoothing, z-loss, token accuracy) against torch and
+Liger-Kernel's definitions restated, equal on the logits path and from hidden states, float64
+gradcheck; the defaults are today's CE exactly."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import emdlm.ops.from_hidden
+from emdlm.losses.ce import CrossEntropyLoss
+from emdlm.ops.chunked import chunked_linear_loss
+
+F64 = torch.float64
+
+
+def _case(seed: int, dtype: torch.dtype = F64, vocab: int = 13):
+    gen = torch.Generator().manual_seed(seed)
+    logits = 3.0 * torch.randn(3, 6, vocab, generator=gen, dtype=F64)
+    labels = torch.randint(0, vocab, (3, 6), generator=gen)
+    labels[0, 3:] = -100
+    labels[2, 1] = -100
+    return logits.to(dtype), labels
+
+
+def _liger(logits: torch.Tensor, labels: torch.Tensor, eps: float, s: float):
+    """Liger-Kernel ops/cross_entropy.py, per non-ignored row (its kernel comments):
+    loss = (1−ε)(lse − x_y) + (−Σ_i ε/V·x_i + ε·lse) + s·lse², reduction "mean" over the
+    non-ignored rows; z_loss = s·lse² (same mean); dx = ((1 + 2s·lse)·softmax − ε/V
+    − (1−ε)·onehot) / n."""
+    flat, y = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    keep = y != -100
+    x, y = flat[keep], y[keep]
+    vocab, n = x.shape[-1], x.shape[0]
+    lse = torch.logsumexp(x, -1)
+    x_y = x.gather(1, y.unsqueeze(1)).squeeze(1)
+    smooth = -(eps / vocab) * x.sum(-1) + eps * lse
+    loss = (1 - eps) * (lse - x_y) + smooth + s * lse * lse
+    soft = torch.softmax(x, -1)
+    grad = (1 + 2 * s * lse).unsqueeze(1) * soft - eps / vocab
+    grad = grad - (1 - eps) * F.one_hot(y, vocab).to(x.dtype)
+    full = torch.zeros_like(flat)
+    full[keep] = grad / n
+    return loss.sum() / n, (s * lse * lse).sum() / n, full.view_as(logits)
+
+
+def test_defaults_are_todays_ce_exactly() -> None:
+    logits, labels = _case(0, torch.float32)
+    x1, x2 = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    out = CrossEntropyLoss()(x1, labels)
+    want = F.cross_entropy(x2.reshape(-1, 13), labels.reshape(-1))
+    assert torch.equal(out.loss, want)
+    assert set(out.components) == {"ce", "n_tokens"}
+    out.loss.backward()
+    want.backward()
+    assert torch.equal(x1.grad, x2.grad)
+
+
+@pytest.mark.parametrize(("eps", "s"), [(0.1, 0.0), (0.0, 1e-2), (0.2, 1e-3), (1.0, 0.0)])
+def test_equals_liger_definitions(eps: float, s: float) -> None:
+    logits, labels = _case(1)
+    x = logits.clone().requires_grad_()
+    out = CrossEntropyLoss(label_smoothing=eps, z_loss=s)(x, labels)
+    loss, z_loss, grad = _liger(logits, labels, eps, s)
+    torch.testing.assert_close(out.loss, loss, rtol=1e-12, atol=1e-14)
+    out.loss.backward()
+    torch.testing.assert_close(x.grad, grad, rtol=1e-10, atol=1e-14)
+    if s > 0:
+        torch.testing.assert_close(out.components["z_loss"], z_loss, rtol=1e-12, atol=0)
+    else:
+        assert "z_loss" not in out.components
+
+
+def test_label_smoothing_equals_torch() -> None:
+    logits, labels = _case(2)
+    for eps in (0.05, 0.3):
+        x1, x2 = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+        out = CrossEntropyLoss(label_smoothing=eps, reduction="sum")(x1, labels)
+        want = F.cross_entropy(
+            x2.reshape(-1, 13), labels.reshape(-1), label_smoothing=eps, reduction="sum"
+        )
+        torch.testing.assert_close(out.loss, want, rtol=1e-12, atol=1e-12)
+        out.loss.backward()
+        want.backward()
+        torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-12, atol=1e-14)
+        # "ce" stays the plain CE
+        plain = F.cross_entropy(logits.reshape(-1, 13), labels.reshape(-1))
+        torch.testing.assert_close(out.components["ce"], plain, rtol=1e-12, atol=0)
+
+
+def test_token_accuracy() -> None:
+    """argmax == label over the counted tokens; a tie counts for the first maximal id."""
+    z = torch.tensor([[[3.0, 1.0, 0.0], [0.0, 2.0, 2.0], [1.0, 1.0, 1.0], [0.0, 0.0, 5.0]]])
+    labels = torch.tensor([[0, 2, 0, -100]])  # right, tie lost to id 1, tie won by id 0
+    out = CrossEntropyLoss(token_accuracy=True)(z, labels)
+    assert float(out.components["token_accuracy"]) == pytest.approx(2 / 3)
+    hidden = CrossEntropyLoss(token_accuracy=True).from_hidden(z, torch.eye(3), labels)
+    assert float(hidden.components["token_accuracy"]) == pytest.approx(2 / 3)
+    none = CrossEntropyLoss(token_accuracy=True)(z, torch.full((1, 4), -100))
+    assert float(none.components["token_accuracy"]) == 0.0
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize(("eps", "s"), [(0.1, 0.0), (0.0, 1e-2), (0.2, 1e-3)])
+def test_from_hidden_equals_logits(eps: float, s: float, reduction: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    h0, w0, b0 = torch.randn(3, 6, 8, generator=gen), torch.randn(13, 8, generator=gen), None
+    _, labels = _case(3)
+    fn = CrossEntropyLoss(
+        label_smoothing=eps, z_loss=s, token_accuracy=True, reduction=reduction
+    )
+    results = []
+    for path in ("hidden", "logits"):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        out = fn.from_hidden(h, w, labels, b0, chunk_size=4) if path == "hidden" else fn(
+            h @ w.T, labels
+        )
+        (2 * out.loss).backward()
+        results.append((out, h.grad, w.grad))
+    (got, gh, gw), (want, rh, rw) = results
+    torch.testing.assert_close(got.loss, want.loss, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(gh, rh, rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(gw, rw, rtol=2e-5, atol=2e-6)
+    assert got.components.keys() == want.components.keys()
+    for k in got.components:
+        assert float(got.components[k]) == pytest.approx(float(want.components[k]), rel=1e-5), k
+
+
+def test_gradcheck_float64(monkeypatch: pytest.MonkeyPatch) -> None:
+    keep = functools.partial(chunked_linear_loss, inplace_backward=False)
+    monkeypatch.setattr(emdlm.ops.from_hidden, "chunked_linear_loss", keep)
+    logits, labels = _case(4, vocab=7)
+    y = labels[:2, :4]
+    fn = CrossEntropyLoss(label_smoothing=0.2, z_loss=0.05)
+    x = logits[:2, :4].clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda z: fn(z, y).loss, (x,))
+    gen = torch.Generator().manual_seed(5)
+    h = torch.randn(2, 4, 5, generator=gen, dtype=F64, requires_grad=True)
+    w = torch.randn(7, 5, generator=gen, dtype=F64, requires_grad=True)
+
+    def hidden(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return fn.from_hidden(a, b, y, chunk_size=3, softcap=3.0, logit_scale=1.5).loss
+
+    assert torch.autograd.gradcheck(hidden, (h, w))
+
+
+def test_nan_padding_and_half_precision() -> None:
+    fn = CrossEntropyLoss(label_smoothing=0.1, z_loss=1e-3, token_accuracy=True)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        logits, labels = _case(6, torch.float32)
+        logits[0, 3:] = float("nan")  # the ignored positions
+        x = logits.to(dtype).requires_grad_()
+        out = fn(x, labels)
+        out.loss.backward()
+        assert torch.isfinite(out.loss) and torch.isfinite(x.grad).all()
+        assert torch.equal(x.grad[0, 3:], torch.zeros_like(x.grad[0, 3:]))
+
+
+def test_bad_options_raise() -> None:
+    with pytest.raises(ValueError, match="label_smoothing"):
+        CrossEntropyLoss(label_smoothing=1.5)
+    with pytest.raises(ValueError, match="z_loss"):
+        CrossEntropyLoss(z_loss=-1.0)
