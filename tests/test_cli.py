@@ -234,6 +234,24 @@ def test_train_then_eval_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
+def test_train_with_eval_evaluates_the_final_model(tmp_path):
+    """Issue 36: `emdlm train --eval` (eval.at_end) evaluates on data.eval after training, as
+    `emdlm eval <output>` would, and one line ends a normal run."""
+    out = tmp_path / "run"
+    result, text = _invoke("train", "-c", "arithmetic_ntil", *TINY, "eval.max_new_tokens=5",
+                           "--output", out, "--eval")
+    assert result.exit_code == 0, text
+    metrics = json.loads((out / "eval" / "metrics.json").read_text())
+    assert metrics["n"] == 16 and "exact_match" in text
+    assert f"saved: {out} (train loss" in text
+    assert f"written: {out / 'eval'}/metrics.json, predictions.jsonl" in text
+    result, text = _invoke("train", "-c", "arithmetic_ntil", *TINY, "data.eval=null",
+                           "--output", tmp_path / "no_eval", "--eval")
+    assert result.exit_code == 2 and "eval.at_end" in text and "data.eval" in text
+    assert not (tmp_path / "no_eval").exists()  # refused before anything was written
+
+
+@pytest.mark.slow
 def test_demo_runs_both_objectives_and_prints_table(tmp_path):
     result, text = _invoke(
         "demo", "--out", tmp_path / "demo", "model.params.n_layer=1", "model.params.n_embd=32",

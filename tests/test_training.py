@@ -128,3 +128,18 @@ def test_lora_run_saves_adapter_and_merged_model(tmp_path):
     assert (out / "adapter" / "adapter_config.json").exists()
     merged = AutoModelForCausalLM.from_pretrained(str(out))
     assert not any("lora" in name for name, _ in merged.named_parameters())
+
+
+@pytest.mark.parametrize(("mode", "noted"), [("emo1", True), ("static", False)])
+def test_emo1_run_says_why_its_loss_equals_ce(tmp_path, capsys, mode, noted):
+    """Issue 36: under emo1 the logged loss equals ce in value at every step (Eq. 19); the run
+    says so once and logs demd, where EMO's effect shows."""
+    run_training(_cfg(
+        tmp_path / "run", "objective.name=emo", "objective.cost_embedding=model",
+        f"objective.params={{mode: {mode}}}", "train.max_steps=2", "train.save_steps=10",
+    ))
+    err = capsys.readouterr().err
+    assert ("EMO mode emo1: the logged loss equals ce in value" in err) == noted
+    for record in _log(tmp_path / "run"):
+        assert record["demd"] > 0
+        assert (record["loss"] == pytest.approx(record["ce"], rel=1e-5)) == noted

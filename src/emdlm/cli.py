@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -88,6 +88,9 @@ def train(
             help="Replace an emdlm run folder: deletes only what emdlm wrote there",
         ),
     ] = False,
+    evaluate: Annotated[
+        bool, typer.Option("--eval", help="Evaluate the final model on data.eval (eval.at_end)")
+    ] = False,
 ) -> None:
     """Train a model (transformers.Trainer with an emdlm objective)."""
     from emdlm.config import load_config
@@ -100,6 +103,8 @@ def train(
                        ("train.max_steps", max_steps), ("train.seed", seed)):
         if value is not None:
             items.append(f"{key}={value}")
+    if evaluate:
+        items.append("eval.at_end=true")
     finished = False
     try:
         cfg = load_config(config, items)
@@ -119,10 +124,25 @@ def train(
             close_process_group(finished=False)
     if int(os.environ.get("RANK", "0")) == 0:  # one line, not one per process
         typer.echo(
-            f"done: {summary['global_step']} steps, train loss {summary['train_loss']:.4f}; "
-            f"model saved in {summary['output_dir']}"
+            f"saved: {summary['output_dir']} (train loss {summary['train_loss']:.4f} over "
+            f"{summary['global_step']} steps)"
         )
+        if cfg.eval.at_end:  # rank 0 only; the other ranks wait at close_process_group
+            from emdlm.training.evaluate import evaluate_run
+
+            try:
+                _print_eval(evaluate_run(summary["output_dir"], cfg))
+            except ConfigError as err:
+                _fail(f"training finished and was saved, but the evaluation failed: {err}")
     close_process_group(finished=True)  # under a launcher: ends this process (exit code 0)
+
+
+def _print_eval(result: dict[str, Any]) -> None:
+    """The metrics table and the files an evaluation wrote (``emdlm eval``, ``--eval``)."""
+    from emdlm.evaluation import format_metrics_table
+
+    typer.echo(format_metrics_table({result["name"]: result["metrics"]}))
+    typer.echo(f"written: {result['out_dir']}/{', '.join(result['files'])}")
 
 
 @app.command("eval")
@@ -148,7 +168,6 @@ def eval_cmd(
     out: Annotated[str | None, typer.Option(help="Where metrics.json goes")] = None,
 ) -> None:
     """Generate answers for a test set and compute metrics (metrics.json, predictions.jsonl)."""
-    from emdlm.evaluation import format_metrics_table
     from emdlm.training.evaluate import evaluate_run, resolve_eval_config
 
     items = _eval_data_overrides(data, task, n, split)
@@ -164,8 +183,7 @@ def eval_cmd(
         result = evaluate_run(run_dir, cfg, out_dir=out)
     except ConfigError as err:
         _fail(str(err))
-    typer.echo(format_metrics_table({result["name"]: result["metrics"]}))
-    typer.echo(f"written: {result['out_dir']}/{', '.join(result['files'])}")
+    _print_eval(result)
 
 
 @app.command()

@@ -241,6 +241,9 @@ class EvalConfig:
     # text: "mean" of one MAUVE per sampling run (the EMO paper's), or "pooled" (every sample
     # in one set against the references; emdlm's only mode before)
     mauve_mode: str = "mean"
+    # evaluate the final model on data.eval when `emdlm train` ends (as `emdlm train --eval`),
+    # writing <output_dir>/eval/ as `emdlm eval <output_dir>` would
+    at_end: bool = False
 
 
 @dataclass
@@ -281,6 +284,7 @@ class RunConfig:
                 check_seed(f"{name}.seed", src.seed)
         check_seed("train.seed", self.train.seed)
         self._validate_report_to()
+        self._validate_at_end()
         self._validate_teacher()
         self._validate_lam_schedule()
         t = self.train
@@ -313,6 +317,13 @@ class RunConfig:
                                   f"or eval.kind=text), got {e.temperature!r}")
             if not 0 <= e.top_p <= 1:
                 raise ConfigError(f"eval.top_p must be in [0, 1] when sampling, got {e.top_p!r}")
+
+    def _validate_at_end(self) -> None:
+        if self.eval.at_end and self.data.eval is None:
+            raise ConfigError(
+                "eval.at_end (emdlm train --eval) evaluates on data.eval, which is not set: "
+                "give data.eval.path or data.eval.task"
+            )
 
     def _validate_report_to(self) -> None:
         """``train.report_to``: a name or a list of names (a plain string becomes a list)."""
