@@ -34,7 +34,7 @@ from typing import Any, get_type_hints
 
 import yaml
 
-from emdlm.eval_kinds import EVAL_KINDS  # the one registry of eval kinds
+from emdlm.eval_kinds import EVAL_KIND_SPECS, EVAL_KINDS  # the one registry of eval kinds
 from emdlm.objective_specs import OBJECTIVE_NAMES, OBJECTIVE_SPECS
 from emdlm.yaml_io import DuplicateKeyError, safe_load_unique
 
@@ -311,7 +311,8 @@ class RunConfig:
             value = getattr(e, key)
             if value < 1:
                 raise ConfigError(f"eval.{key} must be an integer >= 1, got {value!r}")
-        if e.do_sample or e.kind == "text":  # transformers' samplers refuse these at generation
+        # transformers' samplers refuse these at generation (open-ended kinds always sample)
+        if e.do_sample or EVAL_KIND_SPECS[e.kind].open_ended:
             if not (math.isfinite(e.temperature) and e.temperature > 0):
                 raise ConfigError(f"eval.temperature must be > 0 when sampling (eval.do_sample "
                                   f"or eval.kind=text), got {e.temperature!r}")
