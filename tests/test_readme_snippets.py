@@ -1,9 +1,11 @@
 """The README and the docs run as written, so the documentation cannot drift from the code.
 
-- Every ```python block of README.md runs in a fresh subprocess, offline, from an empty folder.
-- Every line of a ```bash block of README.md or docs/cli.md that starts with ``emdlm `` is run
-  (the README's JSONL block, whole, from an empty folder: its output folder is a temporary one)
-  or listed in NOT_RUN with the reason.
+- Every ```python block of README.md runs in a fresh subprocess, offline, from an empty folder;
+  so does every ```python block of docs/*.md, except the excerpts listed in PYTHON_EXCERPTS with
+  the test that runs each (with the names it uses defined).
+- Every line of a ```bash block of README.md or docs/*.md that starts with ``emdlm `` is run
+  (the README's JSONL block, whole, from an empty folder; docs/data.md's blocks in
+  tests/test_data_docs.py) or listed in NOT_RUN with the reason.
 - The README's Trainer snippet logs every loss component; the TRL snippet of
   docs/integrations.md trains in fp32 (tiny model and data defined here under its names).
 - README.md stays short (MAX_README_LINES) and every relative link of README.md and docs/*.md
@@ -43,7 +45,49 @@ NOT_RUN = {
     "emdlm demo": "takes minutes (two 1000-step runs); `make demo` runs it, tests/test_cli.py "
     "checks its arguments",
 }
-BASH_DOCS = (README, DOCS / "cli.md")
+# every ```bash block of the README and the docs: its emdlm lines are run or listed above
+NOT_RUN.update({
+    "emdlm train -c pretrain_gpt2_english": "EMO protocol step 1: pre-trains a model for hours "
+    "(its config loads in tests/test_cli.py::test_every_shipped_config_loads)",
+    "emdlm eval runs/pretrain_gpt2_english": "needs the pre-trained model of the line above",
+    "emdlm experiment -c emo_finetune_news_dev": "an experiment grid (hours); every packaged grid "
+    "expands in tests/test_experiment_grid.py and the runner is tested on tiny grids",
+    "emdlm experiment -c emo_finetune_news": "an experiment grid (hours), as above",
+    "emdlm sample runs/pretrain_gpt2_english --task english_continuation --split train \\":
+    "needs the pre-trained model; `emdlm sample`: tests/test_sample_corpus.py",
+    "emdlm sample runs/pretrain_gpt2_english --task english_continuation --split test \\":
+    "needs the pre-trained model; `emdlm sample`: tests/test_sample_corpus.py",
+    "emdlm experiment -c emo_oracle": "an experiment grid (hours) on the sampled corpus",
+    "emdlm eval runs/news_emo_s0 --task polarity_choice --kind choice "
+    "data.eval.params='{shots: 8}'": "needs a fine-tuned run; choice evaluation: "
+    "tests/test_choice_eval.py",
+    "emdlm experiment -c my_exp.yaml seeds=2 workers=1 threads_per_worker=2 "
+    "output_dir=runs/w1t2": "my_exp.yaml stands for the reader's grid; workers and threads: "
+    "tests/test_experiment_runner.py",
+    "emdlm experiment -c my_exp.yaml seeds=2 workers=2 threads_per_worker=1 "
+    "output_dir=runs/w2t1": "as the line above",
+    "emdlm experiment -c arithmetic_objectives": "an experiment grid (hours), as above",
+    "emdlm experiment -c my_exp.yaml seeds=3 base.train.max_steps=500 workers=2": "my_exp.yaml "
+    "stands for the reader's grid; overrides: tests/test_experiment_grid.py",
+    "emdlm experiment -c my_exp.yaml --report-only": "my_exp.yaml stands for the reader's grid; "
+    "--report-only: tests/test_experiment_report.py",
+    "emdlm experiment -c my_exp.yaml --only '*/ntil/seed4'": "my_exp.yaml stands for the "
+    "reader's grid; --only: tests/test_experiment_runner.py",
+    "emdlm experiment -c arithmetic_tokenizers output_dir=<new folder> base.train.max_steps=<2x> "
+    "\\": "a template with placeholders for a replication (hours)",
+})
+BASH_DOCS = (README, *sorted(DOCS.glob("*.md")))
+RUN_WHOLE = {"data.md": "every bash block runs whole in tests/test_data_docs.py"}
+# ```python blocks of docs/ that are not whole programs, and the test that runs each with the
+# names it uses defined (every other docs/ python block runs as written, from an empty folder)
+PYTHON_EXCERPTS = {
+    ("integrations.md", "make_compute_loss_func(loss_fn)  # shifts labels"): "the core of the "
+    "README's Trainer snippet, which runs whole (test_readme_trainer_snippet_logs_components)",
+    ("integrations.md", "EMDLMSFTTrainer("): "test_readme_trl_snippet_trains_in_fp32 (tiny model "
+    "and data under its names)",
+    ("data.md", "read_icdar2015"): "tests/test_data_docs.py, on an ICDAR2015 folder laid out as "
+    "the page says",
+}
 RUN_BLOCK_MARKER = "cat > tiny.yaml"  # the README block `emdlm train` on your own JSONL
 
 
@@ -99,7 +143,8 @@ def test_every_emdlm_bash_line_is_run_or_listed():
     listed, run = set(), set()
     for path in BASH_DOCS:
         for block in _blocks(path, "bash"):
-            target = run if (path == README and RUN_BLOCK_MARKER in block) else listed
+            whole = (path == README and RUN_BLOCK_MARKER in block) or path.name in RUN_WHOLE
+            target = run if whole else listed
             target.update(_emdlm_lines(block))
     assert run, "the README's JSONL block has no emdlm line"
     unlisted = listed - NOT_RUN.keys()
@@ -150,6 +195,35 @@ def test_readme_trl_snippet_trains_in_fp32(tmp_path, monkeypatch):
     trainer = namespace["trainer"]
     assert trainer.args.bf16 is False and trainer.state.global_step == 2
     assert any("emdlm/ntil" in h for h in trainer.state.log_history)
+
+
+def _docs_python_blocks() -> list[tuple[str, str]]:
+    return [(path.name, block) for path in sorted(DOCS.glob("*.md"))
+            for block in _blocks(path, "python")]
+
+
+def _excerpt(page: str, block: str) -> bool:
+    return any(page == p and marker in block for p, marker in PYTHON_EXCERPTS)
+
+
+DOCS_PYTHON = [(page, b) for page, b in _docs_python_blocks() if not _excerpt(page, b)]
+
+
+def test_every_docs_python_block_runs_or_is_listed():
+    listed = [(p, m) for p, m in PYTHON_EXCERPTS
+              if any(page == p and m in b for page, b in _docs_python_blocks())]
+    assert listed == list(PYTHON_EXCERPTS), "PYTHON_EXCERPTS names blocks no page has"
+    assert DOCS_PYTHON, "no whole-program python block in docs/"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("page", "block"), DOCS_PYTHON, ids=[p for p, _ in DOCS_PYTHON])
+def test_every_docs_python_block_runs(tmp_path, page, block):
+    script = tmp_path / "block.py"
+    script.write_text(block)
+    proc = subprocess.run([sys.executable, script.name], cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=SNIPPET_TIMEOUT_S)  # fmt: skip
+    assert proc.returncode == 0, f"{page}: " + _failure(proc)
 
 
 def test_readme_is_short():
