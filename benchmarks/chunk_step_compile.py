@@ -50,6 +50,7 @@ def build(name: str, labels: torch.Tensor, vocab: int, width: int) -> Any:
 
     gen = torch.Generator().manual_seed(5)
     device = labels.device
+    stand_in = torch.zeros((), device=device).expand(labels.shape[0], vocab)  # as from_hidden
 
     def cost() -> torch.Tensor:
         emb = torch.randn(vocab, width, generator=gen).to(device)
@@ -58,13 +59,12 @@ def build(name: str, labels: torch.Tensor, vocab: int, width: int) -> Any:
     def numeric(cls: type) -> Any:
         number_vocab = NumberVocab.from_token_strings(TOKENS, vocab)
         loss = cls(number_vocab, value_mode="argmax")
-        stand_in = torch.zeros((), device=device).expand(labels.shape[0], vocab)
-        return loss._engine_objective(stand_in, labels, None, None)[0]
+        return loss.chunk_objective(stand_in, labels)[0]
 
     factories: dict[str, Callable[[], Any]] = {
-        "ce": lambda: CrossEntropyLoss().hidden_objective(),
-        "tailr": lambda: TaiLrLoss(label_smoothing=0.1).hidden_objective(),
-        "mixce": lambda: MixCELoss(eta=0.3).hidden_objective(),
+        "ce": lambda: CrossEntropyLoss().chunk_objective(stand_in, labels)[0],
+        "tailr": lambda: TaiLrLoss(label_smoothing=0.1).chunk_objective(stand_in, labels)[0],
+        "mixce": lambda: MixCELoss(eta=0.3).chunk_objective(stand_in, labels)[0],
         "emd": lambda: numeric(DigitEMDLoss),
         "ntil": lambda: numeric(NTILLoss),
         "emo": lambda: EMOObjective(cost(), "emo1", 1.0, None),

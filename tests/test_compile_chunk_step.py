@@ -4,8 +4,10 @@ The engine (:mod:`emdlm.ops.chunked`) reads every data-dependent size of a call 
 sync at the start of forward (``_Pass.of``, ``ChunkObjective.host_sizes`` / ``begin``), so the
 per-chunk function ``objective.chunk(z, out, labels_c, valid_c, start, grad_scale)`` must be
 free of them: no ``.item()`` / ``.tolist()`` / ``nonzero`` / ``data_ptr`` / Python branching on
-tensor values. Here, for every registered objective (``emdlm.objectives._CLASSES``, through the
-ChunkObjective each one runs) and both paths of the engine:
+tensor values. Here, for every registered objective (tests/_objectives.py ``SPECS``: every path
+of ``PATHS`` of an objective with a from-hidden path, through the ChunkObjective its
+``chunk_objective`` gives, so a newly registered one is covered; then option cases beyond the
+paths, and EMO distillation's logits-only objective) and both paths of the engine:
 
 * logits: ``z`` is a read-only chunk of the logits, ``out`` the driver's buffer (float32, and
   bfloat16 logits staged into a float32 ``out`` for a few cases);
@@ -32,19 +34,13 @@ import pytest
 import torch
 
 from _compile_marks import needs_dynamo
-from _objectives import SPECS
+from _objectives import PATHS, SPECS
 from emdlm.functional.emo import normalize_cost_embedding
-from emdlm.losses.ce import CrossEntropyLoss
-from emdlm.losses.dft import DFTLoss
-from emdlm.losses.mixce import MixCELoss
-from emdlm.losses.ntil import DigitEMDLoss, NTILLoss
-from emdlm.losses.ntl import NTLMSELoss, NumberLevelLoss
-from emdlm.losses.tailr import TaiLrLoss
 from emdlm.numbers import NumberVocab
 from emdlm.ops._chunking import prepare_cost
 from emdlm.ops.chunked import ChunkObjective, HeadOptions, _Pass
 from emdlm.ops.emo_dense_chunked import EMODistillObjective
-from emdlm.ops.from_hidden import EMOObjective, NTILObjective, NTLObjective
+from emdlm.ops.from_hidden import NTILObjective
 
 pytestmark = needs_dynamo
 
@@ -70,28 +66,29 @@ def _labels() -> torch.Tensor:
     return labels
 
 
+def _cost_embedding() -> torch.Tensor:
+    return torch.randn(V, 6, generator=torch.Generator().manual_seed(5))
+
+
 def _cost() -> torch.Tensor:
-    emb = torch.randn(V, 6, generator=torch.Generator().manual_seed(5))
-    return prepare_cost(normalize_cost_embedding(emb), None, torch.float32)
+    return prepare_cost(normalize_cost_embedding(_cost_embedding()), None, torch.float32)
 
 
-def _ntil(cls: type[NTILLoss], **kwargs: Any) -> Callable[[torch.Tensor], ChunkObjective]:
-    def make(labels: torch.Tensor) -> ChunkObjective:
-        stand_in = torch.zeros(()).expand(*labels.shape, V)  # as NTILLoss.from_hidden
-        gen = torch.Generator().manual_seed(7)
-        objective, _ = cls(VOCAB, **kwargs)._engine_objective(stand_in, labels, None, gen)
-        return objective
-
-    return make
-
-
-def _ntl(
-    cls: type[NTLMSELoss | NumberLevelLoss], **kwargs: Any
+def _registered(
+    name: str, path: str | None, **options: Any
 ) -> Callable[[torch.Tensor], ChunkObjective]:
+    """The ChunkObjective ``from_hidden`` runs for objective ``name`` on ``path`` (with
+    ``options`` on top): the loss's own ``chunk_objective`` on a zero-stride stand-in, as
+    ``EMDLMLoss.from_hidden`` calls it; noise (NTIL's Gumbel values) from a generator seeded
+    alike for both twins."""
+    spec = SPECS[name]
+
     def make(labels: torch.Tensor) -> ChunkObjective:
-        stand_in = torch.zeros(()).expand(*labels.shape, V)  # as from_hidden
-        draft, vocab, _ = cls(VOCAB, **kwargs)._draft(stand_in, labels, None)
-        return NTLObjective(draft, vocab, cls(VOCAB, **kwargs).settings)
+        loss = spec.build(path, digits=VOCAB, cost_embedding=_cost_embedding(), **options)
+        stand_in = torch.zeros(()).expand(*labels.shape, V)  # as EMDLMLoss.from_hidden
+        extra = {"generator": torch.Generator().manual_seed(7)} if spec.draws_noise else {}
+        objective, _ = loss.chunk_objective(stand_in, labels, **extra)
+        return objective
 
     return make
 
@@ -104,39 +101,33 @@ def _distill(base: str, mode: str) -> Callable[[torch.Tensor], ChunkObjective]:
 
 #: case -> (registered objective, builder of its ChunkObjective from the labels, paths).
 BOTH, LOGITS = ("logits", "hidden"), ("logits",)
-CASES: dict[str, tuple[str, Callable[[torch.Tensor], ChunkObjective], tuple[str, ...]]] = {
-    "ce": ("ce", lambda y: CrossEntropyLoss().hidden_objective(), BOTH),
-    "tailr_paper_smoothing": (
+CaseTable = dict[str, tuple[str, Callable[[torch.Tensor], ChunkObjective], tuple[str, ...]]]
+#: Every path of every objective with a from-hidden path (tests/_objectives.py), but the
+#: plain-autograd ``reference`` of its logits forward, whose ChunkObjective is the fast path's
+#: (``chunk_objective`` does not depend on ``implementation``).
+DERIVED: CaseTable = {
+    f"{name}-{path}": (name, _registered(name, path), BOTH)
+    for name, path in PATHS
+    if SPECS[name].from_hidden and path != SPECS[name].reference
+}
+#: Options beyond the registered paths, and the objectives without a from-hidden path whose
+#: logits path runs a ChunkObjective (EMO distillation: the teacher's [N, V] logits).
+EXTRA: CaseTable = {
+    "tailr_gamma_min_weight_smoothing": (
         "tailr",
-        lambda y: TaiLrLoss(gamma=0.3, min_weight=0.1, label_smoothing=0.1).hidden_objective(),
+        _registered("tailr", None, gamma=0.3, min_weight=0.1, label_smoothing=0.1),
         BOTH,
     ),
-    "tailr_emo_repo": (
-        "tailr",
-        lambda y: TaiLrLoss(preset="emo_repo", mixing_ratio=0.4).hidden_objective(),
-        BOTH,
-    ),
-    "mixce": ("mixce", lambda y: MixCELoss(eta=0.3).hidden_objective(), BOTH),
-    "dft": ("dft", lambda y: DFTLoss().hidden_objective(), BOTH),
-    "ce_smoothing_zloss_accuracy": (
-        "ce",
-        lambda y: CrossEntropyLoss(
-            label_smoothing=0.1, z_loss=1e-3, token_accuracy=True
-        ).hidden_objective(),
-        BOTH,
-    ),
-    "ntl_mse": ("ntl_mse", _ntl(NTLMSELoss), BOTH),
-    "ntl_l1_token": ("ntl_mse", _ntl(NTLMSELoss, loss="l1", averaging="token"), BOTH),
-    "number_level": ("number_level", _ntl(NumberLevelLoss), BOTH),
-    "emd": ("emd", _ntil(DigitEMDLoss), BOTH),
-    "ntil": ("ntil", _ntil(NTILLoss), BOTH),
-    "emo1": ("emo", lambda y: EMOObjective(_cost(), "emo1", 1.0, 3.0), BOTH),
-    "emo2": ("emo", lambda y: EMOObjective(_cost(), "emo2", 1.0, None), BOTH),
-    "emo_static": ("emo", lambda y: EMOObjective(_cost(), "static", 0.5, None), BOTH),
+    "tailr_emo_repo_04": ("tailr", _registered("tailr", "emo_repo", mixing_ratio=0.4), BOTH),
+    "ntl_l1_token": ("ntl_mse", _registered("ntl_mse", None, loss="l1", averaging="token"), BOTH),
+    "emo1_max_ratio": ("emo", _registered("emo", None, max_ratio=3.0), BOTH),
+    "emo_static": ("emo", _registered("emo", None, mode="static", mu=0.5), BOTH),
     "emo_distill_kl": ("emo_distill", _distill("kl", "static"), LOGITS),
     "emo_distill_ce_emo1": ("emo_distill", _distill("ce", "emo1"), LOGITS),
     "emo_distill_none_emo2": ("emo_distill", _distill("none", "emo2"), LOGITS),
 }
+assert not DERIVED.keys() & EXTRA.keys()
+CASES: CaseTable = {**DERIVED, **EXTRA}
 #: Registered objectives without a chunk step, and why.
 NO_CHUNK_STEP = {"kl_distill": "plain autograd (emdlm.functional.emo_dense.kl_distill_loss)"}
 
@@ -203,9 +194,10 @@ def _cases() -> list[Any]:
     for case, (_, _, paths) in CASES.items():
         for path in paths:
             params.append(pytest.param(case, path, torch.float32, True, id=f"{case}-{path}"))
-    for case in ("ce", "tailr_paper_smoothing", "ntil", "emo1", "emo_distill_kl"):  # staging
+    staging = ("ce-default", "tailr_gamma_min_weight_smoothing", "ntil-fused", "emo1_max_ratio")
+    for case in (*staging, "emo_distill_kl"):  # bfloat16 logits staged into a float32 out
         params.append(pytest.param(case, "logits", torch.bfloat16, True, id=f"{case}-bf16"))
-    for case in ("ce", "mixce", "ntil", "emo_static", "emo_distill_kl"):  # values only
+    for case in ("ce-default", "mixce-default", "ntil-fused", "emo_static", "emo_distill_kl"):
         params.append(pytest.param(case, "logits", torch.float32, False, id=f"{case}-values"))
     return params
 

@@ -309,7 +309,7 @@ def test_logits_driver_runs_the_same_objectives(name: str, reduction: str) -> No
         logits = x[:, :-1]
         module = OBJECTIVES[name](reduction)
         if path == "driver":
-            objective = module.hidden_objective()
+            objective, _ = module.chunk_objective(logits, labels)
             options = HeadOptions(reduction=reduction, chunk_size=4)
             out = chunked_logits_loss(logits, labels, objective, options)
         else:

@@ -16,36 +16,34 @@ from emdlm.objectives import build_objective
 from emdlm.tasks import generate_task
 from emdlm.tokenizers import load_tokenizer
 from emdlm.training import prepare_run, train
+from test_conformance import BATCH_LEVEL
 
 # Objectives whose summed loss is a sum of per-token terms: accumulation 4x2 == 8x1 exactly.
-# id -> (objective name, params). NTIL / digit EMD belong here with mix="static" and
-# averaging="token": every term is a sum over the batch divided by the counted labels, so
-# "sum" is sum_t CE_t + lam * sum of the NTIL terms (emdlm.functional.ntil). value_mode
-# "expected" / "argmax" (emd's default) keep the value deterministic (no Gumbel noise per call).
-TOKEN_NTIL = {"mix": "static", "averaging": "token"}
+# id -> (objective name, params), derived from the registry (tests/_objectives.py SPECS, every
+# objective without a teacher) and tests/test_conformance.py BATCH_LEVEL: an objective declared
+# there (NTIL / digit EMD, NTL) belongs here with the options that make it exact, e.g. NTIL's
+# mix="static", averaging="token": every term is a sum over the batch divided by the counted
+# labels, so "sum" is sum_t CE_t + lam * sum of the NTIL terms (emdlm.functional.ntil), and
+# value_mode "expected" / "argmax" (emd's default) keep the value deterministic (no Gumbel noise
+# per call).
+NO_TEACHER = [name for name, spec in SPECS.items() if not spec.needs_teacher]
 EXACT_OBJECTIVES = {
-    "ce": ("ce", {}),
-    "tailr": ("tailr", {}),
-    "mixce": ("mixce", {}),
-    "emo": ("emo", {}),
-    "emd-static-token": ("emd", dict(TOKEN_NTIL)),
-    "ntil-static-token": ("ntil", {**TOKEN_NTIL, "value_mode": "expected"}),
-    "dft": ("dft", {}),
-    "ntl_mse-token": ("ntl_mse", {"averaging": "token"}),
-    "number_level-token": ("number_level", {"averaging": "token"}),
+    (f"{name}-exact" if name in BATCH_LEVEL else name): (name, dict(BATCH_LEVEL.get(name, {})))
+    for name in NO_TEACHER
 }
-# With the default averaging ("batch": means over the numbers of the batch it is given) or the
-# dynamic mix (a batch ratio sg(CE/NTIL), with any averaging), NTIL / digit EMD's "sum" is
-# n x the micro-batch mean (emdlm.functional.ntil), so 4x2 is by definition not the computation
-# 8x1 is. What is exact: the accumulated gradient is the token-share weighted mean of the
-# micro-batch losses, sum_i (n_i / N) grad L_i.
+# With its own averaging (NTIL / digit EMD "batch": means over the numbers of the batch it is
+# given; NTL "number") or the dynamic mix (a batch ratio sg(CE/NTIL), with any averaging), an
+# objective of BATCH_LEVEL has "sum" = n x the micro-batch mean (emdlm.functional.ntil), so 4x2
+# is by definition not the computation 8x1 is. What is exact: the accumulated gradient is the
+# token-share weighted mean of the micro-batch losses, sum_i (n_i / N) grad L_i. Objectives
+# drawing noise take value_mode "expected" (a deterministic value: no Gumbel noise per call).
+DETERMINISTIC = {"value_mode": "expected"}
 BATCH_MEAN_OBJECTIVES = {
-    "emd": {"value_mode": "expected"},
-    "ntil": {"value_mode": "expected"},  # deterministic value (no Gumbel noise per call)
-    "ntil-dynamic-token": {"value_mode": "expected", "averaging": "token"},
-    "ntl_mse": {},  # mean over the batch's number tokens (ntloss's averaging)
-    "number_level": {},  # mean over the batch's numbers
+    name: dict(DETERMINISTIC) if SPECS[name].draws_noise else {}
+    for name in NO_TEACHER
+    if name in BATCH_LEVEL
 }
+BATCH_MEAN_OBJECTIVES["ntil-dynamic-token"] = {**DETERMINISTIC, "averaging": "token"}
 
 
 def test_every_objective_without_a_teacher_has_an_accumulation_case():
@@ -113,7 +111,8 @@ def _full_and_accumulated(tok, batch8, objective, params):
     """Gradients of the tiny model through make_compute_loss_func: 8x1 and 4x2."""
     torch.manual_seed(0)
     model = build_model(ModelConfig("tiny-gpt2", {"n_layer": 1, "n_embd": 32}), tok)
-    cfg = ObjectiveConfig(objective, dict(params), "model" if objective == "emo" else None)
+    cost = "model" if SPECS[objective].needs_cost_embedding else None
+    cfg = ObjectiveConfig(objective, dict(params), cost)
     loss = build_objective(cfg, tokenizer=tok, model=model, vocab_size=len(tok))
     clf = make_compute_loss_func(loss)
     full, micro = batch8
@@ -158,8 +157,6 @@ def test_accumulation_is_token_weighted_mean_for_batch_averaged_objectives(tok, 
     model = build_model(ModelConfig("tiny-gpt2", {"n_layer": 1, "n_embd": 32}), tok)
     objective = case.split("-")[0]
     params = dict(BATCH_MEAN_OBJECTIVES[case])
-    if objective == "emd":
-        params.pop("value_mode")
     loss = build_objective(
         ObjectiveConfig(objective, params), tokenizer=tok, model=model, vocab_size=len(tok)
     )

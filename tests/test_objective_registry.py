@@ -69,8 +69,10 @@ def test_declared_needs_are_the_librarys(name: str) -> None:
     assert spec.needs_teacher == spec.cls.needs_teacher
     assert spec.needs_digits == spec.cls.takes_number_mask
     assert spec.from_hidden == spec.cls.has_from_hidden
-    # a declared from-hidden path is the class's own, not the base's refusal
-    assert spec.from_hidden == (spec.cls.from_hidden is not EMDLMLoss.from_hidden)
+    # a declared from-hidden path is the base's one from_hidden on the class's own chunk
+    # objective; a class without one gets the refusal by name
+    assert spec.from_hidden == (spec.cls.chunk_objective is not EMDLMLoss.chunk_objective)
+    assert spec.from_hidden == (spec.cls.from_hidden is EMDLMLoss.from_hidden)
     assert spec.paths, "at least one implementation path"
     assert spec.reference is None or spec.reference in spec.paths
 

@@ -13,7 +13,8 @@ attributes or signatures:
                             as numbers (``data.number_scope``).
 ``has_from_hidden``         ``from_hidden(hidden, lm_head_weight, labels, lm_head_bias=None, *,
                             logit_scale=None, softcap=None, ...)``: the same loss from the final
-                            hidden state and the output embedding, never building [N, V] logits.
+                            hidden state and the output embedding, never building [N, V] logits
+                            (given once, here, on the loss's ``chunk_objective``).
 ``hidden_transforms``       the logit transforms ``from_hidden`` takes (every emdlm loss: both).
 ``reduction``, ``ignore_index``  set per instance: ``"mean"`` over scored tokens or ``"sum"``
                             (what a framework that divides by the token count needs).
@@ -27,11 +28,15 @@ accumulation, compile), so a new objective is tested everywhere by being registe
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
 from torch import nn
 
 from emdlm._output import LossOutput
+
+if TYPE_CHECKING:
+    from emdlm.ops.chunked import ChunkObjective
 
 #: The logit transforms a ``from_hidden`` may be asked to apply (see
 #: :class:`emdlm.integrations.hidden_forward.OutputHead`): every emdlm loss takes both.
@@ -39,10 +44,13 @@ HIDDEN_TRANSFORMS: tuple[str, ...] = ("logit_scale", "softcap")
 
 
 class EMDLMLoss(nn.Module):
-    """Base class of every emdlm loss: the declarations above, with their defaults.
+    """Base class of every emdlm loss: the declarations above, with their defaults, and the one
+    ``from_hidden``.
 
     A subclass sets ``reduction`` and ``ignore_index`` in ``__init__``, implements ``forward``
-    and, when ``has_from_hidden`` (the default), ``from_hidden``.
+    and, when ``has_from_hidden`` (the default), :meth:`chunk_objective`: the per-chunk function
+    of :mod:`emdlm.ops.chunked` that ``from_hidden`` runs on the LM head's rows. A class that
+    declares ``has_from_hidden = False`` gets a ``from_hidden`` that refuses by name.
     """
 
     needs_teacher: ClassVar[bool] = False
@@ -53,15 +61,117 @@ class EMDLMLoss(nn.Module):
     reduction: str
     ignore_index: int
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not cls.has_from_hidden and "from_hidden" not in cls.__dict__:
+            cls.from_hidden = _refuse_from_hidden  # type: ignore[method-assign]
+
     def forward(self, logits: Any, labels: Any, *args: Any, **kwargs: Any) -> LossOutput:
         raise NotImplementedError(f"{type(self).__name__} implements no forward")
 
-    def from_hidden(self, *args: Any, **kwargs: Any) -> LossOutput:
-        """Overridden by every loss with ``has_from_hidden``; the others refuse by name."""
-        raise NotImplementedError(
-            f"{type(self).__name__} has no from-hidden path (has_from_hidden is False): use the "
-            "logits path (from_hidden=False, train.fused_linear: false)"
+    def chunk_objective(
+        self, logits: torch.Tensor, labels: torch.Tensor, **options: Any
+    ) -> tuple[ChunkObjective, torch.Tensor]:
+        """The loss as a fresh :class:`emdlm.ops.chunked.ChunkObjective` for one call.
+
+        Args:
+            logits: [..., V] logits, or the zero-stride stand-in ``from_hidden`` passes (read
+                for the vocabulary size, shape, dtype and device only).
+            labels: [...] integer labels aligned with ``logits``.
+            options: the loss's own keywords of a call (``number_mask=`` for the losses that
+                declare ``takes_number_mask``, ``generator=`` for NTIL's Gumbel noise); a loss
+                that takes none refuses them (TypeError).
+
+        Returns:
+            (objective, labels): the labels as the engine should read them (on the logits'
+            device where the objective put them there).
+        """
+        raise NotImplementedError(f"{type(self).__name__} implements no chunk_objective")
+
+    def from_hidden(
+        self,
+        hidden: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        labels: torch.Tensor,
+        lm_head_bias: torch.Tensor | None = None,
+        *,
+        logit_scale: float | None = None,
+        softcap: float | None = None,
+        chunk_size: int | None = None,
+        **options: Any,
+    ) -> LossOutput:
+        """The same loss from hidden states, never materializing the [N, V] logits.
+
+        Value, components and gradients (hidden, weight, bias) equal those of
+        ``self(cap·tanh(s·(hidden @ W.T + b)/cap), labels, **options)`` (given the same noise,
+        for NTIL): :meth:`chunk_objective` runs through the chunked-loss engine
+        (:func:`emdlm.ops.from_hidden.loss_from_hidden`), over chunks of rows as Liger-Kernel's
+        fused linear cross-entropy.
+
+        Args:
+            hidden: [..., H] final hidden states, aligned with ``labels`` (no shift inside).
+            lm_head_weight: [V, H] output embedding, same dtype as ``hidden``.
+            labels: [...] integer labels.
+            lm_head_bias: optional [V] head bias.
+            logit_scale: s, logits s·(hWᵀ + b) (model families with a logit scale).
+            softcap: cap, logits cap·tanh(z/cap) (Gemma-2's final logit soft-capping).
+            chunk_size: rows per chunk (default: 2^26 / V rows, :mod:`emdlm.ops.chunked`, so the
+                scratch stays a fixed size whatever the vocabulary; EMO: its own ``chunk_size``
+                first).
+            options: passed to :meth:`chunk_objective`: ``number_mask=`` (bool, the labels'
+                shape: which tokens may be scored as numbers, as in ``forward``) for the losses
+                that declare ``takes_number_mask``; ``generator=`` (NTIL's Gumbel noise).
+        """
+        from emdlm.ops.chunked import check_linear_inputs
+        from emdlm.ops.from_hidden import loss_from_hidden
+
+        # Shapes and dtypes only (the engine checks the label range in its one host sync).
+        check_linear_inputs(
+            hidden, lm_head_weight, labels, lm_head_bias, self.ignore_index, check_range=False
         )
+        # Zero-stride stand-in for the [..., V] logits: vocabulary size and shape checks only.
+        stand_in = hidden.new_zeros(()).expand(*hidden.shape[:-1], lm_head_weight.shape[0])
+        objective, labels = self.chunk_objective(stand_in, labels, **options)
+        out = loss_from_hidden(
+            objective,
+            hidden,
+            lm_head_weight,
+            labels,
+            lm_head_bias,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,  # type: ignore[arg-type]
+            chunk_size=self._from_hidden_chunk_size(chunk_size),
+            logit_scale=logit_scale,
+            softcap=softcap,
+        )
+        return self._after_from_hidden(
+            out, objective, hidden, lm_head_weight, lm_head_bias, logit_scale, softcap
+        )
+
+    def _from_hidden_chunk_size(self, chunk_size: int | None) -> int | None:
+        """Rows per chunk of ``from_hidden`` given the call's ``chunk_size`` (hook)."""
+        return chunk_size
+
+    def _after_from_hidden(
+        self,
+        out: LossOutput,
+        objective: Any,
+        hidden: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        lm_head_bias: torch.Tensor | None,
+        logit_scale: float | None,
+        softcap: float | None,
+    ) -> LossOutput:
+        """Hook: a term the engine leaves to the loss (number-level NTL's dense lse rows)."""
+        return out
+
+
+def _refuse_from_hidden(self: EMDLMLoss, *args: Any, **kwargs: Any) -> LossOutput:
+    """``from_hidden`` of a loss that declares ``has_from_hidden = False``: refuses by name."""
+    raise NotImplementedError(
+        f"{type(self).__name__} has no from-hidden path (has_from_hidden is False): use the "
+        "logits path (from_hidden=False, train.fused_linear: false)"
+    )
 
 
 __all__ = ["HIDDEN_TRANSFORMS", "EMDLMLoss"]

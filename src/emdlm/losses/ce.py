@@ -3,7 +3,7 @@ label smoothing, z-loss and token accuracy."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,11 +17,13 @@ from emdlm.functional._common import (
     compute_dtype,
     log_softmax_zero_ignored,
 )
-from emdlm.losses._from_hidden import TokenWeightedFromHidden
 from emdlm.losses.base import EMDLMLoss
 
+if TYPE_CHECKING:
+    from emdlm.ops.chunked import ChunkObjective
 
-class CrossEntropyLoss(TokenWeightedFromHidden, EMDLMLoss):
+
+class CrossEntropyLoss(EMDLMLoss):
     """Token-level cross-entropy, CE_t = -log softmax(z_t)[y_t], computed in float32.
 
     With the options (the definitions of Liger-Kernel's ``LigerCrossEntropyLoss`` and
@@ -123,17 +125,21 @@ class CrossEntropyLoss(TokenWeightedFromHidden, EMDLMLoss):
             loss=loss, components={"ce": mean.detach(), "n_tokens": count, **components}
         )
 
-    def hidden_objective(self) -> Any:
+    def chunk_objective(
+        self, logits: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[ChunkObjective, torch.Tensor]:
+        """A :class:`~emdlm.ops.from_hidden.WeightedCEObjective` (weight local to each token)."""
         from emdlm.ops.from_hidden import WeightedCEObjective
 
         eps = self.label_smoothing
-        return WeightedCEObjective(
+        objective = WeightedCEObjective(
             None,
             eps,
             gold_scale=1.0 - eps,
             z_loss=self.z_loss,
             token_accuracy=self.token_accuracy,
         )
+        return objective, labels
 
     def extra_repr(self) -> str:
         return (

@@ -6,18 +6,20 @@ Formula and TRL's normalisation: :mod:`emdlm.functional.dft`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from emdlm._output import LossOutput
 from emdlm.functional._common import IGNORE_INDEX, Reduction, check_reduction
 from emdlm.functional.dft import dft_loss
-from emdlm.losses._from_hidden import TokenWeightedFromHidden
 from emdlm.losses.base import EMDLMLoss
 
+if TYPE_CHECKING:
+    from emdlm.ops.chunked import ChunkObjective
 
-class DFTLoss(TokenWeightedFromHidden, EMDLMLoss):
+
+class DFTLoss(EMDLMLoss):
     """DFT: sg(q_t(y_t))·CE_t per token, averaged over counted tokens (Wu et al. 2025).
 
     Equal to TRL 1.16's ``SFTTrainer`` loss with ``loss_type="dft"`` (tests/test_dft.py pins it
@@ -47,10 +49,13 @@ class DFTLoss(TokenWeightedFromHidden, EMDLMLoss):
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> LossOutput:
         return dft_loss(logits, labels, ignore_index=self.ignore_index, reduction=self.reduction)
 
-    def hidden_objective(self) -> Any:
+    def chunk_objective(
+        self, logits: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[ChunkObjective, torch.Tensor]:
+        """A :class:`~emdlm.ops.from_hidden.WeightedCEObjective` (weight local to each token)."""
         from emdlm.ops.from_hidden import WeightedCEObjective, dft_weights
 
-        return WeightedCEObjective(dft_weights())
+        return WeightedCEObjective(dft_weights()), labels
 
     def extra_repr(self) -> str:
         return f"reduction={self.reduction!r}"

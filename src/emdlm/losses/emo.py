@@ -9,7 +9,7 @@ embedding once and picks an implementation: the chunked fast path
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -19,6 +19,9 @@ from emdlm.functional._common import IGNORE_INDEX, Reduction, check_reduction
 from emdlm.functional.emo import EMOMode, check_emo_options, emo_loss, normalize_cost_embedding
 from emdlm.losses.base import EMDLMLoss
 from emdlm.ops._chunking import check_chunk_size
+
+if TYPE_CHECKING:
+    from emdlm.ops.from_hidden import EMOObjective
 
 Implementation = Literal["chunked", "reference"]
 
@@ -164,52 +167,28 @@ class EMOLoss(EMDLMLoss):
             max_ratio=self.max_ratio,
         )
 
-    def from_hidden(
-        self,
-        hidden: torch.Tensor,
-        lm_head_weight: torch.Tensor,
-        labels: torch.Tensor,
-        lm_head_bias: torch.Tensor | None = None,
-        *,
-        logit_scale: float | None = None,
-        softcap: float | None = None,
-        chunk_size: int | None = None,
-    ) -> LossOutput:
-        """The same loss from hidden states, never materializing the full [N, V] logits.
+    def chunk_objective(
+        self, logits: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[EMOObjective, torch.Tensor]:
+        """:class:`emdlm.ops.from_hidden.EMOObjective` (EMO Eq. 14, 19 per chunk) for logits
+        ``logits`` [..., V] (or ``from_hidden``'s stand-in): Ê checked against V and cast for
+        the S matmul."""
+        from emdlm.ops.from_hidden import emo_objective
 
-        Runs :class:`emdlm.ops.from_hidden.EMOObjective` through the chunked-loss engine
-        (:func:`emdlm.ops.chunked.chunked_linear_loss`, chunks over positions as Liger-Kernel's
-        fused linear cross-entropy): value and gradients (hidden, weight, bias) equal those of
-        ``self(cap·tanh(s·(hidden @ W.T + b)/cap), labels)``.
-
-        Args:
-            hidden: [..., H] final hidden states, aligned with ``labels`` (no shift inside).
-            lm_head_weight: [V, H] output embedding, same dtype as ``hidden``.
-            labels: [...] integer labels.
-            lm_head_bias: optional [V] head bias.
-            logit_scale: s, logits s·(hWᵀ + b) (model families with a logit scale).
-            softcap: cap, logits cap·tanh(z/cap) (Gemma-2's final logit soft-capping).
-            chunk_size: rows per chunk; default the module's ``chunk_size``, else 2^26 / V rows
-                (:mod:`emdlm.ops.chunked`), so the scratch stays a fixed size whatever the
-                vocabulary.
-        """
-        from emdlm.ops.from_hidden import emo_from_hidden
-
-        return emo_from_hidden(
-            hidden,
-            lm_head_weight,
-            labels,
+        objective = emo_objective(
             self.cost_embedding_normalized,
-            lm_head_bias,
+            logits.shape[-1],
+            logits,
             mode=self.mode,
             mu=self.mu,
             max_ratio=self.max_ratio,
-            ignore_index=self.ignore_index,
             reduction=self.reduction,
-            chunk_size=chunk_size or self.chunk_size,
-            logit_scale=logit_scale,
-            softcap=softcap,
         )
+        return objective, labels
+
+    def _from_hidden_chunk_size(self, chunk_size: int | None) -> int | None:
+        """The call's ``chunk_size``, else the module's (else the engine's 2^26 / V rows)."""
+        return chunk_size or self.chunk_size
 
     def extra_repr(self) -> str:
         vocab, width = self.cost_embedding_normalized.shape

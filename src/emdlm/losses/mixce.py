@@ -5,18 +5,20 @@ Formula and official-code behaviour: :mod:`emdlm.functional.mixce`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from emdlm._output import LossOutput
 from emdlm.functional._common import IGNORE_INDEX, Reduction, check_reduction
 from emdlm.functional.mixce import check_mixce_options, mixce_loss
-from emdlm.losses._from_hidden import TokenWeightedFromHidden
 from emdlm.losses.base import EMDLMLoss
 
+if TYPE_CHECKING:
+    from emdlm.ops.chunked import ChunkObjective
 
-class MixCELoss(TokenWeightedFromHidden, EMDLMLoss):
+
+class MixCELoss(EMDLMLoss):
     """MixCE: (η + (1-η)·sg(q_y))·CE per token, averaged over counted tokens.
 
     Args:
@@ -44,10 +46,13 @@ class MixCELoss(TokenWeightedFromHidden, EMDLMLoss):
             logits, labels, eta=self.eta, ignore_index=self.ignore_index, reduction=self.reduction
         )
 
-    def hidden_objective(self) -> Any:
+    def chunk_objective(
+        self, logits: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[ChunkObjective, torch.Tensor]:
+        """A :class:`~emdlm.ops.from_hidden.WeightedCEObjective` (weight local to each token)."""
         from emdlm.ops.from_hidden import WeightedCEObjective, mixce_weights
 
-        return WeightedCEObjective(mixce_weights(self.eta))
+        return WeightedCEObjective(mixce_weights(self.eta)), labels
 
     def extra_repr(self) -> str:
         return f"eta={self.eta}, reduction={self.reduction!r}"

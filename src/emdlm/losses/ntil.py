@@ -303,6 +303,11 @@ class NTILLoss(EMDLMLoss):
         return self.settings.reduction
 
     @property
+    def ignore_index(self) -> int:  # type: ignore[override]
+        """The label value that is not scored (read-only, from the settings)."""
+        return self.settings.ignore_index
+
+    @property
     def number_vocab(self) -> NumberVocab | None:
         """The :class:`NumberVocab` in use (None until the first call when built lazily)."""
         return self._vocab
@@ -320,18 +325,24 @@ class NTILLoss(EMDLMLoss):
             )
         return self._vocab.to(logits.device)
 
-    def _engine_objective(
+    def chunk_objective(
         self,
         logits: torch.Tensor,
         labels: torch.Tensor,
-        number_mask: torch.Tensor | None,
-        generator: torch.Generator | None,
+        *,
+        number_mask: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
     ) -> tuple[NTILObjective, torch.Tensor]:
         """The chunk engine's NTIL objective for ``labels`` against ``logits`` [..., V] (or a
-        zero-stride stand-in of that shape) and the labels on the logits' device. Shape checks
-        only, and the spans drafted without a host sync: the engine reads the label-range check,
-        the span sizes and the chunk bounds in the one host sync of the call
-        (:meth:`emdlm.ops.from_hidden.NTILObjective.from_draft`)."""
+        zero-stride stand-in of that shape) and the labels on the logits' device: the fused
+        logits path and ``from_hidden`` run it. CE is chunked over rows; only the [M, K]
+        class-candidate logits of the number positions are kept, and the NTIL terms and their
+        gradient are computed on them after the pass with the global CE mean.
+
+        Shape checks only, and the spans drafted without a host sync: the engine reads the
+        label-range check, the span sizes and the chunk bounds in the one host sync of the call
+        (:meth:`emdlm.ops.from_hidden.NTILObjective.from_draft`). ``number_mask`` and
+        ``generator`` as in ``forward``."""
         settings = self.settings
         check_logits_labels_shapes(logits, labels)
         vocab = self._vocab_for(logits)
@@ -365,7 +376,9 @@ class NTILLoss(EMDLMLoss):
             self.implementation == "fused" and logits.requires_grad and torch.is_grad_enabled()
         )
         if use_fused:
-            objective, labels = self._engine_objective(logits, labels, number_mask, generator)
+            objective, labels = self.chunk_objective(
+                logits, labels, number_mask=number_mask, generator=generator
+            )
             loss, components = ntil_fused_objective(
                 logits, labels, objective, settings, self.chunk_elements
             )
@@ -390,63 +403,6 @@ class NTILLoss(EMDLMLoss):
         fields = dataclasses.asdict(self.settings)
         return f"preset={self.preset!r}, implementation={self.implementation!r}, " + ", ".join(
             f"{k}={v!r}" for k, v in {**fields, **self.span_options}.items()
-        )
-
-    def from_hidden(
-        self,
-        hidden: torch.Tensor,
-        lm_head_weight: torch.Tensor,
-        labels: torch.Tensor,
-        lm_head_bias: torch.Tensor | None = None,
-        *,
-        generator: torch.Generator | None = None,
-        logit_scale: float | None = None,
-        softcap: float | None = None,
-        chunk_size: int | None = None,
-        number_mask: torch.Tensor | None = None,
-    ) -> LossOutput:
-        """The same loss from hidden states, never materializing the [N, V] logits.
-
-        CE is chunked over rows (:func:`emdlm.ops.chunked.chunked_linear_loss`); only the
-        [M, K] class-candidate logits of the number positions are kept, and the NTIL terms and
-        their gradient are computed on them after the pass with the global CE mean
-        (:class:`emdlm.ops.from_hidden.NTILObjective`). Value, components and gradients
-        (hidden, weight, bias) equal ``self(hidden @ W.T + b, labels)`` given the same noise.
-
-        Args:
-            hidden: [..., H] final hidden states, aligned with ``labels`` (no shift inside).
-            lm_head_weight: [V, H] output embedding, same dtype as ``hidden``.
-            labels: [...] integer labels.
-            lm_head_bias: optional [V] head bias.
-            generator: torch.Generator for the Gumbel noise (as in ``forward``).
-            logit_scale: s, logits s·(hWᵀ + b) (model families with a logit scale).
-            softcap: cap, logits cap·tanh(z/cap) (Gemma-2's final logit soft-capping).
-            chunk_size: rows per chunk (default: 2^26 / V rows, :mod:`emdlm.ops.chunked`).
-            number_mask: bool, the labels' shape: which tokens may be scored as numbers (as in
-                ``forward``; CE stays on every counted label).
-        """
-        from emdlm.ops.from_hidden import loss_from_hidden
-
-        settings = self.settings
-        if lm_head_weight.dim() != 2 or hidden.dim() < 1:
-            raise ValueError(
-                f"lm_head_weight must be [V, H] and hidden [..., H]; got "
-                f"{tuple(lm_head_weight.shape)} and {tuple(hidden.shape)}"
-            )
-        # Zero-stride stand-in for the [..., V] logits: vocabulary size and shape checks only.
-        stand_in = hidden.new_zeros(()).expand(*hidden.shape[:-1], lm_head_weight.shape[0])
-        objective, labels = self._engine_objective(stand_in, labels, number_mask, generator)
-        return loss_from_hidden(
-            objective,
-            hidden,
-            lm_head_weight,
-            labels,
-            lm_head_bias,
-            ignore_index=settings.ignore_index,
-            reduction=settings.reduction,
-            chunk_size=chunk_size,
-            logit_scale=logit_scale,
-            softcap=softcap,
         )
 
 

@@ -39,7 +39,7 @@ from emdlm.functional.ntl import (
 )
 from emdlm.losses.base import EMDLMLoss
 from emdlm.numbers import NumberVocab
-from emdlm.ops.from_hidden import NTLObjective, loss_from_hidden
+from emdlm.ops.from_hidden import NTLObjective
 
 NTLPreset = Literal["classes", "ntloss"]
 _DIGITS_ONLY = {"classes": False, "ntloss": True}
@@ -148,52 +148,30 @@ class _NTLBase(EMDLMLoss):
         spans, candidates = resolve_with_width(draft, vocab)
         return ntl_loss(logits, labels, spans, candidates, self.settings)
 
-    def from_hidden(
+    def chunk_objective(
         self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        number_mask: torch.Tensor | None = None,
+    ) -> tuple[NTLObjective, torch.Tensor]:
+        """:class:`emdlm.ops.from_hidden.NTLObjective` of ``labels`` against ``logits`` [..., V]
+        (or ``from_hidden``'s stand-in) and the labels on the logits' device; ``number_mask``
+        as in ``forward``."""
+        draft, vocab, labels = self._draft(logits, labels, number_mask)
+        return NTLObjective(draft, vocab, self.settings), labels
+
+    def _after_from_hidden(
+        self,
+        out: LossOutput,
+        objective: Any,
         hidden: torch.Tensor,
         lm_head_weight: torch.Tensor,
-        labels: torch.Tensor,
-        lm_head_bias: torch.Tensor | None = None,
-        *,
-        logit_scale: float | None = None,
-        softcap: float | None = None,
-        chunk_size: int | None = None,
-        number_mask: torch.Tensor | None = None,
+        lm_head_bias: torch.Tensor | None,
+        logit_scale: float | None,
+        softcap: float | None,
     ) -> LossOutput:
-        """The same loss from hidden states, never materializing the [N, V] logits.
-
-        Value, components and gradients (hidden, weight, bias) equal
-        ``self(head(hidden), labels)`` (:class:`emdlm.ops.from_hidden.NTLObjective`).
-
-        Args:
-            hidden: [..., H] final hidden states, aligned with ``labels`` (no shift inside).
-            lm_head_weight: [V, H] output embedding, same dtype as ``hidden``.
-            labels: [...] integer labels.
-            lm_head_bias: optional [V] head bias.
-            logit_scale: s, logits s·(hWᵀ + b); softcap: cap, logits cap·tanh(z/cap).
-            chunk_size: rows per chunk (default: 2^26 / V rows, :mod:`emdlm.ops.chunked`).
-            number_mask: as in ``forward``.
-        """
-        if lm_head_weight.dim() != 2 or hidden.dim() < 1:
-            raise ValueError(
-                f"lm_head_weight must be [V, H] and hidden [..., H]; got "
-                f"{tuple(lm_head_weight.shape)} and {tuple(hidden.shape)}"
-            )
-        stand_in = hidden.new_zeros(()).expand(*hidden.shape[:-1], lm_head_weight.shape[0])
-        draft, vocab, labels = self._draft(stand_in, labels, number_mask)
-        objective = NTLObjective(draft, vocab, self.settings)
-        out = loss_from_hidden(
-            objective,
-            hidden,
-            lm_head_weight,
-            labels,
-            lm_head_bias,
-            ignore_index=self.settings.ignore_index,
-            reduction=self.settings.reduction,
-            chunk_size=chunk_size,
-            logit_scale=logit_scale,
-            softcap=softcap,
-        )
+        """Adds number level's reweigh term through the head (value 0, see below)."""
         if objective.lse_grad is None:
             return out
         # Number level with reweigh: ∂L/∂lse at each number's first token reaches every logit

@@ -5,18 +5,20 @@ Formulas and official-code behaviour: :mod:`emdlm.functional.tailr`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from emdlm._output import LossOutput
 from emdlm.functional._common import IGNORE_INDEX, Reduction, check_reduction
 from emdlm.functional.tailr import TaiLrPreset, check_tailr_options, tailr_loss
-from emdlm.losses._from_hidden import TokenWeightedFromHidden
 from emdlm.losses.base import EMDLMLoss
 
+if TYPE_CHECKING:
+    from emdlm.ops.chunked import ChunkObjective
 
-class TaiLrLoss(TokenWeightedFromHidden, EMDLMLoss):
+
+class TaiLrLoss(EMDLMLoss):
     """TaiLr: L_t = (1-ε)·clamp(sg(q_y/(γ + (1-γ)·q_y)), w_min, 1)·CE_t + ε/V·Σ_v -log q_t(v).
 
     ``preset="emo_repo"`` gives DRSY/EMO's "tvd" baseline instead:
@@ -69,13 +71,16 @@ class TaiLrLoss(TokenWeightedFromHidden, EMDLMLoss):
             reduction=self.reduction,
         )
 
-    def hidden_objective(self) -> Any:
+    def chunk_objective(
+        self, logits: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[ChunkObjective, torch.Tensor]:
+        """A :class:`~emdlm.ops.from_hidden.WeightedCEObjective` (weight local to each token)."""
         from emdlm.ops.from_hidden import WeightedCEObjective, tailr_weights
 
         weights = tailr_weights(
             self.preset, self.gamma, self.min_weight, self.label_smoothing, self.mixing_ratio
         )
-        return WeightedCEObjective(weights, self.label_smoothing)
+        return WeightedCEObjective(weights, self.label_smoothing), labels
 
     def extra_repr(self) -> str:
         if self.preset == "emo_repo":

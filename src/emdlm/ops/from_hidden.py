@@ -510,7 +510,7 @@ class NTLObjective(NTILObjective):
       lse of the number rows are kept and the terms are taken after the pass (as NTIL's): the
       candidates' gradient goes back as a :class:`SparseLogitGrad`; the reweigh's ∂/∂lse at each
       number's first token, a dense q-row term, is left in :attr:`lse_grad` (sum units) for the
-      caller to add through the head (``emdlm.losses.ntl.NumberLevelLoss.from_hidden``).
+      caller to add through the head (``emdlm.losses.ntl.NumberLevelLoss._after_from_hidden``).
 
     Args:
         draft: the labels' span draft; vocab: the number vocabulary; settings: the NTL knobs.
@@ -736,6 +736,26 @@ def loss_from_hidden(
     return chunked_linear_loss(hidden, weight, bias, labels, objective, options)
 
 
+def emo_objective(
+    cost_embedding: torch.Tensor,
+    vocab: int,
+    like: torch.Tensor,
+    *,
+    mode: str,
+    mu: float,
+    max_ratio: float | None,
+    reduction: Reduction,
+    cost_dtype: torch.dtype | None = None,
+) -> EMOObjective:
+    """The checked :class:`EMOObjective` of a head with ``vocab`` rows whose inputs are
+    ``like`` (hidden states or logits: their device and dtype): the options and Ê [V, d']
+    checked, Ê cast for the S matmul (:func:`emdlm.ops._chunking.prepare_cost`)."""
+    check_mode(mode, reduction, mu, max_ratio)
+    check_cost_embedding(cost_embedding, vocab, like.device)
+    cost = prepare_cost(cost_embedding, cost_dtype, compute_dtype(like.dtype))
+    return EMOObjective(cost, mode, mu, max_ratio)
+
+
 def emo_from_hidden(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -760,10 +780,16 @@ def emo_from_hidden(
     row-normalized), plus the engine's ``logit_scale`` / ``softcap``; components "ce", "demd",
     "n_tokens".
     """
-    check_mode(mode, reduction, mu, max_ratio)
-    check_cost_embedding(cost_embedding, weight.shape[0], hidden.device)
-    cost = prepare_cost(cost_embedding, cost_dtype, compute_dtype(hidden.dtype))
-    objective = EMOObjective(cost, mode, mu, max_ratio)
+    objective = emo_objective(
+        cost_embedding,
+        weight.shape[0],
+        hidden,
+        mode=mode,
+        mu=mu,
+        max_ratio=max_ratio,
+        reduction=reduction,
+        cost_dtype=cost_dtype,
+    )
     return loss_from_hidden(
         objective,
         hidden,
