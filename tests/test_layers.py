@@ -34,9 +34,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("integrations", ("emdlm.integrations.*",)),
     # a package whose __init__ is only a docstring sits with its lowest module (importing any
     # of its modules runs the __init__ first)
-    ("answers", ("emdlm.vision", "emdlm.vision.boxes", "emdlm.metrics", "emdlm.vision.images")),
+    ("answers", ("emdlm.vision", "emdlm.vision.boxes", "emdlm.math_answers", "emdlm.metrics",
+                 "emdlm.vision.images")),
     ("tasks", ("emdlm.tasks.*",)),
-    ("data", ("emdlm.data", "emdlm.vision.readers", "emdlm.vlm", "emdlm.vlm.data",
+    ("data", ("emdlm.data", "emdlm.vision.readers", "emdlm.vision.math_readers",
+              "emdlm.vision.curved_text", "emdlm.vlm", "emdlm.vlm.data",
               "emdlm.evaluation", "emdlm.vision.contact_sheet")),
     ("models", ("emdlm.models", "emdlm.vlm.models", "emdlm.vlm.collator",
                 "emdlm.vlm.generate")),

@@ -22,6 +22,7 @@ import torch
 
 from emdlm._files import atomic_write
 from emdlm.eval_kinds import eval_kind
+from emdlm.math_answers import item_from_row, score_answer
 from emdlm.metrics import (
     TaskKind,
     box_iou,
@@ -351,11 +352,11 @@ def sequence_perplexity(
 # ----------------------------------------------------------------------------------------------
 
 
-def _exact_fields(pred: str, ref: str) -> dict[str, Any]:
+def _exact_fields(pred: str, ref: str, row: Mapping[str, Any] | None = None) -> dict[str, Any]:
     return {"correct": exact_match(pred, ref, numeric=False)}
 
 
-def _number_fields(pred: str, ref: str) -> dict[str, Any]:
+def _number_fields(pred: str, ref: str, row: Mapping[str, Any] | None = None) -> dict[str, Any]:
     p, r = parse_number(pred), parse_number(ref)
     return {
         "correct": exact_match(pred, ref, numeric=True),
@@ -363,33 +364,42 @@ def _number_fields(pred: str, ref: str) -> dict[str, Any]:
     }
 
 
-def _clock_fields(pred: str, ref: str) -> dict[str, Any]:
+def _clock_fields(pred: str, ref: str, row: Mapping[str, Any] | None = None) -> dict[str, Any]:
     gap = clock_time_gap(pred, ref)
     return {"correct": gap == 0.0, "time_gap": gap}
 
 
-def _box_fields(pred: str, ref: str) -> dict[str, Any]:
+def _box_fields(pred: str, ref: str, row: Mapping[str, Any] | None = None) -> dict[str, Any]:
     p_box, r_box = parse_box(pred), parse_box(ref)
     iou = box_iou(p_box, r_box) if p_box is not None and r_box is not None else None
     return {"correct": iou is not None and iou >= 0.5, "iou": iou}
 
 
+def _math_fields(pred: str, ref: str, row: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    score = score_answer(pred, ref, item_from_row(row, ref))
+    return {"correct": score.correct, "parsed": score.parsed, "abs_error": score.abs_error}
+
+
 #: The per-prediction diagnostics of each task kind written to predictions.jsonl:
-#: ``fn(prediction, reference) -> {"correct": ..., ...}``. Exactly the registered kinds
+#: ``fn(prediction, reference, row=None) -> {"correct": ..., ...}`` (``row``: the test row, read
+#: by the kinds with per-row metadata). Exactly the registered kinds
 #: (tests/test_task_registry.py).
-ROW_FIELDS: dict[str, Callable[[str, str], dict[str, Any]]] = {
+ROW_FIELDS: dict[str, Callable[..., dict[str, Any]]] = {
     "number": _number_fields,  # correct by value, abs_error
     "clock": _clock_fields,  # correct when the gap is 0, time_gap
     "box": _box_fields,  # correct at IoU >= 0.5, iou
     "boxes": _exact_fields,
     "text": _exact_fields,
     "choice": _exact_fields,
+    "math": _math_fields,  # correct as the benchmark scores, parsed answer, abs_error
 }
 
 
-def _per_example_fields(pred: str, ref: str, kind: TaskKind) -> dict[str, Any]:
+def _per_example_fields(
+    pred: str, ref: str, kind: TaskKind, row: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """Per-prediction diagnostics written to predictions.jsonl (:data:`ROW_FIELDS`)."""
-    return ROW_FIELDS[kind](pred, ref)
+    return ROW_FIELDS[kind](pred, ref, row)
 
 
 def evaluate_examples(
@@ -443,7 +453,9 @@ def evaluate_examples(
         stop_at=stop_at,
     )
     preds = [p.strip() for p in preds]
-    metrics = compute_task_metrics(preds, references, kind, mauve=mauve, featurizer=featurizer)
+    metrics = compute_task_metrics(
+        preds, references, kind, mauve=mauve, featurizer=featurizer, rows=examples
+    )
     if with_perplexity and examples:
         pairs = [(ex["prompt"], ex["completion"]) for ex in examples]
         # scored like the training loss: completion tokens and the EOS that ends them
@@ -452,8 +464,8 @@ def evaluate_examples(
             model, tokenizer, pairs, batch_size=batch_size, add_eos=has_eos
         )
     rows = [
-        {"prompt": p, "reference": r, "prediction": y, **_per_example_fields(y, r, kind)}
-        for p, r, y in zip(prompts, references, preds, strict=True)
+        {"prompt": p, "reference": r, "prediction": y, **_per_example_fields(y, r, kind, ex)}
+        for p, r, y, ex in zip(prompts, references, preds, examples, strict=True)
     ]
     return metrics, rows
 

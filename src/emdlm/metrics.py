@@ -37,7 +37,7 @@ import math
 import re
 import statistics
 import unicodedata
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
 from functools import lru_cache
 from typing import Any, Literal
@@ -45,9 +45,10 @@ from typing import Any, Literal
 import numpy as np
 
 from emdlm.eval_kinds import EVAL_KINDS
+from emdlm.math_answers import math_metrics
 from emdlm.vision.boxes import Box, box_iou, boxes_metrics, parse_box
 
-TaskKind = Literal["number", "clock", "box", "boxes", "text", "choice"]
+TaskKind = Literal["number", "clock", "box", "boxes", "text", "choice", "math"]
 
 _TRAILING_PUNCT = ".,;:!?"
 #: Thousands separators :func:`parse_fraction` can read ("," by default: "1,234" is 1234).
@@ -748,8 +749,20 @@ def _choice_accuracy(preds: Sequence[str], refs: Sequence[str], **_: Any) -> dic
     return {"accuracy": hits / n if n else float("nan"), "n": n}
 
 
-#: The metrics of each task kind: ``fn(predictions, references, *, mauve, featurizer, rel_eps)``
-#: (see :func:`compute_task_metrics`). Exactly the registered kinds (tests/test_task_registry.py).
+def _math_metrics(
+    preds: Sequence[str],
+    refs: Sequence[str],
+    *,
+    rel_eps: float,
+    rows: Sequence[Mapping[str, Any]] | None = None,
+    **_: Any,
+) -> dict[str, float]:
+    return math_metrics(preds, refs, rows, eps=rel_eps)
+
+
+#: The metrics of each task kind:
+#: ``fn(predictions, references, *, mauve, featurizer, rel_eps, rows)`` (see
+#: :func:`compute_task_metrics`). Exactly the registered kinds (tests/test_task_registry.py).
 TASK_METRICS: dict[str, Callable[..., dict[str, float]]] = {
     "number": _number_metrics,
     "clock": _clock_metrics,
@@ -757,6 +770,7 @@ TASK_METRICS: dict[str, Callable[..., dict[str, float]]] = {
     "boxes": _boxes_metrics,
     "text": _text_metrics,
     "choice": _choice_accuracy,
+    "math": _math_metrics,
 }
 
 
@@ -768,8 +782,13 @@ def compute_task_metrics(
     mauve: bool = False,
     featurizer: Featurizer | None = None,
     rel_eps: float = 1.0,
+    rows: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, float]:
     """All metrics of one task kind, as a flat dict of floats (:data:`TASK_METRICS`).
+
+    ``rows``: the test rows, one per prediction, for kinds that read per-row metadata
+    (``"math"``: ``question_type``, ``answer_type``, ``choices``, ``precision``, ``unit``); the
+    other kinds read only the strings.
 
     * ``"number"``: exact_match (value equality), abs/rel error mean and median,
       parse_failure_rate, n.
@@ -778,15 +797,23 @@ def compute_task_metrics(
     * ``"box"``: acc_iou50 (Acc@IoU>=0.5), mean_iou (failures as 0), parse_failure_rate, n.
     * ``"boxes"`` (several boxes per answer, "; "-separated): micro precision, recall, f1 of
       one-to-one matching at IoU>=0.5, image_exact, mean_matched_iou, parse_failure_rate,
-      n_pred_boxes, n_gold_boxes, n (:func:`emdlm.vision.boxes.boxes_metrics`).
+      n_pred_boxes, n_gold_boxes, n, and acc_at_0.5 (the NTIL paper's Acc@0.5 for several
+      boxes: the share of gold boxes matched one-to-one at IoU>=0.5, i.e. the recall)
+      (:func:`emdlm.vision.boxes.boxes_metrics`).
     * ``"text"``: exact_match (string), rouge1, rougeL (F-measure), and mauve (MiniLM
       features) when ``mauve=True``; n. (``emdlm eval`` scores open-ended text with
       :func:`emdlm.evaluation.evaluate_text`, which adds sampling, diversity and PPL metrics.)
     * ``"choice"``: accuracy (the chosen candidate's text equals the gold one), n; the chance
       and majority rates need the candidates: :func:`choice_metrics`.
+    * ``"math"`` (MathVista / MathVision answers, :mod:`emdlm.math_answers`): exact_match
+      overall and per question / answer type, abs/rel error of free-form numbers,
+      parse_failures, parse_failure_rate, the counts per type, n.
     """
     _check_pairs(predictions, references)
     metrics = TASK_METRICS.get(kind) if isinstance(kind, str) else None
     if metrics is None:
         raise ValueError(f"unknown task kind {kind!r}; expected one of {TASK_KINDS}")
-    return metrics(predictions, references, mauve=mauve, featurizer=featurizer, rel_eps=rel_eps)
+    if rows is not None and len(rows) != len(predictions):
+        raise ValueError(f"{len(rows)} rows for {len(predictions)} predictions")
+    return metrics(predictions, references, mauve=mauve, featurizer=featurizer, rel_eps=rel_eps,
+                   rows=rows)

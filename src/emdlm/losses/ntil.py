@@ -74,6 +74,7 @@ from emdlm.functional.ntil import (
     resolve_spans,
     sample_noise,
 )
+from emdlm.losses._number_vocab import NumberVocabSource
 from emdlm.losses.base import EMDLMLoss
 from emdlm.numbers import GROUP_SEPARATORS, NumberVocab
 from emdlm.ops.from_hidden import NTILObjective
@@ -279,23 +280,7 @@ class NTILLoss(EMDLMLoss):
         self.implementation = implementation
         self.generator = generator
         self.chunk_elements = int(chunk_elements)
-        if isinstance(tokenizer_or_number_vocab, NumberVocab):
-            self._tokenizer = None
-            self._vocab: NumberVocab | None = tokenizer_or_number_vocab
-            if vocab_size is not None and vocab_size != self._vocab.vocab_size:
-                raise ValueError(
-                    f"vocab_size={vocab_size} disagrees with the NumberVocab's "
-                    f"{self._vocab.vocab_size} rows"
-                )
-            self._fixed_size = True
-        else:
-            self._tokenizer = tokenizer_or_number_vocab
-            self._vocab = (
-                NumberVocab.from_tokenizer(self._tokenizer, vocab_size)
-                if vocab_size is not None
-                else None
-            )
-            self._fixed_size = vocab_size is not None
+        self._numbers = NumberVocabSource(tokenizer_or_number_vocab, vocab_size)
 
     @property
     def reduction(self) -> Reduction:
@@ -310,20 +295,10 @@ class NTILLoss(EMDLMLoss):
     @property
     def number_vocab(self) -> NumberVocab | None:
         """The :class:`NumberVocab` in use (None until the first call when built lazily)."""
-        return self._vocab
+        return self._numbers.vocab
 
     def _vocab_for(self, logits: torch.Tensor) -> NumberVocab:
-        rows = logits.shape[-1]
-        if self._vocab is None or (not self._fixed_size and self._vocab.vocab_size != rows):
-            # Raises a clear error when the logits have fewer rows than the tokenizer's ids.
-            self._vocab = NumberVocab.from_tokenizer(self._tokenizer, rows)
-        if self._vocab.vocab_size != rows:
-            raise ValueError(
-                f"logits have {rows} vocabulary rows (shape {tuple(logits.shape)}) but the "
-                f"NumberVocab was built for {self._vocab.vocab_size}: build it with "
-                f"vocab_size={rows}"
-            )
-        return self._vocab.to(logits.device)
+        return self._numbers.for_logits(logits)
 
     def chunk_objective(
         self,

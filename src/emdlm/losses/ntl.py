@@ -37,6 +37,7 @@ from emdlm.functional.ntl import (
     ntl_loss,
     resolve_with_width,
 )
+from emdlm.losses._number_vocab import NumberVocabSource
 from emdlm.losses.base import EMDLMLoss
 from emdlm.numbers import NumberVocab
 from emdlm.ops.from_hidden import NTLObjective
@@ -71,23 +72,7 @@ class _NTLBase(EMDLMLoss):
             "join_decimal": bool(join_decimal),
             "signed": False,  # the sign cancels in every NTL term
         }
-        if isinstance(tokenizer_or_number_vocab, NumberVocab):
-            self._tokenizer = None
-            self._vocab: NumberVocab | None = tokenizer_or_number_vocab
-            if vocab_size is not None and vocab_size != self._vocab.vocab_size:
-                raise ValueError(
-                    f"vocab_size={vocab_size} disagrees with the NumberVocab's "
-                    f"{self._vocab.vocab_size} rows"
-                )
-            self._fixed_size = True
-        else:
-            self._tokenizer = tokenizer_or_number_vocab
-            self._vocab = (
-                NumberVocab.from_tokenizer(self._tokenizer, vocab_size)
-                if vocab_size is not None
-                else None
-            )
-            self._fixed_size = vocab_size is not None
+        self._numbers = NumberVocabSource(tokenizer_or_number_vocab, vocab_size)
 
     @property
     def reduction(self) -> Reduction:  # type: ignore[override]
@@ -101,19 +86,10 @@ class _NTLBase(EMDLMLoss):
     @property
     def number_vocab(self) -> NumberVocab | None:
         """The :class:`NumberVocab` in use (None until the first call when built lazily)."""
-        return self._vocab
+        return self._numbers.vocab
 
     def _vocab_for(self, logits: torch.Tensor) -> NumberVocab:
-        rows = logits.shape[-1]
-        if self._vocab is None or (not self._fixed_size and self._vocab.vocab_size != rows):
-            self._vocab = NumberVocab.from_tokenizer(self._tokenizer, rows)
-        if self._vocab.vocab_size != rows:
-            raise ValueError(
-                f"logits have {rows} vocabulary rows (shape {tuple(logits.shape)}) but the "
-                f"NumberVocab was built for {self._vocab.vocab_size}: build it with "
-                f"vocab_size={rows}"
-            )
-        return self._vocab.to(logits.device)
+        return self._numbers.for_logits(logits)
 
     def _draft(
         self, logits: torch.Tensor, labels: torch.Tensor, number_mask: torch.Tensor | None

@@ -149,7 +149,7 @@ def evaluate_vlm(
     )
     preds = [p.strip() for p in preds]
     refs = [_cut_at_stop(r["completion"], stop_at).strip() for r in rows]
-    metrics: dict[str, Any] = compute_task_metrics(preds, refs, e.kind)
+    metrics: dict[str, Any] = compute_task_metrics(preds, refs, e.kind, rows=rows)
     key = cfg.data.image_key
     metrics["perplexity"] = vlm_perplexity(model, collator, rows, batch_size=e.batch_size)
     if len(rows) >= 2:  # the same answers shown the next row's image: does the model look?
@@ -165,7 +165,7 @@ def evaluate_vlm(
         make_contact_sheet(sheet_rows, preds, sheet, kind=e.kind)
     predictions = [
         {"image": r[key] if isinstance(r[key], str) else None, "prompt": r["prompt"],
-         "reference": ref, "prediction": pred, **_per_example_fields(pred, ref, e.kind)}
+         "reference": ref, "prediction": pred, **_per_example_fields(pred, ref, e.kind, r)}
         for r, ref, pred in zip(rows, refs, preds, strict=True)
     ]
     return metrics, predictions

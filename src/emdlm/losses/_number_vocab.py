@@ -1,0 +1,56 @@
+"""The number vocabulary of a numeric loss (NTIL, digit EMD, NTL-MSE, number-level): given as a
+:class:`~emdlm.numbers.NumberVocab`, or built from a tokenizer, at construction when the
+vocabulary size is known, else at the first call from the logits' number of rows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from emdlm.numbers import NumberVocab
+
+
+class NumberVocabSource:
+    """Where a numeric loss gets its :class:`NumberVocab` for a call's logits.
+
+    Args:
+        tokenizer_or_number_vocab: a tokenizer (the vocabulary is built from it) or a
+            NumberVocab (used as is: its size is fixed).
+        vocab_size: the logits' vocabulary rows, when known up front (a model's head may have
+            more rows than the tokenizer has ids); None: taken from each call's logits.
+    """
+
+    def __init__(self, tokenizer_or_number_vocab: Any, vocab_size: int | None) -> None:
+        if isinstance(tokenizer_or_number_vocab, NumberVocab):
+            self.tokenizer = None
+            self.vocab: NumberVocab | None = tokenizer_or_number_vocab
+            if vocab_size is not None and vocab_size != self.vocab.vocab_size:
+                raise ValueError(
+                    f"vocab_size={vocab_size} disagrees with the NumberVocab's "
+                    f"{self.vocab.vocab_size} rows"
+                )
+            self.fixed_size = True
+        else:
+            self.tokenizer = tokenizer_or_number_vocab
+            self.vocab = (
+                NumberVocab.from_tokenizer(self.tokenizer, vocab_size)
+                if vocab_size is not None
+                else None
+            )
+            self.fixed_size = vocab_size is not None
+
+    def for_logits(self, logits: torch.Tensor) -> NumberVocab:
+        """The vocabulary for ``logits`` [..., V] on their device; ValueError when a fixed-size
+        vocabulary does not have V rows."""
+        rows = logits.shape[-1]
+        if self.vocab is None or (not self.fixed_size and self.vocab.vocab_size != rows):
+            # Raises a clear error when the logits have fewer rows than the tokenizer's ids.
+            self.vocab = NumberVocab.from_tokenizer(self.tokenizer, rows)
+        if self.vocab.vocab_size != rows:
+            raise ValueError(
+                f"logits have {rows} vocabulary rows (shape {tuple(logits.shape)}) but the "
+                f"NumberVocab was built for {self.vocab.vocab_size}: build it with "
+                f"vocab_size={rows}"
+            )
+        return self.vocab.to(logits.device)
