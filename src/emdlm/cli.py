@@ -226,7 +226,8 @@ def demo(
     overrides: Overrides = None,
     out: Annotated[str, typer.Option(help="Folder for both runs")] = "runs/demo",
     task: Annotated[
-        str, typer.Option(help="arithmetic (tiny GPT-2) | clock (tiny VLM on clock images)")
+        str, typer.Option(help="arithmetic (tiny GPT-2) | clock (tiny VLM on clock images) | "
+                               "visual_math (tiny VLM reading a bar chart)")
     ] = "arithmetic",
 ) -> None:
     """CE vs NTIL on a built-in task (train + eval, same seed and data), side by side."""

@@ -90,7 +90,9 @@ METRIC_ORDER: tuple[tuple[str, str], ...] = (
     ("minute_accuracy", "higher"),
     ("acc_iou50", "higher"),
     ("mean_iou", "higher"),
+    ("acc_at_0.5", "higher"),  # several boxes: the NTIL paper's Acc@0.5 (recall at IoU 0.5)
     ("f1", "higher"),
+    ("parse_failures", "lower"),  # eval.kind math: a count
     # text tasks (eval.kind text: EMO's protocol) and choice by perplexity
     ("mauve", "higher"),
     ("ppl_test", "lower"),
@@ -103,7 +105,7 @@ METRIC_ORDER: tuple[tuple[str, str], ...] = (
 )
 # the metrics compared pairwise in the report (the rest are in the mean +- std table and csv)
 KEY_METRICS = ("abs_error_mean", "log10_error_mean", "within_5pct", "exact_match",
-               "time_gap_mean_worst", "acc_iou50", "mean_iou", "f1",
+               "time_gap_mean_worst", "acc_iou50", "mean_iou", "acc_at_0.5", "f1",
                "mauve", "ppl_test", "ppl_oracle", "rougeL", "accuracy")
 # settings and counts recorded in metrics.json, not outcomes: kept out of the report and csv
 SKIP_METRICS = ("n", "n_predictions", "num_samples", "temperature", "top_p", "top_k",
@@ -293,7 +295,9 @@ def cell_rows(cell: Cell) -> list[Row]:
             metrics.update(numeric_extras(preds))
             metrics.update(clock_extras(preds))
             for name, value in metrics.items():
-                if name in SKIP_METRICS or isinstance(value, (str, list, dict)):
+                # counts per answer / question type (eval.kind math) are not outcomes either
+                if (name in SKIP_METRICS or (name.startswith("n_") and name != "n_scored")
+                        or isinstance(value, (str, list, dict))):
                     continue
                 rows.append(Row(cell.task, cell.variant, cell.seed, step, prefix + name,
                                 _as_float(value)))
@@ -363,8 +367,12 @@ def base_metric(name: str) -> str:
 
 
 def better_direction(name: str) -> str | None:
-    """"lower" / "higher" for a known metric (extra evaluations' too), else None."""
-    return dict(METRIC_ORDER).get(base_metric(name))
+    """"lower" / "higher" for a known metric (extra evaluations' too), else None; the per-type
+    exact match of eval.kind math (``exact_match_multi_choice``, ...) is higher-better."""
+    base = base_metric(name)
+    if base.startswith("exact_match_"):
+        return "higher"
+    return dict(METRIC_ORDER).get(base)
 
 
 def key_metrics(names: Iterable[str]) -> list[str]:

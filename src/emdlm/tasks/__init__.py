@@ -55,6 +55,7 @@ _BUILTIN_MODULES = (
     "emdlm.tasks.arithmetic",
     "emdlm.tasks.mathematics",
     "emdlm.tasks.clock",
+    "emdlm.tasks.visual_math",
     "emdlm.tasks.grounding",
     "emdlm.tasks.text_detection",
     "emdlm.tasks.text_corpora",

@@ -287,3 +287,30 @@ def _write_manifest(folder: Path, key: dict[str, Any], rows: list[dict[str, Any]
     with atomic_write(folder / _MANIFEST) as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
+
+
+#: Shapes :func:`draw_shape` draws.
+SHAPE_NAMES = ("circle", "square", "triangle", "diamond")
+
+
+def draw_shape(
+    draw: ImageDraw.ImageDraw,
+    shape: str,
+    box: tuple[float, float, float, float],
+    fill: RGB,
+    outline: RGB | None = None,
+) -> None:
+    """Draw a filled ``shape`` (one of :data:`SHAPE_NAMES`) touching the four sides of ``box``
+    (x1, y1, x2, y2; inclusive)."""
+    x1, y1, x2, y2 = box
+    if shape == "circle":
+        draw.ellipse([x1, y1, x2, y2], fill=fill, outline=outline)
+    elif shape == "square":
+        draw.rectangle([x1, y1, x2, y2], fill=fill, outline=outline)
+    elif shape == "triangle":
+        draw.polygon([((x1 + x2) / 2, y1), (x2, y2), (x1, y2)], fill=fill, outline=outline)
+    elif shape == "diamond":
+        mx, my = (x1 + x2) / 2, (y1 + y2) / 2
+        draw.polygon([(mx, y1), (x2, my), (mx, y2), (x1, my)], fill=fill, outline=outline)
+    else:
+        raise ValueError(f"unknown shape {shape!r}; expected one of {SHAPE_NAMES}")

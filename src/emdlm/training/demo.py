@@ -19,6 +19,11 @@ five-minute clocks, ~7 min per run on one CPU thread); the table adds ``hour_acc
 ``minute_accuracy`` (exact match split into its two readings) and names each run's contact
 sheet (test clocks with the gold and predicted times).
 
+``--task visual_math``: the packaged ``visual_math_ce`` / ``visual_math_ntil`` (the tiny VLM
+reading the value of a bar chart, :mod:`emdlm.tasks.visual_math`; see the configs' headers for
+the cost); eval kind ``math``: exact match overall and per question type, numeric error of the
+free-form answers.
+
 Console: a header per run, one progress bar per run (loss on the bar, see
 :mod:`emdlm.training.launch`), then the table; no raw Trainer log dicts.
 """
@@ -42,6 +47,8 @@ DEMO_OBJECTIVES = ("ce", "ntil")
 DEMO_TASKS = {
     "arithmetic": "integer add/sub",
     "clock": "analog clock reading with the tiny VLM (tiny-qwen2-vl)",
+    "visual_math": "visual math (numbers read off rendered bar charts) with the tiny VLM "
+                   "(tiny-qwen2-vl)",
 }
 # numeric error first (GUIDE §2: exact match swings between seeds)
 METRIC_ORDER = (
