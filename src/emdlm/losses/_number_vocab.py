@@ -1,13 +1,15 @@
-"""The number vocabulary of a numeric loss (NTIL, digit EMD, NTL-MSE, number-level): given as a
-:class:`~emdlm.numbers.NumberVocab`, or built from a tokenizer, at construction when the
-vocabulary size is known, else at the first call from the logits' number of rows."""
+"""What the numeric losses (NTIL, digit EMD, NTL-MSE, number-level) share: their number
+vocabulary, given as a :class:`~emdlm.numbers.NumberVocab` or built from a tokenizer (at
+construction when the vocabulary size is known, else at the first call from the logits' number
+of rows), and the base class that reads it and their settings."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from emdlm.losses.base import EMDLMLoss
 from emdlm.numbers import NumberVocab
 
 
@@ -54,3 +56,31 @@ class NumberVocabSource:
                 f"vocab_size={rows}"
             )
         return self.vocab.to(logits.device)
+
+
+class NumericLoss(EMDLMLoss):
+    """Base of the losses that score numbers: they take a ``number_mask``, keep their options
+    in ``self.settings`` (``reduction`` and ``ignore_index`` read from it, read-only: the
+    integrations check them as every loss's) and their vocabulary in ``self._numbers``."""
+
+    takes_number_mask: ClassVar[bool] = True
+    settings: Any
+    _numbers: NumberVocabSource
+
+    @property
+    def reduction(self) -> str:  # type: ignore[override]
+        """"mean" or "sum" (read-only, from the settings)."""
+        return self.settings.reduction
+
+    @property
+    def ignore_index(self) -> int:  # type: ignore[override]
+        """The label value that is not scored (read-only, from the settings)."""
+        return self.settings.ignore_index
+
+    @property
+    def number_vocab(self) -> NumberVocab | None:
+        """The :class:`NumberVocab` in use (None until the first call when built lazily)."""
+        return self._numbers.vocab
+
+    def _vocab_for(self, logits: torch.Tensor) -> NumberVocab:
+        return self._numbers.for_logits(logits)

@@ -74,9 +74,8 @@ from emdlm.functional.ntil import (
     resolve_spans,
     sample_noise,
 )
-from emdlm.losses._number_vocab import NumberVocabSource
-from emdlm.losses.base import EMDLMLoss
-from emdlm.numbers import GROUP_SEPARATORS, NumberVocab
+from emdlm.losses._number_vocab import NumberVocabSource, NumericLoss
+from emdlm.numbers import GROUP_SEPARATORS
 from emdlm.ops.from_hidden import NTILObjective
 from emdlm.ops.ntil_fused import DEFAULT_CHUNK_ELEMENTS, ntil_fused_objective
 
@@ -129,7 +128,7 @@ _PRESETS: dict[str, tuple[dict[str, Any], dict[str, bool]]] = {
 }
 
 
-class NTILLoss(EMDLMLoss):
+class NTILLoss(NumericLoss):
     """CE + NTIL (NTIL paper Eq. 4, mixed with CE as in the official code).
 
         NTIL  = emd_weight · mean(W·EMD) + α · mean(relative) + β · mean(magnitude)
@@ -199,7 +198,6 @@ class NTILLoss(EMDLMLoss):
 
     #: ``forward`` / ``from_hidden`` take ``number_mask=`` (the Trainer glue passes a batch's
     #: mask only to losses that say so).
-    takes_number_mask = True
 
     def __init__(
         self,
@@ -281,24 +279,6 @@ class NTILLoss(EMDLMLoss):
         self.generator = generator
         self.chunk_elements = int(chunk_elements)
         self._numbers = NumberVocabSource(tokenizer_or_number_vocab, vocab_size)
-
-    @property
-    def reduction(self) -> Reduction:
-        """The reduction, "mean" or "sum" (read-only; integrations check it as every loss's)."""
-        return self.settings.reduction
-
-    @property
-    def ignore_index(self) -> int:  # type: ignore[override]
-        """The label value that is not scored (read-only, from the settings)."""
-        return self.settings.ignore_index
-
-    @property
-    def number_vocab(self) -> NumberVocab | None:
-        """The :class:`NumberVocab` in use (None until the first call when built lazily)."""
-        return self._numbers.vocab
-
-    def _vocab_for(self, logits: torch.Tensor) -> NumberVocab:
-        return self._numbers.for_logits(logits)
 
     def chunk_objective(
         self,

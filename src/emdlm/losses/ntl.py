@@ -17,7 +17,7 @@ Presets (explicit keyword arguments override them):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 
@@ -37,8 +37,7 @@ from emdlm.functional.ntl import (
     ntl_loss,
     resolve_with_width,
 )
-from emdlm.losses._number_vocab import NumberVocabSource
-from emdlm.losses.base import EMDLMLoss
+from emdlm.losses._number_vocab import NumberVocabSource, NumericLoss
 from emdlm.numbers import NumberVocab
 from emdlm.ops.from_hidden import NTLObjective
 
@@ -46,10 +45,9 @@ NTLPreset = Literal["classes", "ntloss"]
 _DIGITS_ONLY = {"classes": False, "ntloss": True}
 
 
-class _NTLBase(EMDLMLoss):
+class _NTLBase(NumericLoss):
     """What both NTL losses share: the number vocabulary, presets, the two paths."""
 
-    takes_number_mask: ClassVar[bool] = True
 
     settings: NTLSettings
     span_options: dict[str, Any]
@@ -73,23 +71,6 @@ class _NTLBase(EMDLMLoss):
             "signed": False,  # the sign cancels in every NTL term
         }
         self._numbers = NumberVocabSource(tokenizer_or_number_vocab, vocab_size)
-
-    @property
-    def reduction(self) -> Reduction:  # type: ignore[override]
-        """"mean" or "sum" (read-only: integrations check it as every loss's)."""
-        return self.settings.reduction
-
-    @property
-    def ignore_index(self) -> int:  # type: ignore[override]
-        return self.settings.ignore_index
-
-    @property
-    def number_vocab(self) -> NumberVocab | None:
-        """The :class:`NumberVocab` in use (None until the first call when built lazily)."""
-        return self._numbers.vocab
-
-    def _vocab_for(self, logits: torch.Tensor) -> NumberVocab:
-        return self._numbers.for_logits(logits)
 
     def _draft(
         self, logits: torch.Tensor, labels: torch.Tensor, number_mask: torch.Tensor | None
