@@ -10,6 +10,10 @@ Methods (same hidden states, head weight and labels; gradients w.r.t. hidden and
     ce              emdlm.CrossEntropyLoss().from_hidden(h, W, y)      (emdlm.ops.chunked)
     ce_ntil         emdlm.NTILLoss(...).from_hidden(h, W, y)           (CE + NTIL, paper preset)
     tailr           emdlm.TaiLrLoss().from_hidden(h, W, y)
+    ntl_mse         emdlm.NTLMSELoss(...).from_hidden(h, W, y)         (CE + 0.3 NTL-MSE)
+    number_level    emdlm.NumberLevelLoss(...).from_hidden(h, W, y)    (CE + 0.3 number-level)
+    dft             emdlm.DFTLoss().from_hidden(h, W, y)
+    ce_options      CrossEntropyLoss(label_smoothing=0.1, z_loss=1e-4, token_accuracy=True)
     cce_torch       Cut Cross-Entropy's ``linear_cross_entropy(..., impl="torch_compile")``
                     (only if ``cut_cross_entropy`` imports in the child's Python, --child-python)
 
@@ -45,7 +49,8 @@ from _rss import peak_rss_mib, reset_peak_rss, rss_mib
 from _table import print_ratio_table
 from _timing import timed_passes
 
-METHODS = ("logits_ce", "logits_ntil", "ce", "ce_ntil", "tailr", "cce_torch")
+METHODS = ("logits_ce", "logits_ntil", "ce", "ce_ntil", "tailr", "ntl_mse", "number_level", "dft",
+           "ce_options", "cce_torch")
 
 
 
@@ -78,7 +83,9 @@ def build(method: str, vocab: int) -> Any:
 
         return lambda h, w, y: linear_cross_entropy(h, w, y.reshape(-1), impl="torch_compile")
     from emdlm.losses.ce import CrossEntropyLoss
+    from emdlm.losses.dft import DFTLoss
     from emdlm.losses.ntil import NTILLoss
+    from emdlm.losses.ntl import NTLMSELoss, NumberLevelLoss
     from emdlm.losses.tailr import TaiLrLoss
     from emdlm.numbers import NumberVocab
 
@@ -91,6 +98,10 @@ def build(method: str, vocab: int) -> Any:
         "ce": CrossEntropyLoss(),
         "ce_ntil": NTILLoss(number_vocab, value_mode="argmax"),
         "tailr": TaiLrLoss(),
+        "ntl_mse": NTLMSELoss(number_vocab),
+        "number_level": NumberLevelLoss(number_vocab),
+        "dft": DFTLoss(),
+        "ce_options": CrossEntropyLoss(label_smoothing=0.1, z_loss=1e-4, token_accuracy=True),
     }[method]
     return lambda h, w, y: fn.from_hidden(h, w, y.reshape(-1)).loss
 
