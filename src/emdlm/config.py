@@ -79,9 +79,9 @@ class ModelConfig:
     whose config.json is an image-text-to-text model) train on image rows: see
     :mod:`emdlm.vlm`."""
 
-    name: str = "tiny-gpt2"
-    params: dict[str, Any] = field(default_factory=dict)
-    dtype: str = "float32"
+    name: str = "tiny-gpt2"  # a local checkpoint folder or a named tiny architecture
+    params: dict[str, Any] = field(default_factory=dict)  # the tiny architecture's sizes
+    dtype: str = "float32"  # float32 | bfloat16 | float16: the weights' dtype when loaded
     # VLMs ("tiny-qwen2-vl", "tiny-llava" or an image-text-to-text folder): no gradient into
     # the vision tower and projector
     freeze_vision: bool = False
@@ -97,12 +97,12 @@ class DataSourceConfig:
     ``data.eval`` (:class:`DataConfig` fills it in), so an evaluation source never scores the
     training split unless it says so."""
 
-    path: str | None = None
-    task: str | None = None
-    n: int = 1000
-    split: str | None = None
+    path: str | None = None  # a JSONL file or a save_to_disk folder (docs/data.md)
+    task: str | None = None  # a registered generator (emdlm.tasks), instead of path
+    n: int = 1000  # examples the generator makes
+    split: str | None = None  # train | dev | test for a task; any split of a dataset folder
     seed: int | None = None  # None: the run seed
-    params: dict[str, Any] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)  # the generator's parameters
     limit: int | None = None  # keep only the first `limit` examples
 
     def describe(self) -> str:
@@ -120,9 +120,9 @@ class DataSourceConfig:
 
 @dataclass
 class DataConfig:
-    train: DataSourceConfig | None = None
-    eval: DataSourceConfig | None = None
-    max_length: int = 128
+    train: DataSourceConfig | None = None  # the training data
+    eval: DataSourceConfig | None = None  # the test data of `emdlm eval` and train.eval_steps
+    max_length: int = 128  # tokens per example: prompt + completion + EOS (images included)
     add_eos: bool = True
     pad_to_multiple_of: int | None = None
     extra_keys: list[str] = field(default_factory=list)  # tensor fields passed to the model
@@ -156,9 +156,9 @@ class ObjectiveConfig:
     local model folder (its output embedding, e.g. an oracle's for a student trained from
     scratch) or a path to a tensor file (.pt / .safetensors, [V, d])."""
 
-    name: str = "ce"
-    params: dict[str, Any] = field(default_factory=dict)
-    cost_embedding: str | None = None
+    name: str = "ce"  # a registered objective (docs/objectives.md)
+    params: dict[str, Any] = field(default_factory=dict)  # the loss class's keyword arguments
+    cost_embedding: str | None = None  # emo, emo_distill: model | teacher | a folder | a file
     # emd / ntil: λ over training, from the objective's own λ to lam_final
     # ("constant" | "linear" | "cosine"; emdlm.training.lam_schedule)
     lam_schedule: str = "constant"
@@ -167,7 +167,7 @@ class ObjectiveConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
+    lr: float = 1e-3  # peak learning rate
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
@@ -175,16 +175,16 @@ class OptimConfig:
     scheduler: str = "linear"  # any transformers SchedulerType: linear, cosine, constant, ...
     warmup_steps: int = 0
     warmup_ratio: float = 0.0
-    optim: str = "adamw_torch"
+    optim: str = "adamw_torch"  # any transformers optimizer name
 
 
 @dataclass
 class TrainConfig:
     batch_size: int = 8  # per device
-    grad_accum: int = 1
+    grad_accum: int = 1  # micro-batches per optimizer step (exact: the loss is divided once)
     epochs: float = 1.0
     max_steps: int = -1  # > 0 overrides epochs
-    seed: int = 0
+    seed: int = 0  # model init, data order and generated data (unless a source sets its own)
     logging_steps: int = 1
     save_steps: int = 500
     save_total_limit: int | None = 2
@@ -228,7 +228,7 @@ class EvalConfig:
     and ``top_p`` and no top-k; MAUVE, PPL_test, ROUGE, distinct-n, repetition, and PPL_oracle
     under the model folder ``oracle``) | choice (each candidate scored by perplexity)."""
 
-    kind: str = "number"
+    kind: str = "number"  # how answers are scored: a registered eval kind (emdlm.eval_kinds)
     max_new_tokens: int = 16  # text: the generation length in tokens
     batch_size: int = 64
     do_sample: bool = False
@@ -249,14 +249,14 @@ class EvalConfig:
 @dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
-    tokenizer: str = "gpt2"
+    tokenizer: str = "gpt2"  # gpt2 | gpt2-numeric | qwen | llama3-like | char | a folder
     data: DataConfig = field(default_factory=DataConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    output_dir: str = "runs/emdlm"
+    output_dir: str = "runs/emdlm"  # the run folder (--output); emdlm writes only there
     # distillation: a local Hugging Face causal-LM folder (same tokenizer / vocab as the
     # student), frozen; only for objectives emo_distill / kl_distill, which need it
     teacher: str | None = None
