@@ -1,7 +1,8 @@
 """MkDocs hooks of the documentation site (``mkdocs.yml``; ``make docs`` serves it).
 
-- The repository's README becomes the site's ``overview.md`` page: its ``docs/...`` links are
-  made relative to the site, and the pages' ``../README.md`` links point to it.
+- The repository's README becomes the site's ``overview.md`` page, served as the start page
+  (``index.html``; the documentation index ``index.md`` moves to ``contents/``): its ``docs/...``
+  links are made relative to the site, and the pages' ``../README.md`` links point to it.
 - ``config.md``, the config reference, is generated from the config dataclasses of
   :mod:`emdlm.config` (every key, its type, its default and the comment written beside it in the
   source), so it cannot drift from the code.
@@ -26,23 +27,33 @@ ROOT = Path(__file__).resolve().parents[1]
 OVERVIEW = "overview.md"
 CONFIG_PAGE = "config.md"
 _README_LINK = re.compile(r"\]\(((?:\.\./)+)README\.md")
+# a link to the docs/results/ folder (a listing on GitHub) -> results.md, which links every report
+_RESULTS_FOLDER_LINK = re.compile(r"\]\(((?:\.\./)*)results/\)")
 
 
 def on_files(files: Files, config: Any) -> Files:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    readme = readme.replace("](docs/", "](")
-    files.append(File.generated(config, OVERVIEW, content=readme))
+    readme = readme.replace("](docs/results/)", "](results.md)").replace("](docs/", "](")
+    overview = File.generated(config, OVERVIEW, content=readme)
+    # the README is the site's start page; the documentation index moves to contents/
+    overview.dest_uri = "index.html"
+    index = files.get_file_from_path("index.md")
+    if index is not None:
+        index.dest_uri = "contents/index.html"
+    files.append(overview)
     files.append(File.generated(config, CONFIG_PAGE, content=config_reference()))
     return files
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
-    """``../README.md`` (from docs/) or ``../../README.md`` (from docs/results/) -> overview."""
+    """``../README.md`` (from docs/) or ``../../README.md`` (from docs/results/) -> overview;
+    a link to the ``results/`` folder -> ``results.md``."""
 
     def to_overview(match: re.Match[str]) -> str:
         ups = match.group(1).count("../") - 1  # README sits one level above the docs root
         return "](" + "../" * ups + OVERVIEW
 
+    markdown = _RESULTS_FOLDER_LINK.sub(r"](\1results.md)", markdown)
     return _README_LINK.sub(to_overview, markdown)
 
 

@@ -27,11 +27,17 @@ def test_site_builds_strictly(tmp_path):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # the README is the overview page, its docs/ links made relative to the site
-    overview = (site / "overview" / "index.html").read_text()
-    assert 'href="../data/"' in overview and 'href="docs/' not in overview
+    # the README is the start page, its docs/ links made relative to the site (the docs/results/
+    # folder link -> results.md); the documentation index moves to contents/
+    overview = (site / "index.html").read_text()
+    assert "Three complete examples" in overview
+    assert 'href="data/"' in overview and 'href="docs/' not in overview
+    assert 'href="results/"' in overview and "emdlm documentation" not in overview
+    assert "emdlm documentation" in (site / "contents" / "index.html").read_text()
     # pages' ../README.md links lead to it
-    assert 'href="../overview/"' in (site / "data" / "index.html").read_text()
+    assert '<a href="../">README</a>' in (site / "data" / "index.html").read_text()
+    # offline: no Google Fonts request
+    assert "fonts.googleapis.com" not in overview
     # the config reference is generated from the dataclasses: every key is on it
     config = (site / "config" / "index.html").read_text()
     for cls in (RunConfig, DataConfig):
