@@ -163,6 +163,15 @@ SPECS: dict[str, ObjectiveSpec] = {
             needs_digits=True,
         ),
         ObjectiveSpec(
+            "ntl_was",
+            {
+                "classes": {},
+                "ntloss-no-reweigh": {"preset": "ntloss", "reweigh": False},
+                "token": {"averaging": "token"},
+            },
+            needs_digits=True,
+        ),
+        ObjectiveSpec(
             "number_level",
             {
                 "classes": {},

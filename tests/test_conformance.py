@@ -81,6 +81,7 @@ BATCH_LEVEL: dict[str, dict[str, Any]] = {
     "emd": {"mix": "static", "averaging": "token"},
     "ntil": {"mix": "static", "averaging": "token", "value_mode": "expected"},
     "ntl_mse": {"averaging": "token"},
+    "ntl_was": {"averaging": "token"},
     "number_level": {"averaging": "token"},
 }
 

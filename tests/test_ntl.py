@@ -1,6 +1,7 @@
-"""NTL-MSE family and the number-level loss (emdlm.losses.ntl): pinned to ntloss 0.3.2's own
-outputs on real tokenizers, hand-worked numbers, properties on multi-digit classes, number_mask,
-edge inputs, float64 gradcheck of both paths, and the from-hidden path on options."""
+"""NTL-MSE family, NTL-WAS and the number-level loss (emdlm.losses.ntl): pinned to ntloss
+0.3.2's own outputs on real tokenizers (NTL-WAS also to the digit EMD), hand-worked numbers,
+properties on multi-digit classes, number_mask, edge inputs, float64 gradcheck of both paths,
+and the from-hidden path on options."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch.nn.functional as F
 
 import emdlm.ops.from_hidden
 from _number_tokens import TOKENS, VOCAB, V
-from emdlm.losses.ntl import NTLMSELoss, NumberLevelLoss
+from emdlm.losses.ntil import DigitEMDLoss
+from emdlm.losses.ntl import NTLMSELoss, NTLWASLoss, NumberLevelLoss
 from emdlm.ops.chunked import chunked_linear_loss
 
 ntloss = pytest.importorskip("ntloss")
@@ -83,6 +85,42 @@ def test_ntl_mse_equals_ntloss(tok_name: str, loss: str, reweigh: bool) -> None:
 
 @pytest.mark.parametrize("tok_name", ["char", "gpt2"])
 @pytest.mark.parametrize("reweigh", [True, False])
+def test_ntl_was_equals_ntloss(tok_name: str, reweigh: bool) -> None:
+    """preset "ntloss": the NTL term is ntloss's NTLoss (NTL-WAS; value to 1e-12 in float64,
+    1e-6 relative in float32) and CE + 0.3·NTL its recommended total, gradient included."""
+    tok = _real(tok_name)
+    theirs_fn = ntloss.NTLoss(tok, vocab_size=len(tok), reweigh=reweigh)
+    ours_fn = NTLWASLoss(tok, preset="ntloss", reweigh=reweigh)
+    for dtype, rel in ((F64, 1e-12), (torch.float32, 1e-6)):
+        logits, labels = _batch(tok, seed=3, dtype=dtype)
+        x1, x2 = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+        out = ours_fn(x1, labels)
+        ntl = theirs_fn(x2, labels)
+        flat = x2.reshape(-1, x2.shape[-1])
+        want = F.cross_entropy(flat.float() if dtype != F64 else flat, labels.reshape(-1))
+        want = want + 0.3 * ntl
+        assert float(ntl.detach()) > 0.1  # the batch scores digits: not a pin of 0 == 0
+        assert float(out.components["ntl"]) == pytest.approx(float(ntl), rel=rel, abs=rel)
+        assert float(out.loss) == pytest.approx(float(want), rel=rel, abs=rel)
+        if dtype == F64:
+            out.loss.backward()
+            want.backward()
+            torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-9, atol=1e-12)
+
+
+def test_ntl_was_without_reweigh_is_the_digit_emd() -> None:
+    """On the ten digits, NTL-WAS without reweigh, averaged over digit tokens, is the NTIL
+    paper's digit-EMD baseline with the same averaging and a static λ (σ = 0)."""
+    tok = _real("char")
+    logits, labels = _batch(tok, seed=4, dtype=F64)
+    was = NTLWASLoss(tok, preset="ntloss", reweigh=False, lam=0.3)(logits, labels)
+    emd = DigitEMDLoss(tok, preset="paper", mix="static", lam=0.3)(logits, labels)
+    assert float(was.components["ntl"]) > 0.1
+    assert float(was.loss) == pytest.approx(float(emd.loss), rel=1e-9)
+
+
+@pytest.mark.parametrize("tok_name", ["char", "gpt2"])
+@pytest.mark.parametrize("reweigh", [True, False])
 @pytest.mark.parametrize("float_level", [False, True])
 def test_number_level_equals_ntloss(tok_name: str, reweigh: bool, float_level: bool) -> None:
     tok = _real(tok_name)
@@ -140,6 +178,23 @@ def test_hand_worked_mse_and_reweigh() -> None:
     out = NTLMSELoss(VOCAB)(z, labels)
     assert float(out.components["number_mass"]) == pytest.approx(0.5)
     assert float(out.components["ntl"]) == pytest.approx(0.5 + 1.01 * 81 * 0.5)
+
+
+def test_hand_worked_was() -> None:
+    """p = ½·'3' + ½·'5' against gold '4': NTL-WAS = ½·1 + ½·1 = 1 where NTL-MSE is 0 (ŷ = 4);
+    against gold '3' it is ½·2 = 1; with half the mass on 'a' the reweighed value is
+    1·½ + 1.01·9·½ (R = 9, the digits' range)."""
+    probs = [0, 0, 0, 0.5, 0, 0.5, 0, 0, 0, 0]
+    for gold, want in ((4, 1.0), (3, 1.0), (0, 4.0)):
+        labels = torch.tensor([[gold]])
+        out = NTLWASLoss(VOCAB, reweigh=False)(_digit_logits(probs), labels)
+        assert float(out.components["ntl"]) == pytest.approx(want)
+    mse = NTLMSELoss(VOCAB, reweigh=False)(_digit_logits(probs), torch.tensor([[4]]))
+    assert float(mse.components["ntl"]) == pytest.approx(0.0, abs=1e-12)
+    z = _digit_logits(probs)
+    z[0, 0, TOKENS.index("a")] = torch.logsumexp(z[0, 0, :10], 0)  # as much mass on 'a'
+    out = NTLWASLoss(VOCAB)(z, torch.tensor([[4]]))
+    assert float(out.components["ntl"]) == pytest.approx(0.5 + 1.01 * 9 * 0.5)
 
 
 def test_hand_worked_number_level() -> None:
@@ -240,6 +295,10 @@ CASES = {
     "mse": (NTLMSELoss, {}),
     "l1-ntloss-token": (NTLMSELoss, {"loss": "l1", "preset": "ntloss", "averaging": "token"}),
     "huber-no-reweigh": (NTLMSELoss, {"loss": "huber", "reweigh": False}),
+    "was": (NTLWASLoss, {}),
+    "was-ntloss-token-no-reweigh": (
+        NTLWASLoss, {"preset": "ntloss", "averaging": "token", "reweigh": False}
+    ),
     "number": (NumberLevelLoss, {}),
     "number-float-token": (NumberLevelLoss, {"float_level": True, "averaging": "token"}),
     "number-no-reweigh": (NumberLevelLoss, {"reweigh": False, "preset": "ntloss"}),

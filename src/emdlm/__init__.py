@@ -22,6 +22,7 @@ _EXPORTS: dict[str, str] = {
     "MixCELoss": "emdlm.losses.mixce",
     "DFTLoss": "emdlm.losses.dft",
     "NTLMSELoss": "emdlm.losses.ntl",
+    "NTLWASLoss": "emdlm.losses.ntl",
     "NumberLevelLoss": "emdlm.losses.ntl",
     "EMODistillLoss": "emdlm.losses.emo_distill",
     "KLDistillLoss": "emdlm.losses.emo_distill",

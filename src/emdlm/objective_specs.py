@@ -17,6 +17,7 @@ signature (:func:`emdlm.objectives.settable_parameters`), so it cannot drift.
 | mixce       | emdlm.losses.mixce.MixCELoss           | -                                      |
 | dft         | emdlm.losses.dft.DFTLoss               | -                                      |
 | ntl_mse     | emdlm.losses.ntl.NTLMSELoss            | number tokens (NumberVocab)            |
+| ntl_was     | emdlm.losses.ntl.NTLWASLoss            | number tokens (NumberVocab)            |
 | number_level| emdlm.losses.ntl.NumberLevelLoss       | number tokens (NumberVocab)            |
 | emo_distill | emdlm.losses.emo_distill.EMODistillLoss | a teacher, a cost embedding (teacher's)|
 | kl_distill  | emdlm.losses.emo_distill.KLDistillLoss  | a teacher                              |
@@ -114,6 +115,13 @@ OBJECTIVE_SPECS: dict[str, ObjectiveSpec] = {
             "ntl_mse", "emdlm.losses.ntl", "NTLMSELoss",
             "CE + ntloss's NTL-MSE: expected token value vs the gold value (mse / l1 / huber)",
             ("preset", "lam", "loss", "reweigh", "averaging", "ignore_index", "vocab_size",
+             "digits_only"),
+            numeric=True,
+        ),
+        ObjectiveSpec(
+            "ntl_was", "emdlm.losses.ntl", "NTLWASLoss",
+            "CE + ntloss's NTL-WAS: Wasserstein-1 distance of each number token to the gold",
+            ("preset", "lam", "reweigh", "averaging", "ignore_index", "vocab_size",
              "digits_only"),
             numeric=True,
         ),

@@ -4,12 +4,18 @@ Source: Zausinger et al., "Regress, Don't Guess: A Regression-like Loss on Numbe
 Language Models", ICML 2025; official package ``ntloss`` 0.3.2 (ai4sd/number-token-loss,
 ntloss/core.py: ``NTLossDotProduct``, ``NumberLevelLoss``, ``AbstractNTLoss.reweigh_fn``).
 
-Token level (``NTLossDotProduct``, "NTL-MSE"). For every number token m of the labels, with
-c_m = z_m[candidates] the logits of its candidate set (ntloss: the ten digit tokens; emdlm: the
-class of the gold token, :class:`emdlm.numbers.NumberVocab`), p_m = softmax(c_m) and u the
-candidates' values in units of the token's leading place (value / 10^(L−1), L its digit count):
+Token level (``NTLossDotProduct``, "NTL-MSE", and ``NTLoss``, "NTL-WAS"). For every number
+token m of the labels, with c_m = z_m[candidates] the logits of its candidate set (ntloss: the
+ten digit tokens; emdlm: the class of the gold token, :class:`emdlm.numbers.NumberVocab`),
+p_m = softmax(c_m) and u the candidates' values in units of the token's leading place
+(value / 10^(L−1), L its digit count):
 
     ŷ_m = Σ_k p_mk · u_k,         ℓ_m = f(ŷ_m − u_y)      f: (·)² "mse" | |·| "l1" | Huber, δ = 1
+    ℓ_m = Σ_k p_mk · |u_k − u_y|                           "was": the Wasserstein-1 distance
+                                                            of p_m to the gold point mass
+
+NTL-WAS on the ten digits is the digit EMD of the NTIL paper's baseline (``emdlm.DigitEMDLoss``);
+ntloss averages it over number tokens and adds ``reweigh``.
 
 Number level (``NumberLevelLoss``). For every gold number s (a span of number tokens,
 :func:`emdlm.numbers.find_number_spans`) with its tokens' expected values t_m = Σ_k p_mk·v_k:
@@ -19,7 +25,8 @@ Number level (``NumberLevelLoss``). For every gold number s (a span of number to
 
 ``reweigh`` (ntloss's default True): with μ = Σ_k softmax(z_m)_k over the candidates (the mass
 the model puts on them; for the number level at the number's first token) and R the largest
-value ℓ can take (token level: f(class range in leading-place units); number level: 1),
+value ℓ can take (token level: f(class range in leading-place units), the range itself for
+"was"; number level: 1),
 
     ℓ ← ℓ·μ + 1.01·R·(1 − μ)
 
@@ -67,6 +74,9 @@ from emdlm.functional.number_value import number_values, value_place_shift
 from emdlm.numbers import NumberSpans, NumberVocab, SpanDraft
 
 DistanceKind = Literal["mse", "l1", "huber"]
+#: The token-level loss: a distance f of ŷ − u_y ("mse" / "l1" / "huber", NTL-MSE family) or
+#: "was", the Wasserstein-1 distance Σ_k p_k·|u_k − u_y| (NTL-WAS).
+TokenLoss = Literal["mse", "l1", "huber", "was"]
 NTLLevel = Literal["token", "number"]
 NTLAveraging = Literal["number", "token"]
 #: ntloss's ε in the number-level ratio: ``torch.finfo(y.dtype).eps`` with y float32.
@@ -82,7 +92,8 @@ class NTLSettings:
     Attributes:
         lam: λ, weight of NTL in CE + λ·NTL (ntloss's recommendation: 0.3).
         level: "token" (NTL-MSE family) or "number" (number-level).
-        loss: f of the token level, "mse", "l1" or "huber" (δ = 1, ``F.huber_loss``'s default).
+        loss: the token level's loss: f of ŷ − u_y, "mse", "l1" or "huber" (δ = 1,
+            ``F.huber_loss``'s default), or "was" (Σ_k p_k·|u_k − u_y|, NTL-WAS).
         reweigh: scale by the candidates' mass μ (module docstring).
         averaging: "number" (mean over the scored items, ntloss) or "token" (Σ / n).
         reduction: "mean" or "sum".
@@ -91,7 +102,7 @@ class NTLSettings:
 
     lam: float = 0.3
     level: NTLLevel = "token"
-    loss: DistanceKind = "mse"
+    loss: TokenLoss = "mse"
     reweigh: bool = True
     averaging: NTLAveraging = "number"
     reduction: Reduction = "mean"
@@ -101,8 +112,8 @@ class NTLSettings:
         check_reduction(self.reduction)
         if self.level not in ("token", "number"):
             raise ValueError(f"level must be 'token' or 'number', got {self.level!r}")
-        if self.loss not in ("mse", "l1", "huber"):
-            raise ValueError(f"loss must be 'mse', 'l1' or 'huber', got {self.loss!r}")
+        if self.loss not in ("mse", "l1", "huber", "was"):
+            raise ValueError(f"loss must be 'mse', 'l1', 'huber' or 'was', got {self.loss!r}")
         if self.averaging not in ("number", "token"):
             raise ValueError(f"averaging must be 'number' or 'token', got {self.averaging!r}")
         if not (float(self.lam) >= 0.0 and float(self.lam) < float("inf")):
@@ -134,15 +145,40 @@ def leading_units(candidates: ClassCandidates, spans: NumberSpans) -> torch.Tens
 
 
 def worst_distance(
-    candidates: ClassCandidates, unit: torch.Tensor, kind: DistanceKind
+    candidates: ClassCandidates, unit: torch.Tensor, kind: TokenLoss
 ) -> torch.Tensor:
-    """[M] R = f((max − min of the class values) / unit): the largest value ℓ can take.
+    """[M] R = f((max − min of the class values) / unit): the largest value ℓ can take ("was":
+    the range itself, as "l1").
 
-    ntloss: max(|f(min, max)|, |f(max, min)|) over its number tokens (81 for MSE on 0..9)."""
+    ntloss: max(|f(min, max)|, |f(max, min)|) over its number tokens (81 for MSE on 0..9); its
+    ``NTLoss``: the largest entry of its distance table (9 on 0..9)."""
     values = candidates.values  # [M, K] sorted by value within the class, real members left
     top = values.masked_fill(~candidates.mask, float("-inf")).amax(dim=1)  # [M]
     low = values.masked_fill(~candidates.mask, float("inf")).amin(dim=1)  # [M]
-    return distance((top - low) / unit.squeeze(1), kind)
+    return distance((top - low) / unit.squeeze(1), "l1" if kind == "was" else kind)
+
+
+def token_base(
+    p: torch.Tensor, values: torch.Tensor, gold: torch.Tensor, kind: TokenLoss, *, grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """ℓ⁰_m before reweigh and, if ``grad``, ∂ℓ⁰/∂c [M, K] (c the candidates' logits,
+    p = softmax(c)) in closed form:
+
+        f(ŷ − u_y):          ∂/∂c_k = f'(ŷ − u_y) · p_k (u_k − ŷ)       ("mse" / "l1" / "huber")
+        Σ_k p_k |u_k − u_y|: ∂/∂c_k = p_k (|u_k − u_y| − ℓ⁰)            ("was")
+
+    Args (float64): p [M, K] (0 on padding), values u [M, K], gold u_y [M], kind.
+    """
+    if kind == "was":
+        cost = (values - gold.unsqueeze(1)).abs()  # [M, K]
+        base = (p * cost).sum(dim=-1)  # [M]
+        return base, p * (cost - base.unsqueeze(1)) if grad else None
+    y_hat = (p * values).sum(dim=-1)  # [M]
+    d = y_hat - gold  # [M]
+    if not grad:
+        return distance(d, kind), None
+    dy = p * (values - y_hat.unsqueeze(1))  # [M, K] ∂ŷ/∂c
+    return distance(d, kind), distance_slope(d, kind).unsqueeze(1) * dy
 
 
 def log_mass(class_logits: torch.Tensor, mask: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -171,8 +207,7 @@ def token_ntl(
     values = candidates.values / unit  # [M, K] u, leading-place units
     gold = values.gather(1, spans.gold_column.unsqueeze(1)).squeeze(1)  # [M]
     p = masked_class_softmax(z, candidates.mask)  # [M, K]
-    y_hat = (p * values).sum(dim=-1)  # [M]
-    per_token = distance(y_hat - gold, settings.loss)  # [M]
+    per_token, _ = token_base(p, values, gold, settings.loss, grad=False)  # [M] (autograd)
     mass = torch.exp(log_mass(z, candidates.mask, lse.double()))  # [M]
     if settings.reweigh:
         worst = REWEIGH_FACTOR * worst_distance(candidates, unit, settings.loss)  # [M]
@@ -332,6 +367,7 @@ __all__ = [
     "REWEIGH_FACTOR",
     "DistanceKind",
     "NTLSettings",
+    "TokenLoss",
     "class_width",
     "distance",
     "distance_slope",
@@ -344,6 +380,7 @@ __all__ = [
     "ntl_terms",
     "number_ntl",
     "resolve_with_width",
+    "token_base",
     "token_ntl",
     "worst_distance",
 ]

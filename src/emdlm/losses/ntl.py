@@ -1,4 +1,5 @@
-"""NTLMSELoss and NumberLevelLoss: CE + λ·NTL of ntloss (ICML 2025), on every emdlm tokenizer.
+"""NTLMSELoss, NTLWASLoss and NumberLevelLoss: CE + λ·NTL of ntloss (ICML 2025), on every emdlm
+tokenizer.
 
 Formulas, ntloss's semantics and emdlm's departures (NOTE lines): :mod:`emdlm.functional.ntl`.
 The logits path is the plain-autograd reference (:func:`emdlm.functional.ntl.ntl_loss`); the
@@ -223,6 +224,53 @@ class NTLMSELoss(_NTLBase):
         self._setup(tokenizer_or_number_vocab, preset, settings, vocab_size, digits_only, False)
 
 
+class NTLWASLoss(_NTLBase):
+    """CE + λ·NTL-WAS (ntloss ``NTLoss``, the ICML paper's default NTL): the Wasserstein-1
+    distance between the predicted distribution over each number token's candidates and the
+    gold token.
+
+        ℓ_m = Σ_k softmax(z_m[candidates])_k · |u_k − u_y|,
+        ℓ_m ← ℓ_m·μ_m + 1.01·R·(1 − μ_m)    (reweigh; μ_m the candidates' mass, R the range)
+        total = CE + λ · Σ_m ℓ_m / D
+
+    with u the candidates' values in units of the token's leading place
+    (:mod:`emdlm.functional.ntl`). On the ten digits without reweigh, ℓ_m is the digit EMD of the
+    NTIL paper's baseline (:class:`emdlm.DigitEMDLoss`); this class adds ntloss's averaging
+    (the mean over number tokens) and ``reweigh``.
+
+    Args: as :class:`NTLMSELoss`, without ``loss``. Components: those of :class:`NTLMSELoss`.
+
+    Example:
+        >>> loss_fn = NTLWASLoss(tokenizer, preset="ntloss")        # doctest: +SKIP
+        >>> out = loss_fn(logits[:, :-1], input_ids[:, 1:])       # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        tokenizer_or_number_vocab: Any,
+        preset: NTLPreset = "classes",
+        lam: float = 0.3,
+        reweigh: bool = True,
+        averaging: NTLAveraging = "number",
+        ignore_index: int = IGNORE_INDEX,
+        reduction: Reduction = "mean",
+        vocab_size: int | None = None,
+        *,
+        digits_only: bool | None = None,
+    ) -> None:
+        super().__init__()
+        settings = NTLSettings(
+            lam=lam,
+            level="token",
+            loss="was",
+            reweigh=bool(reweigh),
+            averaging=averaging,
+            reduction=reduction,
+            ignore_index=ignore_index,
+        )
+        self._setup(tokenizer_or_number_vocab, preset, settings, vocab_size, digits_only, False)
+
+
 class NumberLevelLoss(_NTLBase):
     """CE + λ·number-level NTL (ntloss ``NumberLevelLoss``): a symmetric relative error of each
     gold number's value against the value built from the expected token values.
@@ -267,4 +315,4 @@ class NumberLevelLoss(_NTLBase):
         )
 
 
-__all__ = ["NTLMSELoss", "NumberLevelLoss"]
+__all__ = ["NTLMSELoss", "NTLWASLoss", "NumberLevelLoss"]

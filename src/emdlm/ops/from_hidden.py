@@ -55,13 +55,12 @@ from emdlm.functional.ntil import (
 )
 from emdlm.functional.ntl import (
     REWEIGH_FACTOR,
-    DistanceKind,
     NTLSettings,
-    distance,
-    distance_slope,
+    TokenLoss,
     leading_units,
     ntl_denominator,
     number_ntl,
+    token_base,
     worst_distance,
 )
 from emdlm.numbers import NumberSpans, NumberVocab, SpanDraft
@@ -461,20 +460,21 @@ def token_ntl_with_grad(
     values: torch.Tensor,
     gold: torch.Tensor,
     worst: torch.Tensor,
-    kind: DistanceKind,
+    kind: TokenLoss,
     reweigh: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """ℓ_m of :func:`emdlm.functional.ntl.token_ntl` with its gradient in closed form.
 
-    With p = softmax(c) over the candidates, ŷ = Σ p·u, d = ŷ − u_y, ∂ŷ/∂c_k = p_k(u_k − ŷ)
-    and μ = exp(logsumexp(c) − lse) (∂μ/∂c_k = μ·p_k, ∂μ/∂lse = −μ):
+    With p = softmax(c) over the candidates, ℓ⁰ and ∂ℓ⁰/∂c from
+    :func:`emdlm.functional.ntl.token_base`, and μ = exp(logsumexp(c) − lse) (∂μ/∂c_k = μ·p_k,
+    ∂μ/∂lse = −μ):
 
-        no reweigh:  ℓ = f(d),                 ∂ℓ/∂c_k = f'(d)·p_k(u_k − ŷ),  ∂ℓ/∂lse = 0
-        reweigh:     ℓ = f(d)·μ + R·(1 − μ),   ∂ℓ/∂c_k = μ·p_k·(f'(d)(u_k − ŷ) + f(d) − R),
-                                               ∂ℓ/∂lse = (R − f(d))·μ
+        no reweigh:  ℓ = ℓ⁰,                 ∂ℓ/∂c = ∂ℓ⁰/∂c,                   ∂ℓ/∂lse = 0
+        reweigh:     ℓ = ℓ⁰·μ + R·(1 − μ),   ∂ℓ/∂c_k = μ·(∂ℓ⁰/∂c_k + (ℓ⁰ − R)·p_k),
+                                              ∂ℓ/∂lse = (R − ℓ⁰)·μ
 
     Args (float64, M rows): class_logits [M, K], lse [M], mask [M, K], values u [M, K] (leading-
-    place units), gold u_y [M], worst R [M] (1.01·f(class range)), kind f, reweigh.
+    place units), gold u_y [M], worst R [M] (1.01·the largest ℓ⁰), kind, reweigh.
 
     Returns:
         (ℓ [M], ∂ℓ/∂c [M, K] (0 on padding), ∂ℓ/∂lse [M], μ [M]).
@@ -482,16 +482,14 @@ def token_ntl_with_grad(
     masked = class_logits.masked_fill(~mask, float("-inf"))  # [M, K]
     lse_c = torch.logsumexp(masked, dim=-1)  # [M]
     p = torch.exp(masked - lse_c.unsqueeze(1))  # [M, K], 0 on padding
-    y_hat = (p * values).sum(dim=-1)  # [M]
-    d = y_hat - gold  # [M]
-    f, slope = distance(d, kind), distance_slope(d, kind)  # [M]
-    dy = p * (values - y_hat.unsqueeze(1))  # [M, K] ∂ŷ/∂c
+    base, grad_base = token_base(p, values, gold, kind, grad=True)
+    assert grad_base is not None
     mass = torch.exp(lse_c - lse)  # [M]
     if not reweigh:
-        return f, slope.unsqueeze(1) * dy, torch.zeros_like(f), mass
-    ell = f * mass + worst * (1.0 - mass)
-    grad_c = mass.unsqueeze(1) * (slope.unsqueeze(1) * dy + (f - worst).unsqueeze(1) * p)
-    return ell, grad_c, (worst - f) * mass, mass
+        return base, grad_base, torch.zeros_like(base), mass
+    ell = base * mass + worst * (1.0 - mass)
+    grad_c = mass.unsqueeze(1) * (grad_base + (base - worst).unsqueeze(1) * p)
+    return ell, grad_c, (worst - base) * mass, mass
 
 
 class NTLObjective(NTILObjective):
