@@ -1,6 +1,6 @@
 """Image task generators (clock, grounding, text_detection): row format, determinism, cache reuse,
-train/test disjointness, answers that match the pixels, contact sheets, and the numbers inside
-the answers as find_number_spans reads them on every named tokenizer."""
+train/test disjointness, answers that match the pixels, contact sheets (of math answers too),
+and the numbers inside the answers as find_number_spans reads them on every named tokenizer."""
 
 from __future__ import annotations
 
@@ -20,7 +20,15 @@ from emdlm.tasks.grounding import SHAPES, SIZES
 from emdlm.tasks.render import COLORS, background
 from emdlm.tasks.text_detection import render_words
 from emdlm.vision.boxes import answer_box_to_pixels, parse_boxes, reading_order
-from emdlm.vision.contact_sheet import CAPTION_H, LEGEND_H, PAD, make_contact_sheet
+from emdlm.vision.contact_sheet import (
+    CAPTION_H,
+    GOLD,
+    LEGEND_H,
+    PAD,
+    WRONG,
+    make_contact_sheet,
+    sheet_size,
+)
 
 TASKS = ("clock", "grounding", "text_detection")
 SMALL = {
@@ -325,6 +333,49 @@ def test_contact_sheet_draws_gold_and_predicted_boxes(tmp_path: Path) -> None:
     # The predicted box is the whole image: its magenta frame runs along the thumbnail's edge.
     edge = arr[y0 + 10 : y0 + 54, x0]
     assert (np.abs(edge - [255, 0, 255]).max(axis=1) < 30).all()
+
+
+def _caption_colors(arr: np.ndarray, column: int, row: int, thumb: int) -> set[str]:
+    """Which of the two verdict colours the second caption line of a cell is drawn in."""
+    cell = thumb + 2 * PAD
+    y = LEGEND_H + row * (cell + CAPTION_H) + cell + 14
+    strip = arr[y : y + 14, column * cell : (column + 1) * cell].astype(int)
+    found = set()
+    for name, rgb in (("right", GOLD), ("wrong", WRONG)):
+        if (np.abs(strip - np.array(rgb)).max(axis=-1) < 40).sum() >= 5:
+            found.add(name)
+    return found
+
+
+def test_contact_sheet_of_math_answers(tmp_path: Path) -> None:
+    """Kind ``math`` from MathVista-like fixture rows: figure, question, gold and prediction,
+    the verdict green or red as the math scoring reads the prediction."""
+    colours = ["red", "blue", "green", "orange", "purple"]
+    rows = []
+    for i, c in enumerate(colours):
+        path = tmp_path / "img" / f"{i}.png"
+        path.parent.mkdir(exist_ok=True)
+        Image.new("RGB", (120, 80), c).save(path)
+        rows.append({"image": str(path), "prompt": f"What is bar {i}? Answer with a number.",
+                     "completion": "12", "question_type": "free_form",
+                     "answer_type": "integer"})
+    rows[0] = {**rows[0], "prompt": "Which is larger?\n(A) 3 (B) 4.5", "completion": "B",
+               "question_type": "multi_choice", "answer_type": "float", "choices": ["3", "4.5"]}
+    rows[1] = {**rows[1], "completion": "1.50", "answer_type": "float", "precision": 2}
+    preds = ["4.5", "1.5", "13", "12", "no idea"]  # right, right, wrong, right, unparsed
+    out = make_contact_sheet(rows, preds, tmp_path / "sheet" / "math.png", kind="math",
+                             columns=3, thumb=96)
+    assert out.is_file() and out.stat().st_size > 1000
+    with Image.open(out) as im:
+        assert im.format == "PNG" and im.size == sheet_size(5, 3, 96) == (312, 22 + 2 * 134)
+        arr = np.asarray(im.convert("RGB"))
+    verdicts = [_caption_colors(arr, i % 3, i // 3, 96) for i in range(5)]
+    assert verdicts == [{"right"}, {"right"}, {"wrong"}, {"right"}, {"wrong"}]
+    # each thumbnail is its figure (a uniform colour, letterboxed into the square)
+    cell = 96 + 2 * PAD
+    y = LEGEND_H + PAD + 48
+    assert tuple(arr[y, PAD + 48]) == (255, 0, 0)
+    assert tuple(arr[LEGEND_H + cell + CAPTION_H + PAD + 48, PAD + 48]) == (255, 165, 0)
 
 
 # ----------------------------------------------------------------------------- numbers

@@ -244,7 +244,7 @@ def test_math_row_fields() -> None:
 
 def test_the_math_kind() -> None:
     spec = eval_kind("math")
-    assert spec.generates and spec.short_answer and not spec.picture and not spec.numeric
+    assert spec.generates and spec.short_answer and spec.picture and not spec.numeric
     assert spec.stop_at == ("\n",)
 
 

@@ -1,10 +1,12 @@
 """Readers of issue 39 point 1, on tiny fixtures written in each public format: MathVista (JSON
-dict and list, a saved ``datasets`` folder), MathVision (JSONL), CTW1500 (the 32-value and the
-polygon ``.txt``, the XML) and Total-Text (the ``.txt`` records and the ``.mat``)."""
+dict and list, a saved ``datasets`` folder), MathVision (JSONL, a saved ``datasets`` folder),
+CTW1500 (the 32-value and the polygon ``.txt``, the XML) and Total-Text (the ``.txt`` records
+and the ``.mat``), and ``images_root`` refusing images outside it."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -251,6 +253,54 @@ def test_mathvision_broken_image_and_encoding(tmp_path: Path) -> None:
         read_mathvision(path)
 
 
+def test_mathvision_saved_datasets_folder(tmp_path: Path) -> None:
+    """The Hub's ``MathLLMs/MathVision`` saved with ``save_to_disk``: splits ``test`` and
+    ``testmini``, the picture in ``decoded_image`` beside the ``image`` path."""
+    datasets = pytest.importorskip("datasets")
+    items = [MATHVISION[0], MATHVISION[2], MATHVISION[3]]
+    text = ("id", "question", "image", "answer", "solution", "subject")
+    columns: dict[str, list] = {k: [it.get(k) for it in items] for k in text}
+    columns["options"] = [it["options"] for it in items]
+    columns["level"] = [it["level"] for it in items]
+    columns["decoded_image"] = [Image.new("RGB", (40, 30), "red"), Image.new("L", (20, 10)),
+                                Image.new("RGBA", (16, 16), (0, 0, 255, 128))]
+    features = datasets.Features({
+        **{k: datasets.Value("string") for k in text},
+        "options": datasets.Sequence(datasets.Value("string")),
+        "level": datasets.Value("int64"),
+        "decoded_image": datasets.Image(),
+    })
+    ds = datasets.Dataset.from_dict(columns, features=features)
+    folder = tmp_path / "mathvision_hf"
+    datasets.DatasetDict({"test": ds, "testmini": ds.select([1])}).save_to_disk(str(folder))
+    mini = read_mathvision(folder)  # testmini by default
+    assert [r["id"] for r in mini] == ["4"] and mini[0]["completion"] == "6"
+    rows = read_mathvision(folder, split="test")
+    assert [r["completion"] for r in rows] == ["D", "6", "2.5"]
+    letters, count, length = rows
+    assert letters["prompt"] == "In which picture?\n(A) A (B) B (C) C (D) D (E) E"
+    assert (letters["question_type"], letters["choices"]) == ("multi_choice", list("ABCDE"))
+    assert (count["answer_type"], count["precision"], count["level"], count["subject"]) == (
+        "integer", 2, 1, "counting")
+    assert (length["answer_type"], length["number_scope"]) == ("float", "all")
+    cache = tmp_path / "mathvision_hf_images"
+    assert letters["image"] == str((cache / "mathvision_6.png").resolve())
+    with Image.open(count["image"]) as im:
+        assert im.size == (20, 10) and im.mode == "RGB"
+    out = compute_task_metrics(["d", "6.001", "2.4"], [r["completion"] for r in rows], "math",
+                               rows=rows)
+    assert out["exact_match"] == pytest.approx(2 / 3)
+    other = read_mathvision(folder, tmp_path / "pictures", split="test")
+    assert Path(other[0]["image"]).parent == (tmp_path / "pictures").resolve()
+    read_mathvision(folder, split="test", images_root=tmp_path)  # the pictures lie inside
+    with pytest.raises(ConfigError, match=r"mathvision_hf: row 0: .*outside images_root"):
+        read_mathvision(folder, split="test", images_root=folder)
+    with pytest.raises(ConfigError, match=r"has splits \['test', 'testmini'\]"):
+        read_mathvision(folder, split="val")
+    with pytest.raises(ConfigError, match="not a dataset folder"):
+        read_mathvision(tmp_path / "pictures")
+
+
 # ------------------------------------------------------------------------------ CTW1500
 def test_ctw1500_offset_format(tmp_path: Path) -> None:
     _png(tmp_path / "train_images" / "0001.png", (200, 100))
@@ -335,6 +385,43 @@ def test_ctw1500_bad_xml_and_missing_image(tmp_path: Path) -> None:
         read_ctw1500(tmp_path, labels)
 
 
+def _escaping_link(link: Path, target: Path) -> None:
+    link.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        link.symlink_to(target)
+    except OSError:  # pragma: no cover - a file system without symlinks
+        pytest.skip("symlinks not supported here")
+
+
+def test_ctw1500_images_root_refuses_images_outside_it(tmp_path: Path) -> None:
+    data = tmp_path / "ctw1500"
+    outside = _png(tmp_path / "elsewhere" / "0009.png")
+    _png(data / "images" / "0200.png")
+    labels = data / "xml"
+    labels.mkdir(parents=True)
+    box = '<box height="20" left="10" top="10" width="30"><label>A</label></box>'
+    for name in ("../../elsewhere/0009.png", str(outside)):  # "../" and an absolute path
+        (labels / "0200.xml").write_text(
+            f'<Annotations><image file="{name}">{box}</image></Annotations>', encoding="utf-8")
+        assert read_ctw1500(data / "images", labels)[0]["boxes"] == [[10.0, 10.0, 40.0, 30.0]]
+        shown = re.escape(repr(name))
+        with pytest.raises(ConfigError, match=rf"0200\.xml: image {shown}: .*resolves to "
+                                              rf".*outside images_root"):
+            read_ctw1500(data / "images", labels, images_root=data)
+    (labels / "0200.xml").write_text(
+        f'<Annotations><image file="0200.png">{box}</image></Annotations>', encoding="utf-8")
+    assert len(read_ctw1500(data / "images", labels, images_root=data)) == 1
+    # a .txt label whose image in image_dir is a symlink to a file outside the root
+    (labels / "0200.xml").unlink()
+    (labels / "0001.txt").write_text("1,2,30,4,30,20,1,20,####a\n", encoding="utf-8")
+    _escaping_link(data / "images" / "0001.png", outside)
+    assert len(read_ctw1500(data / "images", labels)) == 1
+    with pytest.raises(ConfigError, match=r"0001\.txt:1: image .*outside images_root"):
+        read_ctw1500(data / "images", labels, images_root=data)
+    with pytest.raises(ConfigError, match=r"images_root .* is not a folder"):
+        read_ctw1500(data / "images", labels, images_root=data / "missing")
+
+
 # ------------------------------------------------------------------------------ Total-Text
 TOTALTEXT = (
     "x: [[115 503 494 115]], y: [[322 346 426 404]], ornt: [u'h'], transcriptions: [u'nauGHTY']\n"
@@ -399,3 +486,24 @@ def test_totaltext_mat(tmp_path: Path) -> None:
     (tmp_path / "gt" / "poly_gt_img7.mat").write_bytes(b"MATLAB 5.0 broken")
     with pytest.raises(ConfigError, match=r"poly_gt_img7\.mat: not a MATLAB file"):
         read_totaltext(tmp_path, tmp_path / "gt")
+
+
+def test_totaltext_images_root_refuses_images_outside_it(tmp_path: Path) -> None:
+    data = tmp_path / "totaltext"
+    gt = data / "gt"
+    gt.mkdir(parents=True)
+    (gt / "poly_gt_img11.txt").write_text(TOTALTEXT, encoding="utf-8")
+    _png(tmp_path / "elsewhere" / "img11.jpg", (1000, 500))
+    # an image_dir outside the root
+    assert len(read_totaltext(tmp_path / "elsewhere", gt)) == 1
+    with pytest.raises(ConfigError, match=r"poly_gt_img11\.txt:1: image .*img11\.jpg.* "
+                                          r"outside images_root"):
+        read_totaltext(tmp_path / "elsewhere", gt, images_root=data)
+    # a symlink inside it to the image outside
+    _escaping_link(data / "Images" / "img11.jpg", tmp_path / "elsewhere" / "img11.jpg")
+    with pytest.raises(ConfigError, match="outside images_root"):
+        read_totaltext(data / "Images", gt, images_root=data)
+    (data / "Images" / "img11.jpg").unlink()
+    _png(data / "Images" / "img11.jpg", (1000, 500))
+    (row,) = read_totaltext(data / "Images", gt, images_root=data)
+    assert row["words"] == ["don't", "nauGHTY"]

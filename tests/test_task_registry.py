@@ -124,7 +124,8 @@ def test_every_table_of_kinds_holds_exactly_the_registered_kinds() -> None:
 def test_the_old_names_are_the_registrys() -> None:
     assert config.EVAL_KINDS == TASK_KINDS == EVAL_KINDS
     assert GENERATION_KINDS == ("number", "clock", "box", "boxes", "text", "math")
-    assert SHEET_KINDS == PICTURE_KINDS and set(PICTURE_KINDS) == {"box", "boxes", "clock"}
+    assert SHEET_KINDS == PICTURE_KINDS
+    assert set(PICTURE_KINDS) == {"box", "boxes", "clock", "math"}
     for name in ("emdlm.training.train", "emdlm.training.adapters"):  # wherever it lives
         module = pytest.importorskip(name)
         if hasattr(module, "GENERATION_KINDS"):
@@ -240,7 +241,7 @@ def test_kind_facts_equal_the_old_ladders() -> None:
         assert spec.generates == (name != "choice")
         assert spec.open_ended == (name == "text")
         assert spec.short_answer == (name not in ("text", "choice"))  # what a VLM is scored on
-        assert spec.picture == (name in ("clock", "box", "boxes"))
+        assert spec.picture == (name in ("clock", "box", "boxes", "math"))
         assert spec.summary and "\n" not in spec.summary
     assert eval_kinds.eval_kind("box") is EVAL_KIND_SPECS["box"]
     with pytest.raises(ValueError, match=r"unknown task kind 'speech'; expected one of \("):
@@ -265,6 +266,21 @@ def test_sheet_cells_hand_worked() -> None:
     assert _cell("boxes", words, "(0,0),(500,500); (500,500),(1000,1000)") == (
         "a b", "matched 2/2, pred 2", GOLD)
     assert _cell("boxes", words, "(0,0),(500,500)") == ("a b", "matched 1/2, pred 1", WRONG)
+    # math: the question up to its "?", gold (an option letter with its text) and prediction,
+    # coloured by the math scoring
+    mc = {"completion": "B", "prompt": "Which is larger?\n(A) 3 (B) 4.5",
+          "question_type": "multi_choice", "answer_type": "float", "choices": ["3", "4.5"]}
+    assert _cell("math", mc, "4.5") == ("Which is larger?", "gold B=4.5 pred 4.5", GOLD)
+    assert _cell("math", mc, "(A)") == ("Which is larger?", "gold B=4.5 pred (A)", WRONG)
+    assert _cell("math", mc, "C") == ("Which is larger?", "gold B=4.5 pred C (unparsed)", WRONG)
+    free = {"completion": "1.50", "prompt": "How long is it? Answer with a number.",
+            "question_type": "free_form", "answer_type": "float", "precision": 2, "unit": "cm"}
+    assert _cell("math", free, "1.5 cm") == ("How long is it?", "gold 1.50 pred 1.5 cm", GOLD)
+    assert _cell("math", free, "1.56")[1:] == ("gold 1.50 pred 1.56", WRONG)
+    assert _cell("math", free, " ")[1:] == ("gold 1.50 pred (empty) (unparsed)", WRONG)
+    # a row without item fields: the item is inferred from the completion (an integer here)
+    assert _cell("math", {"completion": "12", "prompt": "Count them"}, "12.0") == (
+        "Count them", "gold 12 pred 12.0", GOLD)
 
 
 # ------------------------------------------------------------------------------ tasks

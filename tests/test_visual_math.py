@@ -1,7 +1,8 @@
-"""The generated visual math task (issue 39): row format, determinism per seed, train/test
-disjointness, every sub-task's answer drawn correctly (bar heights, line points and shape counts
-measured on the pixels), the multiple-choice rows, the per-row number scope and parameter
-validation."""
+"""The generated visual math task (issue 39): row format, determinism per seed, train/dev/test
+disjointness (and the train and test streams of the default parameters pinned as they were
+before the dev split), every sub-task's answer drawn correctly (bar heights, line points and
+shape counts measured on the pixels), the multiple-choice rows, the per-row number scope and
+parameter validation."""
 
 from __future__ import annotations
 
@@ -25,12 +26,14 @@ from emdlm.tasks.visual_math import (
     LINE_X,
     MULTI_CHOICE,
     NO_NUMBERS,
+    SPLITS,
     SUBTASKS,
     content_id,
     figure_answer,
     format_choices,
     in_split,
     make_choices,
+    split_of,
 )
 
 SIZE = 112
@@ -54,7 +57,7 @@ def mask_of(img: np.ndarray, color: tuple[int, int, int]) -> np.ndarray:
 def test_registered_as_a_number_task() -> None:
     assert "visual_math" in available_tasks()
     spec = task_spec("visual_math")
-    assert spec.splits == ("train", "test")
+    assert spec.splits == SPLITS == ("train", "dev", "test")
     assert spec.eval_kind == ("math" if "math" in EVAL_KINDS else "number")
     assert spec.answer_pattern is not None and spec.answer_pattern.fullmatch("12")
 
@@ -92,6 +95,98 @@ def test_train_and_test_are_disjoint(tmp_path: Path, subtask: str) -> None:
     assert not ids & {repr(content_id(subtask, r["figure"])) for r in test}
     assert all(in_split(subtask, r["figure"], "train", 0.2) for r in train)
     assert all(in_split(subtask, r["figure"], "test", 0.2) for r in test)
+
+
+# The first rows of the default parameters (seed 0) as the code made them before the dev split
+# existed (2026-11-27): (sub-task, completion, figure content and what was drawn). Adding
+# dev_fraction (0 by default) must leave both streams as they were.
+PINNED = {
+    "train": [
+        ("side", "1", {"width": 1, "height": 1, "colors": ["red"]}),
+        ("side", "7", {"width": 4, "height": 7, "colors": ["yellow"]}),
+        ("bar_difference", "2",
+         {"values": [6, 4, 4], "colors": ["red", "purple", "orange"], "query": [0, 1]}),
+        ("perimeter", "32", {"width": 7, "height": 9, "colors": ["blue"]}),
+        ("bar_difference", "4",
+         {"values": [9, 7, 5], "colors": ["orange", "blue", "purple"], "query": [0, 2]}),
+    ],
+    "test": [
+        ("count", "6", {"color": "red", "count": 6, "others": 3,
+                        "colors": ["red"] * 6 + ["orange", "green", "green"],
+                        "cells": [1, 5, 15, 0, 12, 4, 14, 3, 2]}),
+        ("perimeter", "24", {"width": 3, "height": 9, "colors": ["green"]}),
+        ("count", "5", {"color": "yellow", "count": 5, "others": 4,
+                        "colors": ["yellow"] * 5 + ["purple", "purple", "blue", "blue"],
+                        "cells": [5, 6, 15, 2, 7, 10, 4, 8, 13]}),
+        ("bar_value", "9", {"values": [9, 7, 6], "colors": ["green", "red", "blue"],
+                            "query": [0]}),
+        ("bar_difference", "2", {"values": [3, 1, 4], "colors": ["green", "blue", "red"],
+                                 "query": [0, 1]}),
+    ],
+}
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_default_streams_are_those_of_before_the_dev_split(tmp_path: Path, split: str) -> None:
+    rows = rows_of(tmp_path, 5, split=split)
+    assert [(r["subtask"], r["completion"], r["figure"]) for r in rows] == PINNED[split]
+    assert rows[0]["prompt"] == {
+        "train": "The perimeter is P. What is the side marked ? Answer with a number.",
+        "test": "How many red shapes are there? Answer with a number.",
+    }[split]
+    # an explicit dev_fraction=0 is the default; a dev_fraction never moves the test stream
+    same = rows_of(tmp_path, 5, "zero", split=split, dev_fraction=0.0)
+    assert [r["figure"] for r in same] == [r["figure"] for r in rows]
+    if split == "test":
+        with_dev = rows_of(tmp_path, 5, "dev", split=split, dev_fraction=0.2)
+        assert [r["prompt"] for r in with_dev] == [r["prompt"] for r in rows]
+
+
+def test_train_dev_and_test_are_disjoint(tmp_path: Path) -> None:
+    fractions = {"test_fraction": 0.2, "dev_fraction": 0.2}
+    ids: dict[str, set[str]] = {}
+    for split, seed in zip(SPLITS, (0, 1, 2), strict=True):
+        rows = rows_of(tmp_path, 60, split, split=split, seed=seed, **fractions)
+        assert {r["subtask"] for r in rows} == set(SUBTASKS)
+        assert all(split_of(r["subtask"], r["figure"], 0.2, 0.2) == split for r in rows)
+        ids[split] = {repr(content_id(r["subtask"], r["figure"])) for r in rows}
+    assert not ids["train"] & ids["dev"] and not ids["train"] & ids["test"]
+    assert not ids["dev"] & ids["test"]
+    # without dev_fraction the train split still holds the dev contents: why a run tuned on
+    # "dev" gives its train split the same dev_fraction
+    plain = rows_of(tmp_path, 60, "plain", seed=0, test_fraction=0.2)
+    assert any(split_of(r["subtask"], r["figure"], 0.2, 0.2) == "dev" for r in plain)
+
+
+def test_dev_split_is_deterministic_and_its_own_stream(tmp_path: Path) -> None:
+    a = rows_of(tmp_path, 12, "a", split="dev", seed=5, dev_fraction=0.1)
+    b = rows_of(tmp_path, 12, "b", split="dev", seed=5, dev_fraction=0.1)
+    assert [{k: v for k, v in r.items() if k != "image"} for r in a] == [
+        {k: v for k, v in r.items() if k != "image"} for r in b]
+    for ra, rb in zip(a, b, strict=True):
+        assert np.array_equal(pixels(ra["image"]), pixels(rb["image"]))
+    other = rows_of(tmp_path, 12, "c", split="dev", seed=6, dev_fraction=0.1)
+    assert [r["prompt"] for r in other] != [r["prompt"] for r in a]
+    assert all(split_of(r["subtask"], r["figure"], 0.2, 0.1) == "dev" for r in a + other)
+
+
+@pytest.mark.parametrize("params,match", [
+    ({"split": "dev"}, r"split='dev' needs dev_fraction > 0 \(give the same dev_fraction to "
+                       r"the train split\)"),
+    ({"split": "dev", "dev_fraction": 0.0}, "needs dev_fraction > 0"),
+    ({"dev_fraction": -0.1}, r"dev_fraction must be in \[0, 1 - test_fraction\)"),
+    ({"dev_fraction": 0.8, "test_fraction": 0.2}, r"= \[0, 0.8\), got 0.8"),
+    ({"split": "val", "dev_fraction": 0.1}, "split must be one of train, dev, test"),
+])
+def test_bad_split_parameters(tmp_path: Path, params: dict[str, Any], match: str) -> None:
+    from emdlm.tasks.visual_math import visual_math
+
+    with pytest.raises(ValueError, match=match):
+        visual_math(2, cache_dir=tmp_path / "x", **params)
+    if params.get("split") != "val":  # through the registry too
+        with pytest.raises(ValueError, match=match):
+            rows_of(tmp_path, 2, **params)
+    assert not (tmp_path / "x").exists()
 
 
 def _plot_rows(top: int, y1: float, y2: float) -> Any:

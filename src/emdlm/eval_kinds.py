@@ -19,7 +19,7 @@ line here and an entry in each of those tables; the test fails until every table
 | boxes  | several boxes, "; "-separated        | yes       | "\\n" |         |      | yes     |
 | text   | open-ended continuations (sampled)   | yes       | none  |         | yes  |         |
 | choice | a candidate chosen by perplexity     | no        | "\\n" |         |      |         |
-| math   | a benchmark answer (option / number) | yes       | "\\n" |         |      |         |
+| math   | a benchmark answer (option / number) | yes       | "\\n" |         |      | yes     |
 
 ``math`` reads each test row's metadata (``question_type``, ``answer_type``, ``choices``,
 ``precision``, ``unit``; :mod:`emdlm.math_answers`): its metrics and per-row fields are given
@@ -72,7 +72,7 @@ EVAL_KIND_SPECS: dict[str, EvalKind] = {
                  stop_at=(), open_ended=True),
         EvalKind("choice", "a candidate chosen by perplexity; accuracy", generates=False),
         EvalKind("math", "a math benchmark answer (MathVista / MathVision): exact match by "
-                 "option or number at the item's precision, per type"),
+                 "option or number at the item's precision, per type", picture=True),
     )
 }
 

@@ -33,11 +33,16 @@ Difficulty knobs: ``subtasks`` (``bar_value`` alone is the easiest), ``n_bars``,
 ``value_labels`` (off: the height must be read against the grid), ``max_value``, ``noise``,
 ``multiple_choice`` / ``n_choices``.
 
-Train/test disjointness: a figure's content (sub-task, drawn values, the queried item and, for
-bar charts, the bars' colours; not the layout: :data:`CONTENT_KEYS`) is hashed,
-seed-independently; content whose hash falls under ``test_fraction`` belongs to the test split
-only, so a test question never shows a figure content seen in training (with any seed).
-Example k depends only on (seed, split, k).
+Train/dev/test disjointness: a figure's content (sub-task, drawn values, the queried item and,
+for bar charts, the bars' colours; not the layout: :data:`CONTENT_KEYS`) is hashed,
+seed-independently, to u in [0, 1); content with u < ``test_fraction`` belongs to the test split
+only, with u in [test_fraction, test_fraction + dev_fraction) to the dev split only, the rest to
+the train split only (:func:`split_of`), so a test or dev question never shows a figure content
+seen in training (with any seed). Example k depends only on (seed, split, k). ``dev_fraction``
+is 0 by default: no dev split, and the train and test streams are those of before the dev split
+existed; a run tuned on "dev" gives the same ``dev_fraction`` to its train split, or training
+would still show the dev figures ("dev" with ``dev_fraction=0`` is an error), as
+:mod:`emdlm.tasks.arithmetic` does.
 
 Images are rendered once into the cache (:func:`emdlm.tasks.render.cached_rows`).
 """
@@ -65,6 +70,7 @@ from emdlm.tasks.render import (
     unit_hash,
 )
 
+SPLITS = ("train", "dev", "test")
 SUBTASKS = ("bar_value", "bar_difference", "line_value", "count", "perimeter", "side")
 FREE_FORM, MULTI_CHOICE = "free_form", "multi_choice"
 #: number_scope of a multiple-choice row: a regex that never matches (no number is scored).
@@ -171,9 +177,17 @@ def content_id(subtask: str, fig: Figure) -> list[Any]:
     return ["visual_math", subtask, *[fig[k] for k in CONTENT_KEYS[subtask]]]
 
 
-def in_split(subtask: str, fig: Figure, split: str, test_fraction: float) -> bool:
-    """Whether figure content ``fig`` belongs to ``split`` (a seed-independent hash)."""
-    return (unit_hash(content_id(subtask, fig)) < test_fraction) == (split == "test")
+def split_of(subtask: str, fig: Figure, test_fraction: float, dev_fraction: float = 0.0) -> str:
+    """The split figure content ``fig`` belongs to: "test" if its seed-independent hash u is
+    below ``test_fraction``, "dev" if below ``test_fraction + dev_fraction``, else "train"."""
+    u = unit_hash(content_id(subtask, fig))
+    return "test" if u < test_fraction else "dev" if u < test_fraction + dev_fraction else "train"
+
+
+def in_split(subtask: str, fig: Figure, split: str, test_fraction: float,
+             dev_fraction: float = 0.0) -> bool:
+    """Whether figure content ``fig`` belongs to ``split`` (:func:`split_of`)."""
+    return split_of(subtask, fig, test_fraction, dev_fraction) == split
 
 
 # ---------------------------------------------------------------------------------- drawing
@@ -339,6 +353,20 @@ def render_figure(
     return img, {**fig, **drawn}
 
 
+def _check_split(split: str, test_fraction: float, dev_fraction: float) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    if not 0.0 <= dev_fraction < 1.0 - test_fraction:
+        raise ValueError(
+            f"dev_fraction must be in [0, 1 - test_fraction) = [0, {1.0 - test_fraction:g}), "
+            f"got {dev_fraction}"
+        )
+    if split == "dev" and dev_fraction == 0.0:
+        raise ValueError(
+            "split='dev' needs dev_fraction > 0 (give the same dev_fraction to the train split)"
+        )
+
+
 def _check(subtasks: tuple[str, ...], max_value: int, n_bars: int, multiple_choice: float,
            n_choices: int, noise: float, supersample: int) -> None:
     if not subtasks or set(subtasks) - set(SUBTASKS) or len(set(subtasks)) != len(subtasks):
@@ -360,7 +388,7 @@ def _check(subtasks: tuple[str, ...], max_value: int, n_bars: int, multiple_choi
         raise ValueError(f"supersample must be in 1..4, got {supersample}")
 
 
-@register_task("visual_math", answer_pattern=r"\b\d+\b", eval_kind="math")
+@register_task("visual_math", splits=SPLITS, answer_pattern=r"\b\d+\b", eval_kind="math")
 def visual_math(
     n: int,
     *,
@@ -376,13 +404,15 @@ def visual_math(
     noise: float = 0.0,
     supersample: int = 2,
     test_fraction: float = 0.2,
+    dev_fraction: float = 0.0,
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> list[dict[str, Any]]:
     """``n`` rows of numbers read off rendered figures (see the module docstring).
 
     Args:
         n: number of examples.
-        split: "train" or "test" (disjoint figure contents; see the module docstring).
+        split: "train", "dev" or "test" (disjoint figure contents; see the module
+            docstring); "dev" needs ``dev_fraction > 0``.
         seed: the same arguments give the same images and questions.
         subtasks: subset of :data:`SUBTASKS`; each row draws one uniformly.
         image_size: side of the square image in pixels (>= 64).
@@ -395,28 +425,36 @@ def visual_math(
             image draws its own in [0, noise].
         supersample: render at this multiple of ``image_size`` and downscale (anti-aliasing).
         test_fraction: share of figure contents reserved for the test split, in (0, 1).
+        dev_fraction: share reserved for the dev split, in [0, 1 - test_fraction); 0 (the
+            default) keeps the train and test streams as they were before the dev split. Give
+            the same value to the train split of a run that is tuned on "dev".
         cache_dir: folder for the PNGs (default: under ``$EMDLM_CACHE/images/visual_math``).
     """
     check_common_params(image_size, 64, test_fraction)
+    _check_split(split, test_fraction, dev_fraction)
     subs = tuple(subtasks)
     _check(subs, max_value, n_bars, multiple_choice, n_choices, noise, supersample)
     params = {"image_size": image_size, "max_value": max_value, "n_bars": n_bars,
               "value_labels": bool(value_labels), "noise": noise, "supersample": supersample}
+    # dev_fraction enters the key only when set: the caches of the sets made before it existed
+    # (the same rows) stay valid
+    dev = {"dev_fraction": dev_fraction} if dev_fraction else {}
     key = cache_key("visual_math", seed, split, test_fraction,
                     {**params, "subtasks": subs, "multiple_choice": multiple_choice,
-                     "n_choices": n_choices})
-    split_id = 0 if split == "train" else 1
+                     "n_choices": n_choices, **dev})
+    split_id = {"train": 0, "test": 1, "dev": 2}[split]  # train and test as before "dev"
 
     def make(k: int) -> tuple[Image.Image, dict[str, Any]]:
         rng = np.random.default_rng([seed, split_id, k])
         subtask = subs[int(rng.integers(len(subs)))]
         for _ in range(_MAX_TRIES):
             fig = SAMPLERS[subtask](rng, params)
-            if fig and in_split(subtask, fig, split, test_fraction):
+            if fig and in_split(subtask, fig, split, test_fraction, dev_fraction):
                 break
         else:
             raise ValueError(f"no {subtask} figure falls in split {split!r} with "
-                             f"test_fraction={test_fraction}, max_value={max_value}")
+                             f"test_fraction={test_fraction}, dev_fraction={dev_fraction}, "
+                             f"max_value={max_value}")
         image, fig = render_figure(rng, subtask, fig, params)
         answer = figure_answer(subtask, fig)
         text = question(subtask, fig)

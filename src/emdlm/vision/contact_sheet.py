@@ -9,13 +9,17 @@ scaled to fit a ``thumb`` square, and two caption lines under it. So the sheet i
 Kinds: ``"box"`` / ``"boxes"`` draw gold boxes in green and predicted boxes in magenta (the
 answer parsed and mapped back to pixels with the row's ``box_format``); the caption gives the
 IoU (one box) or matched / gold / predicted counts. ``"clock"`` writes the gold and the predicted
-time under each image, green when they match, red otherwise. Unparseable predictions say so.
+time under each image, green when they match, red otherwise. ``"math"`` writes the question
+(shortened to the cell) and the gold and predicted answers, green when the prediction is right
+by the math scoring (:func:`emdlm.math_answers.score_answer`: an option letter or its text,
+numbers at the item's precision), red otherwise. Unparseable predictions say so.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -25,6 +29,7 @@ from PIL import Image, ImageDraw
 
 from emdlm._files import atomic_write
 from emdlm.eval_kinds import PICTURE_KINDS
+from emdlm.math_answers import LETTERS, item_from_row, score_answer
 from emdlm.metrics import clock_time_gap
 from emdlm.tasks.render import load_font
 from emdlm.vision.boxes import (
@@ -155,6 +160,39 @@ def _clock_cell(
     return line1, line2, GOLD if gap == 0.0 else WRONG
 
 
+def _question(text: str) -> str:
+    """The question of a prompt: its first line up to the first ``?`` (without the choices
+    and the answer instruction that follow), else the whole first line."""
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    m = re.match(r".*?\?", first)
+    return " ".join((m.group(0) if m else first).split())
+
+
+def _math_cell(
+    draw: ImageDraw.ImageDraw,
+    row: dict[str, Any],
+    pred: str,
+    size: tuple[int, int],
+    origin: tuple[int, int],
+    scale: float,
+) -> tuple[str, str, RGB]:
+    """The question, then the gold and the predicted answer; green when the math scoring
+    (:mod:`emdlm.math_answers`, the row's ``question_type`` / ``answer_type`` / ``choices`` /
+    ``precision`` / ``unit``) counts the prediction right. A gold option letter shows its
+    text (``B=7``)."""
+    gold = row["completion"].strip()
+    item = item_from_row(row, gold, "contact sheet row")
+    score = score_answer(pred, gold, item)
+    question = _question(str(row.get("question") or row.get("prompt") or ""))
+    shown = gold
+    if item.question_type == "multi_choice" and gold in LETTERS[: len(item.choices)]:
+        shown = f"{gold}={item.choices[LETTERS.index(gold)]}"
+    line2 = f"gold {shown} pred {pred.strip() or '(empty)'}"
+    if score.parsed is None:
+        line2 += " (unparsed)"
+    return question, line2, GOLD if score.correct else WRONG
+
+
 def _box_legend(draw: ImageDraw.ImageDraw, font: Any) -> None:
     draw.text((PAD, 4), "gold box", fill=GOLD, font=font)
     draw.text((PAD + 70, 4), "predicted box", fill=PRED, font=font)
@@ -163,6 +201,13 @@ def _box_legend(draw: ImageDraw.ImageDraw, font: Any) -> None:
 def _clock_legend(draw: ImageDraw.ImageDraw, font: Any) -> None:
     draw.text(
         (PAD, 4), "gold / predicted time (green: exact, red: wrong)", fill=(0, 0, 0), font=font
+    )
+
+
+def _math_legend(draw: ImageDraw.ImageDraw, font: Any) -> None:
+    draw.text(
+        (PAD, 4), "question; gold / predicted answer (green: right, red: wrong)", fill=(0, 0, 0),
+        font=font,
     )
 
 
@@ -185,6 +230,7 @@ SHEETS: dict[str, Sheet] = {
     "clock": Sheet(_clock_legend, _clock_cell),
     "box": Sheet(_box_legend, partial(_box_cell, parse=_one_box, caption=_iou_caption)),
     "boxes": Sheet(_box_legend, partial(_box_cell, parse=parse_boxes, caption=_match_caption)),
+    "math": Sheet(_math_legend, _math_cell),
 }
 
 
@@ -202,10 +248,13 @@ def make_contact_sheet(
 
     Args:
         rows: test rows with ``image`` (a path), ``completion`` (the gold answer) and, for boxes,
-            optionally ``boxes`` (gold pixel boxes) and ``box_format``.
+            optionally ``boxes`` (gold pixel boxes) and ``box_format``; for math, ``prompt``
+            (or ``question``) and the item fields of :mod:`emdlm.math_answers`
+            (``question_type``, ``answer_type``, ``choices``, ``precision``, ``unit``; without
+            them the item is inferred from the completion).
         predictions: the model's answers, one per row.
         path: the PNG to write (parent folders are created).
-        kind: "box" (one box), "boxes" (several) or "clock".
+        kind: "box" (one box), "boxes" (several), "clock" or "math".
         columns: cells per row of the grid (>= 1).
         thumb: side of the square each image is fitted into (>= 32).
         max_items: draw only the first ``max_items`` rows (None for all).

@@ -26,7 +26,9 @@ with no box. "Don't care" regions are left out unless ``include_dont_care``.
 
 Every malformed line or record (too few coordinates, a value that is not a finite number) is a
 :class:`emdlm.config.ConfigError` naming the file and line (or the entry); images are decoded in
-full before anything trains.
+full before anything trains. ``images_root`` refuses an image that resolves outside a folder
+(an XML ``file`` attribute with ``../`` or an absolute path, a symlink in ``image_dir``;
+:func:`emdlm.vision.images.confine`), as the other readers do.
 """
 
 from __future__ import annotations
@@ -181,12 +183,15 @@ def read_ctw1500(
     *,
     box_format: str = "qwen2vl",
     include_dont_care: bool = False,
+    images_root: PathLike | None = None,
 ) -> list[dict[str, Any]]:
     """SCUT-CTW1500 rows, one per image with a label file (``.txt`` or ``.xml``) in ``gt_dir``.
 
     Each text region (a 14-point or n-point polygon) becomes its enclosing box; ``###``
     regions are left out unless ``include_dont_care``. The 32-value format has no
-    transcriptions (``words`` holds "").
+    transcriptions (``words`` holds ""). ``images_root``: if set, an image (an XML ``file``
+    with ``../`` or an absolute path, a symlink) that resolves outside this folder is a
+    ConfigError naming the label file.
     """
     check_box_format(box_format)
     images = Path(image_dir)
@@ -195,12 +200,12 @@ def read_ctw1500(
         if gt.suffix.lower() == ".xml":
             for name, boxes, words in _ctw_xml(gt):
                 image = images / name
-                width, height = _image_size(image, f"{gt}: image {name!r}")
+                width, height = _image_size(image, f"{gt}: image {name!r}", images_root, name)
                 boxes, words = _keep(boxes, words, (DONT_CARE,), include_dont_care)
                 rows.append(_text_row(image, boxes, words, width, height, box_format))
             continue
         image = _image_for(images, gt.stem, gt)
-        width, height = _image_size(image, f"{gt}:1")
+        width, height = _image_size(image, f"{gt}:1", images_root)
         boxes, words = _keep(*_ctw_txt(gt), (DONT_CARE,), include_dont_care)
         rows.append(_text_row(image, boxes, words, width, height, box_format))
     return rows
@@ -287,12 +292,15 @@ def read_totaltext(
     *,
     box_format: str = "qwen2vl",
     include_dont_care: bool = False,
+    images_root: PathLike | None = None,
 ) -> list[dict[str, Any]]:
     """Total-Text rows, one per ``poly_gt_<name>.txt`` / ``.mat`` (or ``gt_<name>.*``) in
     ``gt_dir`` with its image ``<name>.*`` in ``image_dir``.
 
     Each polygon becomes its enclosing box; regions whose orientation or transcription is
-    ``#`` are left out unless ``include_dont_care``.
+    ``#`` are left out unless ``include_dont_care``. ``images_root``: if set, an image that
+    resolves outside this folder (a symlink, an ``image_dir`` outside it) is a ConfigError
+    naming the label file.
     """
     check_box_format(box_format)
     images = Path(image_dir)
@@ -302,7 +310,7 @@ def read_totaltext(
         if m is None:
             continue
         image = _image_for(images, m.group(1), gt)
-        width, height = _image_size(image, f"{gt}:1")
+        width, height = _image_size(image, f"{gt}:1", images_root)
         boxes, words, ornts = _tt_mat(gt) if gt.suffix.lower() == ".mat" else _tt_txt(gt)
         kept = [
             (b, w) for b, w, o in zip(boxes, words, ornts, strict=True)

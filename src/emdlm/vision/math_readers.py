@@ -316,7 +316,14 @@ def read_mathvision(
     images_root: PathLike | None = None,
 ) -> list[dict[str, Any]]:
     """MathVision rows, one per problem of a ``test.jsonl`` / ``testmini.jsonl`` (or a saved
-    ``datasets`` folder with the same fields).
+    ``datasets`` folder with the same fields: the Hub's ``MathLLMs/MathVision``, splits
+    ``test`` / ``testmini``, the picture in ``decoded_image``).
+
+    Args:
+        path: the JSONL file, or a folder written by ``datasets``' ``save_to_disk``.
+        image_dir: as for :func:`read_mathvista`.
+        split: the split of a saved ``DatasetDict`` (default ``testmini``, or its only split).
+        images_root: refuse an image that resolves outside this folder.
 
     The completion is the option letter (A-E) with options, else the answer as written (a
     number, compared at 2 decimals; or text). Rows: ``{"image", "prompt", "completion",
