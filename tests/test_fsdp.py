@@ -112,6 +112,8 @@ def runs(tmp_path_factory):
     one, two, path = folders[CLI_COMBO]
     argv = [path.as_posix() if a == PLACEHOLDER else a for a in shlex.split(readme_fsdp_command())]
     assert argv.count(path.as_posix()) == 1, argv
+    assert argv.count("--output") == 1, argv  # the command's own run folder -> the test's
+    argv[argv.index("--output") + 1] = two.as_posix()
     proc = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, failure_text(proc.stderr)
     assert "emdlm: FSDP2 over 2 processes (gloo)" in proc.stderr, proc.stderr[-3000:]

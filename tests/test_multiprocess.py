@@ -1,6 +1,6 @@
-"""The multi-process commands of docs/cli.md (the command-line tool's page), run verbatim: 2 CPU
-processes (gloo) with batch 4 each == 1 process with batch 8; and accelerate's MULTI_CPU trap
-(one process) is warned about."""
+"""The multi-process commands of docs/cli.md (the command-line tool's page), run verbatim (only
+the config and the --output folder replaced): 2 CPU processes (gloo) with batch 4 each == 1
+process with batch 8; and accelerate's MULTI_CPU trap (one process) is warned about."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ COMMON = [
 # is the same computation as 1 x 8. (NTIL averages over the numbers of each process's batch:
 # see test_integrations_transformers for what holds there.)
 PLACEHOLDER = "my_run.yaml"
+OUTPUT = re.compile(r"--output \S+")  # each command's own run folder, replaced by the test's
 
 
 CLI_DOC = ROOT / "docs" / "cli.md"  # the README links there for launchers
@@ -56,6 +57,8 @@ COMMANDS = doc_multiprocess_commands()
 def test_readme_has_both_multiprocess_commands():
     assert [c.split()[0] for c in COMMANDS] == ["accelerate", "torchrun"], COMMANDS
     assert all(PLACEHOLDER in c for c in COMMANDS)
+    outputs = [OUTPUT.findall(c) for c in COMMANDS]  # one --output each, never the same folder
+    assert all(len(o) == 1 for o in outputs) and len({o[0] for o in outputs}) == len(COMMANDS)
     assert not any("src/" in c for c in COMMANDS)  # they work where emdlm is only installed
 
 
@@ -93,6 +96,7 @@ def one_process(tmp_path_factory):
 @pytest.mark.parametrize("command", COMMANDS, ids=[c.split()[0] for c in COMMANDS])
 def test_readme_command_trains_on_two_processes(tmp_path, one_process, command):
     two = tmp_path / "two"
+    command = OUTPUT.sub(f"--output {shlex.quote(two.as_posix())}", command)
     proc = _run(command, _tiny_config(tmp_path / "tiny.yaml", two, batch=4))
     assert proc.returncode == 0, failure_text(proc.stderr)
     assert re.search(r"emdlm: world size 2 \(", proc.stderr), proc.stderr[-3000:]

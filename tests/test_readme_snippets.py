@@ -4,10 +4,10 @@
   so does every ```python block of docs/*.md, except the excerpts listed in PYTHON_EXCERPTS with
   the test that runs each (with the names it uses defined).
 - Every line of a ```bash block of README.md or docs/*.md that starts with ``emdlm `` is run
-  (the README's JSONL block, whole, from an empty folder; docs/data.md's blocks in
-  tests/test_data_docs.py) or listed in NOT_RUN with the reason.
-- The README's Trainer snippet logs every loss component; the TRL snippet of
-  docs/integrations.md trains in fp32 (tiny model and data defined here under its names).
+  (the README's JSONL block and the docs blocks of DOCS_BASH_RUN, whole, from an empty folder;
+  docs/data.md's blocks in tests/test_data_docs.py) or listed in NOT_RUN with the reason.
+- The README's Trainer snippet logs every loss component; the TRL block of docs/integrations.md
+  trains in fp32, its LoRA trainer only the adapter.
 - README.md stays short (MAX_README_LINES) and every relative link of README.md and docs/*.md
   points to an existing file or folder (anchors are not checked).
 """
@@ -21,8 +21,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-import emdlm
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -40,6 +38,8 @@ NOT_RUN = {
     "--resume: tests/test_cli.py, tests/test_resume_damaged.py",
     "emdlm eval runs/emo --task arithmetic --n 500": "needs the run of the line above; "
     "`emdlm eval` runs in the README's JSONL block and tests/test_cli.py",
+    "emdlm eval runs/emo --data other_test.jsonl --out runs/emo/eval_other": "needs the run "
+    "above; `emdlm eval --data ... --out`: tests/test_cli.py, tests/test_run_lock.py",
     "emdlm sample runs/lm --task english_continuation --out corpus.jsonl": "needs a trained "
     "language model (runs/lm); `emdlm sample`: tests/test_sample_corpus.py",
     "emdlm demo": "takes minutes (two 1000-step runs); `make demo` runs it, tests/test_cli.py "
@@ -78,13 +78,19 @@ NOT_RUN.update({
 })
 BASH_DOCS = (README, *sorted(DOCS.glob("*.md")))
 RUN_WHOLE = {"data.md": "every bash block runs whole in tests/test_data_docs.py"}
+# ```bash blocks of docs/ run whole here, from an empty folder: (page, marker) -> the run folder
+# and the files it must hold afterwards
+DOCS_BASH_RUN = {
+    ("cli.md", "cat > lora.yaml"): ("runs/lora", ("adapter/adapter_config.json",
+                                                  "model.safetensors")),
+    ("emo_protocol.md", "cat > try_pre.yaml"): ("runs/try_emo", ("model.safetensors",
+                                                                "eval/metrics.json")),
+}
 # ```python blocks of docs/ that are not whole programs, and the test that runs each with the
 # names it uses defined (every other docs/ python block runs as written, from an empty folder)
 PYTHON_EXCERPTS = {
     ("integrations.md", "make_compute_loss_func(loss_fn)  # shifts labels"): "the core of the "
     "README's Trainer snippet, which runs whole (test_readme_trainer_snippet_logs_components)",
-    ("integrations.md", "EMDLMSFTTrainer("): "test_readme_trl_snippet_trains_in_fp32 (tiny model "
-    "and data under its names)",
     ("data.md", "read_icdar2015"): "tests/test_data_docs.py, on an ICDAR2015 folder laid out as "
     "the page says",
 }
@@ -143,7 +149,8 @@ def test_every_emdlm_bash_line_is_run_or_listed():
     listed, run = set(), set()
     for path in BASH_DOCS:
         for block in _blocks(path, "bash"):
-            whole = (path == README and RUN_BLOCK_MARKER in block) or path.name in RUN_WHOLE
+            whole = ((path == README and RUN_BLOCK_MARKER in block) or path.name in RUN_WHOLE
+                     or any(path.name == p and m in block for p, m in DOCS_BASH_RUN))
             target = run if whole else listed
             target.update(_emdlm_lines(block))
     assert run, "the README's JSONL block has no emdlm line"
@@ -181,20 +188,31 @@ def test_readme_trainer_snippet_logs_components(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_readme_trl_snippet_trains_in_fp32(tmp_path, monkeypatch):
-    """The TRL snippet, now in docs/integrations.md (name kept: docs/audit.md U3 cites it)."""
+    """The TRL block of docs/integrations.md, whole (name kept: docs/audit.md U3 cites it)."""
     pytest.importorskip("trl")
-    datasets = pytest.importorskip("datasets")
-    from tests.test_trl_integration import addition_dataset, char_tokenizer, tiny_gpt2
+    pytest.importorskip("peft")
 
-    monkeypatch.chdir(tmp_path)
-    hf_tok = char_tokenizer()
-    namespace = {"emdlm": emdlm, "hf_tok": hf_tok, "model": tiny_gpt2(len(hf_tok)),
-                 "sft_ds": addition_dataset(16)}  # fmt: skip
-    assert isinstance(namespace["sft_ds"], datasets.Dataset)
+    monkeypatch.chdir(tmp_path)  # the block writes to "out"
+    namespace: dict = {}
     exec(python_block("EMDLMSFTTrainer(", DOCS / "integrations.md"), namespace)
-    trainer = namespace["trainer"]
-    assert trainer.args.bf16 is False and trainer.state.global_step == 2
-    assert any("emdlm/ntil" in h for h in trainer.state.log_history)
+    for name in ("trainer", "lora"):
+        trainer = namespace[name]
+        assert trainer.args.bf16 is False and trainer.state.global_step == 2, name
+        assert any("emdlm/ntil" in h for h in trainer.state.log_history), name
+    trainable = [n for n, p in namespace["lora"].model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)  # only the adapter trained
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("page", "marker"), list(DOCS_BASH_RUN), ids=[p for p, _ in DOCS_BASH_RUN])
+def test_docs_bash_block_runs(tmp_path, page, marker):
+    (block,) = [b for b in _blocks(DOCS / page, "bash") if marker in b]
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=SNIPPET_TIMEOUT_S)  # fmt: skip
+    assert proc.returncode == 0, f"{page}: " + _failure(proc)
+    folder, files = DOCS_BASH_RUN[(page, marker)]
+    for name in files:
+        assert (tmp_path / folder / name).is_file(), f"{page}: {folder}/{name}"
 
 
 def _docs_python_blocks() -> list[tuple[str, str]]:
