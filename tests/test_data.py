@@ -113,6 +113,21 @@ def test_collator_pads_masks_and_passes_extra_tensors(tok):
     assert batch["pixel_values"].shape == (2, 3, 2, 2)
 
 
+def test_collator_refuses_a_tokenizer_without_pad_token_naming_the_fix():
+    gpt2 = load_tokenizer("gpt2")  # GPT-2 has no pad token (the README's Trainer snippet)
+    assert gpt2.pad_token_id is None
+    with pytest.raises(ValueError, match=r"no pad_token_id.*tokenizer\.pad_token = tokenizer\."
+                                         r"eos_token"):
+        DataCollator(gpt2.pad_token_id)
+    with pytest.raises(ValueError, match="integer token id"):
+        DataCollator("0")
+    gpt2.pad_token = gpt2.eos_token  # the fix the message names: now it pads
+    item = tokenize_example({"prompt": "1+1=", "completion": "2"}, gpt2, max_length=32)
+    short = tokenize_example({"prompt": "1=", "completion": "1"}, gpt2, max_length=32)
+    batch = DataCollator(gpt2.pad_token_id)([item, short])
+    assert batch["input_ids"][1, -1] == gpt2.eos_token_id
+
+
 def test_arithmetic_task_is_seeded_correct_and_disjoint():
     train = generate_task("arithmetic", n=3000, seed=1, max_digits=3)
     again = generate_task("arithmetic", n=3000, seed=1, max_digits=3)

@@ -234,6 +234,21 @@ def test_format_metrics_table() -> None:
     assert list(body) == ["exact_match", "abs_error_mean", "n", "mauve"]
 
 
+def test_format_metrics_table_summarizes_lists_of_numbers() -> None:
+    """mauve_runs (one MAUVE per sampling run) made the console table ~130 columns wide: the
+    table shows mean ± std (min–max, n); the metrics dict keeps the list."""
+    runs = [0.8512345678, 0.8612345678, 0.8712345678, 0.8812345678, 0.8943210987]
+    metrics = {"mauve": 0.8718, "mauve_runs": runs, "mauve_mode": "mean"}
+    table = format_metrics_table({"ce": metrics})
+    row = next(line for line in table.splitlines() if line.startswith("| mauve_runs"))
+    assert row.split("|")[2].strip() == "0.8719 ± 0.01682 (0.8512–0.8943, n=5)"
+    assert max(len(line) for line in table.splitlines()) < 60
+    assert metrics["mauve_runs"] == runs  # untouched
+    one = format_metrics_table({"a": {"r": [2]}}).splitlines()[2]
+    assert one.split("|")[2].strip() == "2 ± nan (2–2, n=1)"
+    assert "[]" in format_metrics_table({"a": {"r": []}})  # not numbers: as before
+
+
 # ------------------------------------------------------------------ LLaMA with a BPE tokenizer
 
 

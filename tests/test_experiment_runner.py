@@ -293,3 +293,37 @@ def test_only_runs_the_matching_cells_and_reports_what_is_finished(tmp_path):
     assert cells == {("ntil", "1")}
     report = (tmp_path / "grid" / "report.md").read_text()
     assert "--only */ntil/seed1" in report and "Cells finished: 1/4" in report
+
+
+def test_a_cells_console_lines_carry_its_name(tmp_path, monkeypatch, capsys):
+    """`emdlm experiment` printed its cells' training logs with no cell name: every line a
+    cell prints (stdout and stderr, partial writes and \\r included) starts with its key."""
+    import io
+    import sys
+
+    from emdlm.experiments import runner
+
+    def noisy(cell):
+        print(f"emdlm: world size 1 (single process) for {cell.seed}", file=sys.stderr)
+        sys.stdout.write("step 1/2: loss 3")
+        sys.stdout.write(".5\nstep 2/2: loss 3\n")
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(runner, "_train", noisy)
+    data = {"base": BASE, "variants": {"ce": [], "ntil": ["objective.name=ntil"]}, "seeds": [3],
+            "output_dir": str(tmp_path / "grid")}
+    outcomes = run_cells(expand_grid(parse_experiment(data)), workers=1, threads=1,
+                         progress=False)
+    assert [o.status for o in outcomes] == ["failed", "failed"]
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == [
+        "[default/ce/seed3] step 1/2: loss 3.5", "[default/ce/seed3] step 2/2: loss 3",
+        "[default/ntil/seed3] step 1/2: loss 3.5", "[default/ntil/seed3] step 2/2: loss 3"]
+    assert captured.err.splitlines() == [
+        "[default/ce/seed3] emdlm: world size 1 (single process) for 3",
+        "[default/ntil/seed3] emdlm: world size 1 (single process) for 3"]
+    assert sys.stdout is not None and not isinstance(sys.stdout, runner.PrefixedLines)
+    stream = io.StringIO()
+    bar = runner.PrefixedLines(stream, "[k] ")
+    bar.write("\r 50%|#   |\r100%|####|\n")
+    assert stream.getvalue() == "[k] \r[k]  50%|#   |\r[k] 100%|####|\n"

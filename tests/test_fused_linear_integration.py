@@ -257,7 +257,7 @@ def _run_cfg(out, *extra):
     ])
 
 
-def test_emdlm_train_fused_linear_matches_logits_path(tmp_path, monkeypatch):
+def test_emdlm_train_fused_linear_matches_logits_path(tmp_path, monkeypatch, capsys):
     import json
 
     from safetensors.torch import load_file
@@ -272,6 +272,19 @@ def test_emdlm_train_fused_linear_matches_logits_path(tmp_path, monkeypatch):
     for fused in (False, True):
         out = tmp_path / f"fused_{fused}"
         run_training(_run_cfg(out, f"train.fused_linear={str(fused).lower()}"))
+        # the from-hidden path says so once, right after the world-size line (issue F8d)
+        err = capsys.readouterr().err.splitlines()
+        said = [i for i, ln in enumerate(err) if "loss from hidden states" in ln]
+        if fused:
+            world = next(i for i, ln in enumerate(err) if ln.startswith("emdlm: world size"))
+            assert said == [world + 1]
+            assert err[said[0]] == (
+                "emdlm: loss from hidden states (train.fused_linear): ntil (NTILLoss.from_hidden) "
+                "applies the 89-token output embedding in chunks of up to 754032 rows; the "
+                "[batch, length, 89] logits are not built while training "
+                "(evaluation keeps the logits path)")
+        else:
+            assert said == []
         log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
         outs[fused] = ([r["loss"] for r in log], [r["ntil"] for r in log],
                        load_file(str(out / "model.safetensors")))

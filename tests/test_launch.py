@@ -220,3 +220,28 @@ def test_report_to_passes_through_to_the_trainer(tmp_path):
     if not installed:  # not in this project's pinned set: refused before anything is written
         with pytest.raises(ValueError, match=r"'wandb' needs its package.*pip install wandb"):
             args_for("train.report_to=wandb")
+
+
+def test_done_line_follows_the_closed_progress_bar(capsys):
+    """The final "done: N steps in T s" line is printed after the bar is closed, on the bar's
+    stream: it used to go through tqdm.write to stdout while the bar (stderr) was still open,
+    and landed inside the bar's line on a console."""
+    cb = TidyProgressCallback()
+    state = SimpleNamespace(is_world_process_zero=True, max_steps=4, global_step=0)
+    cb.on_train_begin(None, state, None)
+    for step in range(1, 5):
+        state.global_step = step
+        cb.on_step_end(None, state, None)
+        cb.on_log(None, state, None, logs={"loss": 1.0, "learning_rate": 1e-3})
+        if step == 2:
+            cb.on_log(None, state, None, logs={"eval_loss": 2.0})
+    cb.on_log(None, state, None, logs={"train_runtime": 1.0, "train_loss": 1.0})
+    cb.on_train_end(None, state, None)  # the bar is closed already: nothing more
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.replace("\r", "\n").splitlines()
+    assert lines[-1] == ("done: 4 steps in 1.0 s, mean train loss 1 over the steps run since "
+                         "(re)start")
+    assert "4/4" in lines[-2] and captured.err.count("done:") == 1
+    assert "eval step 2/4: eval_loss 2" in lines
+    assert cb.training_bar is None

@@ -231,6 +231,38 @@ def test_clock_metrics_hand_worked() -> None:
     assert out["parse_failure_rate"] == pytest.approx(1 / 3)
 
 
+def test_clock_metrics_report_every_reading_when_nothing_parses() -> None:
+    """A 20-step run where no answer parsed printed no hour or minute accuracy and
+    time_gap_mean null: every share is 0, the worst-case gap is 6 h = 360 min."""
+    out = clock_metrics(["", "oops", "25_99"], ["6_20", "12_00", "3_45"])
+    assert out["exact_match"] == out["hour_accuracy"] == out["minute_accuracy"] == 0.0
+    assert out["time_gap_mean_worst"] == 6.0
+    assert out["time_gap_minutes_mean_worst"] == 360.0
+    assert math.isnan(out["time_gap_mean"]) and math.isnan(out["time_gap_minutes_mean"])
+    assert math.isnan(out["time_gap_median"]) and math.isnan(out["time_gap_minutes_median"])
+    assert out["parse_failures"] == 3 and out["parse_failure_rate"] == 1.0 and out["n"] == 3
+
+
+def test_clock_metrics_mixed_and_all_correct() -> None:
+    # 4_35 vs 6_20: neither reading, 105 min; 6_25 vs 6_20: hour, 5 min; 11_20 vs 12_20
+    # (= 0_20): minutes, 60 min; "x": unparsed, wrong on both, 360 min in the worst-case mean
+    out = clock_metrics(["4_35", "6_25", "11_20", "x"], ["6_20", "6_20", "12_20", "1_00"])
+    assert out["exact_match"] == 0.0
+    assert out["hour_accuracy"] == 0.25 and out["minute_accuracy"] == 0.25
+    assert out["time_gap_minutes_mean"] == pytest.approx((105 + 5 + 60) / 3)
+    assert out["time_gap_minutes_median"] == pytest.approx(60.0)
+    assert out["time_gap_minutes_mean_worst"] == pytest.approx((105 + 5 + 60 + 360) / 4)
+    assert out["time_gap_mean_worst"] == pytest.approx((105 + 5 + 60 + 360) / 4 / 60)
+    assert out["time_gap_mean"] == pytest.approx((105 + 5 + 60) / 3 / 60)
+    assert out["parse_failures"] == 1 and out["parse_failure_rate"] == 0.25
+    right = clock_metrics(["6_20", "0_05", "12:30"], ["6_20", "12_05", "12_30"])
+    assert right["exact_match"] == right["hour_accuracy"] == right["minute_accuracy"] == 1.0
+    for key in ("time_gap_mean_worst", "time_gap_mean", "time_gap_median",
+                "time_gap_minutes_mean_worst", "time_gap_minutes_mean",
+                "time_gap_minutes_median", "parse_failures", "parse_failure_rate"):
+        assert right[key] == 0.0, key
+
+
 _clock = st.tuples(st.integers(0, 12), st.integers(0, 59)).map(lambda hm: f"{hm[0]}_{hm[1]:02d}")
 
 
@@ -376,6 +408,27 @@ def test_mauve_with_injected_features_separates_distributions() -> None:
     diff = mauve_score(p, q_diff, featurizer=_blob_featurizer, kmeans_num_redo=1)
     assert same > 0.9
     assert diff < 0.1
+
+
+def test_mauve_small_set_kmeans_warning_is_shown_once(capfd, monkeypatch) -> None:
+    """faiss (C++, on fd 2) warned "WARNING clustering 40 points to 2 centroids..." once per
+    MAUVE sampling run (5 times per evaluation): shown once per process now; anything else
+    written to stderr meanwhile still comes through."""
+    import sys
+
+    import emdlm.metrics as metrics_mod
+    from emdlm.metrics import mauve_over_runs
+
+    monkeypatch.setattr(metrics_mod, "_kmeans_warnings_shown", set())
+    refs = [f"a{i}" for i in range(21)]
+    runs = [[f"a{i + 100 * j}" for i in range(21)] for j in range(3)]
+    scores = mauve_over_runs(runs, refs, featurizer=_blob_featurizer, kmeans_num_redo=1)
+    assert len(scores) == 3 and all(0.0 < x <= 1.0 for x in scores)
+    with metrics_mod._kmeans_warning_once():
+        print("other stderr text", file=sys.stderr)
+    err = capfd.readouterr().err
+    assert err.count("WARNING clustering 42 points to 2 centroids") == 1
+    assert "other stderr text" in err
 
 
 def test_mauve_needs_two_texts() -> None:

@@ -278,3 +278,39 @@ def test_two_task_verdict_counts_every_test(tmp_path):
     assert verdict.count("- Tests: 16 (") == 2
     assert ("Across the 2 tasks: 32 tests, none corrected for the others: about 1.6 below 0.05 "
             "by chance alone.") in verdict
+
+
+def test_verdict_names_a_metric_empty_for_every_cell_and_pairs_the_others(tmp_path):
+    """A new user's 20-step grid: no answer parsed, so abs_error_mean was empty in every cell,
+    and the verdict said "no seed is shared ... nothing is paired" above a table pairing
+    exact_match over 2 seeds. It names the empty metric and what is compared instead."""
+    exp, cells = finished_text_grid(tmp_path / "out", [0, 1], lambda v, s: {
+        "abs_error_mean": None, "parse_failure_rate": 1.0,
+        "exact_match": 0.0 if v == "ce" else 0.1 * s})
+    verdict = _verdict(write_outputs(exp, cells).report.read_text())
+    assert "no seed is shared" not in verdict and "nothing is paired" not in verdict
+    assert ("- Empty metrics: abs_error_mean is empty for every cell (no answer parsed: "
+            "parse_failure_rate 1 in all 4 cells): nothing can be concluded from it; the paired "
+            "comparison below uses exact_match.") in verdict
+    assert "- Paired seeds: 2, the seeds the baseline and a variant share" in verdict
+    assert "- Conclusions: 2 seeds: no difference can be called significant" in verdict
+
+
+def test_verdict_when_no_compared_metric_pairs_a_seed_says_so(tmp_path):
+    # every compared metric empty: seeds are shared, nothing can be concluded
+    exp, cells = finished_text_grid(tmp_path / "a", [0, 1], lambda v, s: {
+        "abs_error_mean": None, "parse_failure_rate": 0.5})
+    verdict = _verdict(write_outputs(exp, cells).report.read_text())
+    assert ("- Empty metrics: abs_error_mean is empty for every cell (no finite value): no "
+            "compared metric pairs a seed, so nothing can be concluded.") in verdict
+    assert ("- Paired seeds: 2 shared by the baseline and a variant, but no compared metric "
+            "has a value on both sides of any of them.") in verdict
+    assert "no seed is shared" not in verdict
+    # a value on one side only (the variant parses, the baseline never does)
+    exp, cells = finished_text_grid(tmp_path / "b", [0, 1], lambda v, s: {
+        "abs_error_mean": None if v == "ce" else 3.0, "exact_match": 0.1 * s})
+    verdict = _verdict(write_outputs(exp, cells).report.read_text())
+    assert ("- Empty metrics: abs_error_mean has no seed with a value for both the baseline "
+            "`ce` and a variant: nothing can be concluded from it; the paired comparison below "
+            "uses exact_match.") in verdict
+    assert "- Paired seeds: 2," in verdict

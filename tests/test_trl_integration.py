@@ -233,3 +233,10 @@ def test_no_args_gets_trls_default_in_fp32_on_cpu(tmp_path, tok, dataset, monkey
     )  # fmt: skip
     assert trainer.args.output_dir.endswith("-SFT")
     assert trainer.args.bf16 is False and trainer.accelerator.mixed_precision == "no"
+    # the config emdlm builds pins no memory on CPU: torch's "'pin_memory' argument is set as
+    # true but no accelerator is found" (shown at `super().__init__(loader)`) is not triggered
+    assert trainer.args.dataloader_pin_memory is False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        next(iter(trainer.get_train_dataloader()))
+    assert not [w for w in caught if "pin_memory" in str(w.message)]

@@ -180,6 +180,15 @@ def test_collator_generation_mode_left_pads_prompts(tmp_path: Path) -> None:
     assert text.endswith("<|im_start|>assistant\n")
 
 
+def test_collator_refuses_a_tokenizer_without_pad_token() -> None:
+    tok, built = _built("tiny-llava")
+    tok.pad_token = None  # was silently padded with id 0 (a real token)
+    assert tok.pad_token_id is None
+    with pytest.raises(ValueError, match=r"VLMCollator: the tokenizer has no pad_token_id.*"
+                                         r"tokenizer\.pad_token = tokenizer\.eos_token"):
+        _collator(tok, built)
+
+
 def test_prompt_too_long_for_max_length_is_an_error(tmp_path: Path) -> None:
     tok, built = _built("tiny-qwen2-vl")
     row = {"image": str(_png(tmp_path / "a.png")), "prompt": "x" * 50, "completion": "1"}

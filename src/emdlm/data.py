@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 import os
 import re
 import sys
@@ -505,6 +506,25 @@ def pad_number_mask(
     return out
 
 
+def require_pad_token_id(pad_token_id: Any, what: str = "DataCollator") -> int:
+    """``pad_token_id`` as an int, or a ValueError naming the fix: a tokenizer without a pad
+    token (GPT-2's, ``emdlm.tokenizers.load_tokenizer("gpt2")``) cannot pad a batch."""
+    if pad_token_id is None:
+        raise ValueError(
+            f"{what}: the tokenizer has no pad_token_id, so batches cannot be padded: set "
+            "tokenizer.pad_token = tokenizer.eos_token first (GPT-2 has no pad token; "
+            "emdlm.models.load_tokenizer does this for you)"
+        )
+    try:
+        if isinstance(pad_token_id, bool):
+            raise TypeError
+        return operator.index(pad_token_id)
+    except TypeError:
+        raise ValueError(
+            f"{what}: pad_token_id must be an integer token id, got {pad_token_id!r}"
+        ) from None
+
+
 class DataCollator:
     """Right-pads input_ids (pad id), labels (-100) and builds attention_mask; any other key
     whose values are tensors is stacked and passed through (e.g. "pixel_values"). Items with a
@@ -518,7 +538,7 @@ class DataCollator:
     """
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None) -> None:
-        self.pad_token_id = pad_token_id
+        self.pad_token_id = require_pad_token_id(pad_token_id)
         self.pad_to_multiple_of = pad_to_multiple_of
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:

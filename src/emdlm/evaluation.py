@@ -879,6 +879,11 @@ def read_eval_outputs(out_dir: str | Path) -> tuple[dict[str, Any], list[dict[st
 def _format_value(value: Any) -> str:
     if value is None:
         return "-"
+    if _is_number_list(value):  # e.g. mauve_runs: a summary here, the list in metrics.json
+        v = [float(x) for x in value]
+        std = statistics.stdev(v) if len(v) > 1 else math.nan
+        return (f"{_format_value(statistics.fmean(v))} ± {_format_value(std)} "
+                f"({_format_value(min(v))}–{_format_value(max(v))}, n={len(v)})")
     if isinstance(value, bool):
         return str(value)
     if isinstance(value, int):
@@ -894,11 +899,18 @@ def _format_value(value: Any) -> str:
     return str(value)
 
 
+def _is_number_list(value: Any) -> bool:
+    return (isinstance(value, (list, tuple)) and len(value) > 0
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value))
+
+
 def format_metrics_table(rows: Mapping[str, Mapping[str, Any]]) -> str:
     """A Markdown table with one column per run and one row per metric (side by side).
 
     ``rows`` maps a run name (e.g. "ce", "ntil") to its metrics dict; metrics appear in order of
-    first appearance; a metric missing from a run shows "-". Floats get 4 significant digits.
+    first appearance; a metric missing from a run shows "-". Floats get 4 significant digits; a
+    list of numbers (``mauve_runs``, one score per sampling run) is summarized as
+    "mean ± std (min–max, n=k)" (metrics.json keeps the list).
     """
     names = list(rows)
     keys: list[str] = []

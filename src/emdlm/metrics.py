@@ -32,12 +32,17 @@ Conventions (decided here, relied on by ``emdlm eval``):
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
+import os
 import re
 import statistics
+import sys
+import tempfile
 import unicodedata
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
 from typing import Any, Literal
@@ -282,39 +287,78 @@ def clock_time_gap(pred: str, ref: str) -> float | None:
     return min(d, _HALF_DAY_MIN - d) / 60.0
 
 
-def _clock_update(preds: Sequence[str], refs: Sequence[str]) -> tuple[list[float], int, int, int]:
-    """Sufficient statistics: (gaps of parsed predictions, exact hits, parse failures, n)."""
+@dataclass
+class ClockStats:
+    """Sufficient statistics of clock answers: the gaps (hours) of the parsed predictions,
+    exact hits, right hours and right minutes (each over every answer), parse failures, n."""
+
+    gaps: list[float]
+    hits: int
+    hours: int
+    minutes: int
+    failures: int
+    n: int
+
+
+def _clock_update(preds: Sequence[str], refs: Sequence[str]) -> ClockStats:
     _check_pairs(preds, refs)
-    gaps: list[float] = []
-    hits = failures = 0
+    stats = ClockStats([], 0, 0, 0, 0, len(preds))
     for i, (p, r) in enumerate(zip(preds, refs, strict=True)):
-        _reference_value(parse_clock, r, i, "clock time (H_MM)")
-        gap = clock_time_gap(p, r)
-        if gap is None:
-            failures += 1
+        ref = _reference_value(parse_clock, r, i, "clock time (H_MM)")
+        pred = parse_clock(p)
+        if pred is None:
+            stats.failures += 1  # wrong on every reading; the worst gap in the _worst means
             continue
-        gaps.append(gap)
-        hits += gap == 0.0
-    return gaps, hits, failures, len(preds)
+        gap = clock_time_gap(p, r)
+        assert gap is not None
+        stats.gaps.append(gap)
+        stats.hits += gap == 0.0
+        stats.hours += pred // 60 == ref // 60  # the hour on the 12-hour dial (12 = 0)
+        stats.minutes += pred % 60 == ref % 60
+    return stats
 
 
-def _clock_compute(gaps: Sequence[float], hits: int, failures: int, n: int) -> dict[str, float]:
+def _clock_compute(c: ClockStats) -> dict[str, float]:
     nan = float("nan")
+    n = c.n
+
+    def share(k: int) -> float:
+        return k / n if n else 0.0
+
+    # Failures scored as the largest possible gap (6 h = 360 min): a model cannot look better
+    # by failing to answer the hard cases.
+    worst = (sum(c.gaps) + c.failures * MAX_CLOCK_GAP_HOURS) / n if n else nan
+    mean = statistics.fmean(c.gaps) if c.gaps else nan  # parsed answers only
+    median = statistics.median(c.gaps) if c.gaps else nan
     return {
-        "exact_match": hits / n if n else 0.0,
-        "time_gap_mean": statistics.fmean(gaps) if gaps else nan,
-        "time_gap_median": statistics.median(gaps) if gaps else nan,
-        # Failures scored as the largest possible gap (6 h): a model cannot look better by
-        # failing to answer the hard cases.
-        "time_gap_mean_worst": (sum(gaps) + failures * MAX_CLOCK_GAP_HOURS) / n if n else nan,
-        "parse_failure_rate": failures / n if n else 0.0,
+        "exact_match": share(c.hits),
+        "hour_accuracy": share(c.hours),
+        "minute_accuracy": share(c.minutes),
+        "time_gap_mean_worst": worst,
+        "time_gap_mean": mean,
+        "time_gap_median": median,
+        "time_gap_minutes_mean_worst": worst * 60.0,
+        "time_gap_minutes_mean": mean * 60.0,
+        "time_gap_minutes_median": median * 60.0,
+        "parse_failures": c.failures,
+        "parse_failure_rate": share(c.failures),
         "n": n,
     }
 
 
 def clock_metrics(preds: Sequence[str], refs: Sequence[str]) -> dict[str, float]:
-    """Exact match (same dial position) and time-gap statistics for ``H_MM`` answers."""
-    return _clock_compute(*_clock_update(preds, refs))
+    """Metrics of ``H_MM`` answers, every share over ALL answers (an unparsed answer is wrong):
+
+    * ``exact_match`` (same dial position), ``hour_accuracy`` (same hour on the 12-hour dial),
+      ``minute_accuracy`` (same minutes): 0 when nothing parsed;
+    * ``time_gap_mean_worst``: the mean cyclic gap in hours with each unparsed answer counted as
+      the largest gap, 6 h (never NaN for n > 0); ``time_gap_mean`` / ``time_gap_median``: over
+      the parsed answers only (NaN when none parsed);
+    * the same three in minutes: ``time_gap_minutes_mean_worst`` (unparsed = 360 min),
+      ``time_gap_minutes_mean``, ``time_gap_minutes_median``;
+    * ``parse_failures`` (a count), ``parse_failure_rate``, ``n``.
+    """
+    return _clock_compute(_clock_update(preds, refs))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -529,17 +573,59 @@ def mauve_from_features(
     _check_mauve_sizes(len(p_feat), len(q_feat))
     import mauve  # imported lazily: pulls in faiss and sklearn
 
-    out = mauve.compute_mauve(
-        p_features=p_feat,
-        q_features=q_feat,
-        num_buckets=mauve_num_buckets(len(p_feat), len(q_feat), num_buckets),
-        seed=seed,
-        kmeans_num_redo=kmeans_num_redo,
-        kmeans_max_iter=kmeans_max_iter,
-        mauve_scaling_factor=mauve_scaling_factor,
-        verbose=False,
-    )
+    with _kmeans_warning_once():
+        out = mauve.compute_mauve(
+            p_features=p_feat,
+            q_features=q_feat,
+            num_buckets=mauve_num_buckets(len(p_feat), len(q_feat), num_buckets),
+            seed=seed,
+            kmeans_num_redo=kmeans_num_redo,
+            kmeans_max_iter=kmeans_max_iter,
+            mauve_scaling_factor=mauve_scaling_factor,
+            verbose=False,
+        )
     return float(out.mauve)
+
+
+# faiss's k-means (C++, straight to file descriptor 2, whatever mauve's verbose says) warns on
+# every call with fewer than 39 points per cluster, i.e. on every sampling run of a small set
+_KMEANS_WARNING = re.compile(
+    r"WARNING clustering \d+ points to \d+ centroids: please provide at least \d+ training "
+    r"points\r?\n?")
+_kmeans_warnings_shown: set[str] = set()
+
+
+@contextlib.contextmanager
+def _kmeans_warning_once() -> Iterator[None]:
+    """Run the block with file descriptor 2 captured; then write what it printed to
+    ``sys.stderr``, except faiss's small-set k-means warning after its first time in this
+    process (the same warning once per MAUVE sampling run said nothing new). Where fd 2 cannot
+    be captured, the block runs as is."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):
+        yield
+        return
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                sys.stderr.flush()  # Python-level writes of the block go to the capture too
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            text = captured.read().decode("utf-8", errors="replace")
+            for warning in _KMEANS_WARNING.findall(text):
+                if warning.strip() in _kmeans_warnings_shown:
+                    text = text.replace(warning, "", 1)
+                else:
+                    _kmeans_warnings_shown.add(warning.strip())
+            if text:
+                sys.stderr.write(text)
+                sys.stderr.flush()
 
 
 def mauve_over_runs(
@@ -792,8 +878,10 @@ def compute_task_metrics(
 
     * ``"number"``: exact_match (value equality), abs/rel error mean and median,
       parse_failure_rate, n.
-    * ``"clock"``: exact_match, time_gap_mean / _median (parsed answers), time_gap_mean_worst
-      (failures as 6 h), parse_failure_rate, n.
+    * ``"clock"``: exact_match, hour_accuracy, minute_accuracy (unparsed answers wrong),
+      time_gap_mean_worst (failures as 6 h), time_gap_mean / _median (parsed answers), the same
+      three in minutes (time_gap_minutes_*), parse_failures, parse_failure_rate, n
+      (:func:`clock_metrics`).
     * ``"box"``: acc_iou50 (Acc@IoU>=0.5), mean_iou (failures as 0), parse_failure_rate, n.
     * ``"boxes"`` (several boxes per answer, "; "-separated): micro precision, recall, f1 of
       one-to-one matching at IoU>=0.5, image_exact, mean_matched_iou, parse_failure_rate,

@@ -86,6 +86,9 @@ METRIC_ORDER: tuple[tuple[str, str], ...] = (
     ("time_gap_mean_worst", "lower"),
     ("time_gap_mean", "lower"),
     ("time_gap_median", "lower"),
+    ("time_gap_minutes_mean_worst", "lower"),
+    ("time_gap_minutes_mean", "lower"),
+    ("time_gap_minutes_median", "lower"),
     ("hour_accuracy", "higher"),
     ("minute_accuracy", "higher"),
     ("acc_iou50", "higher"),
@@ -175,7 +178,9 @@ def clock_extras(predictions: Sequence[dict[str, Any]]) -> dict[str, float]:
     """Hand-by-hand accuracy from predictions.jsonl rows of the clock task (rows with a
     ``time_gap``): ``hour_accuracy`` (same hour on the 12-hour dial) and ``minute_accuracy``
     (same minutes), each over ALL answers (an unparsed answer is wrong on both). They show
-    which hand a model reads when exact match is low. Empty dict for other tasks."""
+    which hand a model reads when exact match is low. Empty dict for other tasks. The clock
+    metrics of :func:`emdlm.metrics.clock_metrics` hold them too; this reads them for
+    evaluations written before they did."""
     from emdlm.metrics import parse_clock
 
     if not predictions or "time_gap" not in predictions[0]:
@@ -293,7 +298,8 @@ def cell_rows(cell: Cell) -> list[Row]:
             step = int(step_dir.name.split("-")[-1])
             metrics, preds = read_eval_outputs(step_dir)
             metrics.update(numeric_extras(preds))
-            metrics.update(clock_extras(preds))
+            for name, value in clock_extras(preds).items():  # older metrics.json lack them
+                metrics.setdefault(name, value)
             for name, value in metrics.items():
                 # counts per answer / question type (eval.kind math) are not outcomes either
                 if (name in SKIP_METRICS or (name.startswith("n_") and name != "n_scored")
@@ -825,6 +831,58 @@ def _mauve_verdict(st: TaskStats) -> str | None:
     return None
 
 
+def _has_value(values: dict[int, float]) -> bool:
+    return any(math.isfinite(v) for v in values.values())
+
+
+def _all_unparsed(st: TaskStats) -> int:
+    """The number of cells when every cell of the task has parse_failure_rate 1 at its final
+    checkpoint (no answer parsed anywhere), else 0."""
+    rates = [v for per_seed in st.final.get("parse_failure_rate", {}).values()
+             for v in per_seed.values()]
+    return len(rates) if rates and all(v >= 1.0 for v in rates) else 0
+
+
+def _empty_metrics_verdict(exp: Experiment, st: TaskStats) -> str | None:
+    """A line naming the compared metrics that pair no seed (empty for every cell, e.g. no
+    answer parsed, or with a value on one side only) and what the comparison uses instead;
+    None when every compared metric pairs at least one seed."""
+    unpaired = list(dict.fromkeys(m for m, _, c in st.final_comparisons if c.n == 0))
+    if not unpaired:
+        return None
+    used = list(dict.fromkeys(m for m, _, c in st.final_comparisons if c.n > 0))
+    parts = []
+    empty = [m for m in unpaired
+             if not any(_has_value(s) for s in st.final.get(m, {}).values())]
+    if empty:
+        n_cells = _all_unparsed(st)
+        why = (f" (no answer parsed: parse_failure_rate 1 in all {n_cells} cells)"
+               if n_cells else " (no finite value)")
+        parts.append(f"{', '.join(empty)} {'is' if len(empty) == 1 else 'are'} empty for "
+                     f"every cell{why}")
+    one_sided = [m for m in unpaired if m not in empty]
+    if one_sided:
+        parts.append(f"{', '.join(one_sided)} {'has' if len(one_sided) == 1 else 'have'} no "
+                     f"seed with a value for both the baseline `{exp.baseline}` and a variant")
+    head = "Empty metrics: " + "; ".join(parts)
+    if used:
+        return (f"{head}: nothing can be concluded from {'it' if len(unpaired) == 1 else 'them'}; "
+                f"the paired comparison below uses {', '.join(used)}.")
+    return f"{head}: no compared metric pairs a seed, so nothing can be concluded."
+
+
+def _shared_seeds(exp: Experiment, st: TaskStats) -> set[int]:
+    """Seeds with a finished cell of the baseline and of some variant (any metric, values or
+    not)."""
+    shared: set[int] = set()
+    for per_variant in st.final.values():
+        base = set(per_variant.get(exp.baseline, {}))
+        for variant, per_seed in per_variant.items():
+            if variant != exp.baseline:
+                shared |= base & set(per_seed)
+    return shared
+
+
 def verdict_lines(exp: Experiment, task: str, st: TaskStats | None,
                   floor: TaskFloor | None) -> list[str]:
     """One task's verdict: does the baseline beat the constant-answer floor, has it stopped
@@ -837,10 +895,21 @@ def verdict_lines(exp: Experiment, task: str, st: TaskStats | None,
     mauve = _mauve_verdict(st)
     if mauve:
         lines.append(f"- {mauve}")
-    ns = [c.n for _, _, c in st.final_comparisons]
-    if not ns:
+    if not st.final_comparisons:
         return [*lines, "- Paired seeds: none compared (no variant beside the baseline has "
                 "results).", ""]
+    empty = _empty_metrics_verdict(exp, st)
+    if empty:
+        lines.append(f"- {empty}")
+    # a metric that pairs no seed (empty, or one-sided) is named above, not counted here
+    ns = [c.n for _, _, c in st.final_comparisons if c.n > 0]
+    if not ns:
+        shared = _shared_seeds(exp, st)
+        if not shared:
+            return [*lines, f"- Conclusions: {seeds_verdict(0)}", ""]
+        return [*lines, f"- Paired seeds: {len(shared)} shared by the baseline and a variant, "
+                "but no compared metric has a value on both sides of any of them.",
+                "- Conclusions: nothing can be concluded from this grid.", ""]
     n_min, n_max = min(ns), max(ns)
     count = (f"{n_min}" if n_min == n_max else
              f"{n_min}–{n_max} (per comparison; this verdict goes by the fewest)")

@@ -32,6 +32,10 @@ is one single-thread worker per CPU core: on the 2-core development machine two 
 side by side finish sooner than the same runs one after the other with 2 threads each (figures
 in docs/experiments.md). ``workers=1`` runs the cells in this process.
 
+Console: each line a cell prints (training log lines, the world-size line, warnings) starts
+with the cell's ``[<task>/<variant>/seed<k>]`` (:func:`cell_console`), as the workers' lines
+interleave.
+
 Stopping: one folder, one writer. Ctrl-C reaches every process of the grid (the terminal
 signals the whole process group); ``SIGTERM`` to the runner (``kill``, a scheduler's time
 limit) is turned into the same thing: the runner passes SIGINT to its workers and to itself.
@@ -46,6 +50,7 @@ that resumes the same folders.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -335,9 +340,62 @@ def run_cell(cell: Cell) -> CellOutcome:
             return CellOutcome(cell.key, "failed", 0.0, f"cannot create {cell.folder}: {err}")
         _cell_running.set()
         try:
-            return _run_cell(cell)
+            with cell_console(cell.key):
+                return _run_cell(cell)
         finally:
             _cell_running.clear()
+
+
+class PrefixedLines(io.TextIOBase):
+    """A text stream that writes every line it is given to ``stream`` with ``prefix`` in front
+    (a line ends at "\n" or "\r"): a cell's console output, told apart from other cells'."""
+
+    def __init__(self, stream: Any, prefix: str) -> None:
+        self._stream = stream
+        self._prefix = prefix
+        self._at_line_start = True
+
+    def write(self, text: str) -> int:
+        parts = []
+        for piece in text.splitlines(keepends=True):
+            if self._at_line_start:
+                parts.append(self._prefix)
+            parts.append(piece)
+            self._at_line_start = piece.endswith(("\n", "\r"))
+        self._stream.write("".join(parts))
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return bool(getattr(self._stream, "isatty", lambda: False)())
+
+    def fileno(self) -> int:
+        return int(self._stream.fileno())
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return str(getattr(self._stream, "encoding", None) or "utf-8")
+
+
+@contextlib.contextmanager
+def cell_console(key: str) -> Iterator[None]:
+    """While a cell runs, every line it prints to ``sys.stdout`` / ``sys.stderr`` (the training
+    log lines, the world-size line, warnings) starts with ``[<task>/<variant>/seed<k>] ``: the
+    workers' output interleaves on one console."""
+    prefix = f"[{key}] "
+    out, err = PrefixedLines(sys.stdout, prefix), PrefixedLines(sys.stderr, prefix)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            yield
+    finally:
+        with contextlib.suppress(Exception):
+            out.flush()
+            err.flush()
 
 
 class CellInUseError(RuntimeError):

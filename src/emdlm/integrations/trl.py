@@ -102,14 +102,16 @@ def fp32_on_cpu(args: Any, bf16_on_cpu: bool = False) -> Any:
 
 def _default_config(model: Any, bf16_on_cpu: bool) -> Any:
     """TRL's default ``SFTConfig("<model>-SFT")``, in fp32 on a CPU-only machine (where TRL's
-    own default, bf16 without ``use_cpu``, is refused by transformers)."""
+    own default, bf16 without ``use_cpu``, is refused by transformers), and there without
+    pinned memory (the default ``dataloader_pin_memory=True`` makes torch warn "'pin_memory'
+    argument is set as true but no accelerator is found" at every data loader)."""
     name = f"{_model_name(model)}-SFT"
     if not _cpu_only(None):
         return SFTConfig(name)
     if bf16_on_cpu:
-        return SFTConfig(name, use_cpu=True)
+        return SFTConfig(name, use_cpu=True, dataloader_pin_memory=False)
     _LOG.warning(_FP32_WARNING)
-    return SFTConfig(name, bf16=False)
+    return SFTConfig(name, bf16=False, dataloader_pin_memory=False)
 
 
 def sft_compute_loss_func(loss_fn: LossFn) -> ComputeLoss:

@@ -152,6 +152,13 @@ class EMDLMLoss(nn.Module):
         """Rows per chunk of ``from_hidden`` given the call's ``chunk_size`` (hook)."""
         return chunk_size
 
+    def from_hidden_chunk_rows(self, vocab: int) -> int:
+        """Rows per chunk that :meth:`from_hidden` uses on a ``vocab``-token output embedding
+        when the call gives no ``chunk_size`` (the loss's own, else the engine's default)."""
+        from emdlm.ops.chunked import default_chunk_rows
+
+        return self._from_hidden_chunk_size(None) or default_chunk_rows(vocab)
+
     def _after_from_hidden(
         self,
         out: LossOutput,

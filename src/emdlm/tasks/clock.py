@@ -301,22 +301,15 @@ def clock(
 
 def reading_accuracy(predictions: list[str], references: list[str]) -> dict[str, float]:
     """Exact match split into its two readings: the share of answers whose hour is right
-    (``hour_accuracy``) and whose minutes are right (``minute_accuracy``). An unparsable
-    answer is wrong on both; chance is 1/12 for the hour and 1/(60 / minute_step) for the
-    minutes. ValueError when the lists differ in length or a reference is not "H_MM"."""
-    from emdlm.metrics import parse_clock
+    (``hour_accuracy``) and whose minutes are right (``minute_accuracy``), as
+    :func:`emdlm.metrics.clock_metrics` gives them. An unparsable answer is wrong on both;
+    chance is 1/12 for the hour and 1/(60 / minute_step) for the minutes. ValueError when the
+    lists differ in length or a reference is not "H_MM"."""
+    from emdlm.metrics import clock_metrics
 
     if len(predictions) != len(references):
         raise ValueError(f"{len(predictions)} predictions for {len(references)} references")
-    hours = minutes = 0
-    for pred, ref in zip(predictions, references, strict=True):
-        r = parse_clock(ref)
-        if r is None:
-            raise ValueError(f"reference is not a clock time (H_MM): {ref!r}")
-        p = parse_clock(pred)
-        if p is not None:
-            hours += p // 60 == r // 60
-            minutes += p % 60 == r % 60
-    n = len(references)
-    nan = float("nan")
-    return {"hour_accuracy": hours / n if n else nan, "minute_accuracy": minutes / n if n else nan}
+    if not references:
+        return {"hour_accuracy": float("nan"), "minute_accuracy": float("nan")}
+    out = clock_metrics(predictions, references)
+    return {"hour_accuracy": out["hour_accuracy"], "minute_accuracy": out["minute_accuracy"]}

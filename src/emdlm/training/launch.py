@@ -192,7 +192,9 @@ def log_line(logs: Mapping[str, Any], step: int, max_steps: int) -> str:
 
 class TidyProgressCallback(ProgressCallback):
     """transformers' progress bar with the latest loss as its postfix instead of a raw dict
-    per log; evaluation results and the final summary as one short line each."""
+    per log; evaluation results and the final summary as one short line each, on the bar's
+    stream (stderr). The bar is closed before the final summary (``done: N steps in T s``) is
+    printed, so the summary never lands inside the bar's line."""
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
         if not state.is_world_process_zero or logs is None:
@@ -200,13 +202,22 @@ class TidyProgressCallback(ProgressCallback):
         if self.training_bar is None:  # evaluation outside training
             print(log_line(logs, state.global_step, state.max_steps), file=sys.stderr)
             return
-        if "loss" in logs and "train_runtime" not in logs:
+        line = log_line(logs, state.global_step, state.max_steps)
+        if "train_runtime" in logs:  # the end: close the bar (its last line, a newline) first,
+            self.training_bar.close()  # so that "done: ..." is a line of its own after it
+            self.training_bar = None
+            print(line, file=sys.stderr, flush=True)
+        elif "loss" in logs:
             post = {"loss": _fmt(float(logs["loss"]))}
             if "learning_rate" in logs:
                 post["lr"] = f"{float(logs['learning_rate']):.2e}"
             self.training_bar.set_postfix(post, refresh=False)
-        else:
-            self.training_bar.write(log_line(logs, state.global_step, state.max_steps))
+        else:  # on the bar's stream, above the bar (tqdm's default would be stdout)
+            self.training_bar.write(line, file=sys.stderr)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self.training_bar is not None:  # closed already when the summary was logged
+            super().on_train_end(args, state, control, **kw)
 
 
 class LinePrinterCallback(TrainerCallback):
@@ -229,12 +240,33 @@ def tidy_console(trainer: Any) -> None:
             callbacks[i] = LinePrinterCallback()
 
 
-def start_run_console(trainer: Any) -> LaunchInfo:
-    """Start-of-run report (rank 0) and tidy console for ``trainer``; returns the launch."""
+def from_hidden_message(objective: str, loss_fn: Any, model: Any) -> str:
+    """The start-of-run line of a ``train.fused_linear`` run: the loss runs from the final
+    hidden states (which objective, the output embedding's size, rows per chunk)."""
+    from emdlm.integrations.hidden_forward import output_head
+
+    weight = output_head(model).weight
+    vocab = int((getattr(weight, "ds_shape", None) or weight.shape)[0])  # ZeRO-3: full shape
+    chunk = getattr(loss_fn, "from_hidden_chunk_rows", None)
+    rows = f"chunks of up to {chunk(vocab)} rows" if callable(chunk) else "chunks of rows"
+    return (
+        f"emdlm: loss from hidden states (train.fused_linear): {objective} "
+        f"({type(loss_fn).__name__}.from_hidden) applies the {vocab}-token output embedding "
+        f"in {rows}; the [batch, length, {vocab}] logits are not built while training "
+        "(evaluation keeps the logits path)"
+    )
+
+
+def start_run_console(trainer: Any, notes: Sequence[str] = ()) -> LaunchInfo:
+    """Start-of-run report (rank 0) and tidy console for ``trainer``; returns the launch.
+    ``notes``: further start-of-run lines printed right after the world-size line (e.g.
+    :func:`from_hidden_message`)."""
     info = detect_launch()
     line, warning = launch_messages(info, trainer.args)
     if trainer.args.process_index == 0:
         print(line, file=sys.stderr, flush=True)
+        for note in notes:
+            print(note, file=sys.stderr, flush=True)
         if warning is not None:
             _LOG.warning(warning)
     tidy_console(trainer)
@@ -250,6 +282,7 @@ __all__ = [
     "TidyProgressCallback",
     "accelerate_requested_processes",
     "detect_launch",
+    "from_hidden_message",
     "launch_messages",
     "log_line",
     "start_run_console",

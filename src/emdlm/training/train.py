@@ -81,7 +81,7 @@ from emdlm.training.folder_guard import (
     latest_checkpoint,
     run_inputs,
 )
-from emdlm.training.launch import start_run_console
+from emdlm.training.launch import from_hidden_message, start_run_console
 from emdlm.training.run_folder import (
     atomic_checkpoint_trainer,
     full_disk_in_one_line,
@@ -281,7 +281,9 @@ def _train_in_folder(run: PreparedRun, callbacks: list[Any] | None) -> dict[str,
         compute_loss_func=compute_loss,
         callbacks=[*schedule, logger, stopper.callback, *(callbacks or [])],
     )
-    start_run_console(trainer)  # world size + launcher check (rank 0), tidy console lines
+    notes = ([from_hidden_message(cfg.objective.name, run.loss_fn, run.model)]
+             if cfg.train.fused_linear else [])
+    start_run_console(trainer, notes)  # world size + launcher check (rank 0), tidy console
     if main and getattr(run.loss_fn, "mode", None) == "emo1":
         print(EMO1_NOTE, file=sys.stderr, flush=True)
     resume = str(run.resume_from) if run.resume_from is not None else None

@@ -32,7 +32,13 @@ from typing import Any
 import torch
 
 from emdlm.config import ConfigError
-from emdlm.data import IGNORE_INDEX, pad_number_mask, piece_masks, row_scopes
+from emdlm.data import (
+    IGNORE_INDEX,
+    pad_number_mask,
+    piece_masks,
+    require_pad_token_id,
+    row_scopes,
+)
 from emdlm.vision.images import displayed_size, open_rgb
 from emdlm.vlm.models import VisionSpec
 
@@ -82,7 +88,7 @@ class VLMCollator:
         self.number_scope = number_scope
         self.task = task
         self.image_token_id = int(tokenizer.convert_tokens_to_ids(spec.image_token))
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.pad_id = require_pad_token_id(tokenizer.pad_token_id, "VLMCollator")
 
     # ------------------------------------------------------------------ text
     def prompt_text(self, prompt: str) -> str:
