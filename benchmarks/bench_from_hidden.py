@@ -11,6 +11,7 @@ Methods (same hidden states, head weight and labels; gradients w.r.t. hidden and
     ce_ntil         emdlm.NTILLoss(...).from_hidden(h, W, y)           (CE + NTIL, paper preset)
     tailr           emdlm.TaiLrLoss().from_hidden(h, W, y)
     ntl_mse         emdlm.NTLMSELoss(...).from_hidden(h, W, y)         (CE + 0.3 NTL-MSE)
+    ntl_was         emdlm.NTLWASLoss(...).from_hidden(h, W, y)         (CE + 0.3 NTL-WAS)
     number_level    emdlm.NumberLevelLoss(...).from_hidden(h, W, y)    (CE + 0.3 number-level)
     dft             emdlm.DFTLoss().from_hidden(h, W, y)
     ce_options      CrossEntropyLoss(label_smoothing=0.1, z_loss=1e-4, token_accuracy=True)
@@ -49,8 +50,8 @@ from _rss import peak_rss_mib, reset_peak_rss, rss_mib
 from _table import print_ratio_table
 from _timing import timed_passes
 
-METHODS = ("logits_ce", "logits_ntil", "ce", "ce_ntil", "tailr", "ntl_mse", "number_level", "dft",
-           "ce_options", "cce_torch")
+METHODS = ("logits_ce", "logits_ntil", "ce", "ce_ntil", "tailr", "ntl_mse", "ntl_was",
+           "number_level", "dft", "ce_options", "cce_torch")
 
 
 
@@ -85,7 +86,7 @@ def build(method: str, vocab: int) -> Any:
     from emdlm.losses.ce import CrossEntropyLoss
     from emdlm.losses.dft import DFTLoss
     from emdlm.losses.ntil import NTILLoss
-    from emdlm.losses.ntl import NTLMSELoss, NumberLevelLoss
+    from emdlm.losses.ntl import NTLMSELoss, NTLWASLoss, NumberLevelLoss
     from emdlm.losses.tailr import TaiLrLoss
     from emdlm.numbers import NumberVocab
 
@@ -99,6 +100,7 @@ def build(method: str, vocab: int) -> Any:
         "ce_ntil": NTILLoss(number_vocab, value_mode="argmax"),
         "tailr": TaiLrLoss(),
         "ntl_mse": NTLMSELoss(number_vocab),
+        "ntl_was": NTLWASLoss(number_vocab),
         "number_level": NumberLevelLoss(number_vocab),
         "dft": DFTLoss(),
         "ce_options": CrossEntropyLoss(label_smoothing=0.1, z_loss=1e-4, token_accuracy=True),
