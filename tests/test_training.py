@@ -89,6 +89,22 @@ def test_resume_from_checkpoint_matches_uninterrupted(reference, tmp_path):
         assert r["loss"] == pytest.approx(ref["loss"], rel=1e-6)
 
 
+def test_resume_of_a_finished_run_trains_nothing(reference, tmp_path, capsys):
+    """--resume of a run already at its last step: no step is run (the weights, the log and the
+    whole-run loss stay), and the console says so instead of "mean train loss 0"."""
+    out = tmp_path / "finished"
+    shutil.copytree(reference, out)
+    before = (out / "model.safetensors").read_bytes()
+    summary = run_training(_cfg(out), resume=True)
+    assert [r["step"] for r in _log(out)] == list(range(1, STEPS + 1))
+    assert (out / "model.safetensors").read_bytes() == before
+    ref_summary = json.loads((reference / "train_summary.json").read_text())
+    assert summary["train_loss"] == pytest.approx(ref_summary["train_loss"], rel=1e-6)
+    printed = capsys.readouterr()
+    assert f"done: nothing left to train (resumed at step {STEPS}, the last" in printed.err
+    assert "mean train loss" not in printed.out + printed.err
+
+
 @pytest.mark.parametrize(("how", "saved_at"), [("signal", 2), ("raise", 1)])
 def test_ctrl_c_saves_checkpoint_and_resume_matches(reference, tmp_path, how, saved_at):
     out = tmp_path / "interrupted"

@@ -20,6 +20,21 @@ from emdlm.training.folder_guard import TRAIN_LOG
 from emdlm.training.run_folder import full_disk_in_one_line
 
 
+def finished_checkpoint_step(checkpoint: str | None, max_steps: int) -> int | None:
+    """The step of ``checkpoint`` if it is already the run's last (``max_steps``, or the
+    checkpoint's own ``max_steps`` for a run sized by epochs), else None (also without one)."""
+    if checkpoint is None:
+        return None
+    state_file = Path(checkpoint) / "trainer_state.json"
+    if not state_file.is_file():
+        return None
+    state = json.loads(state_file.read_text(encoding="utf-8"))
+    step, last = int(state.get("global_step", 0)), max_steps
+    if last <= 0:
+        last = int(state.get("max_steps", 0))
+    return step if 0 < last <= step else None
+
+
 class TrainingInterrupted(RuntimeError):
     """Raised after Ctrl-C, once a checkpoint has been saved (``.checkpoint``)."""
 
@@ -125,7 +140,23 @@ class GracefulStop:
     def train(self, trainer: Any, out: Path, resume: str | None, logger: Any) -> Any:
         """``trainer.train(resume_from_checkpoint=resume)`` with Ctrl-C handled: its result, or
         :class:`TrainingInterrupted` once a checkpoint in ``out`` is saved. A full disk
-        (checkpoint, train_log.jsonl) ends the run with one line, no traceback."""
+        (checkpoint, train_log.jsonl) ends the run with one line, no traceback.
+
+        A checkpoint already at the last step is not handed to ``trainer.train``: transformers
+        (5.x) would run one step more when the step count is not a whole number of epochs
+        (with gradient accumulation, for instance). Its weights are loaded and a result with
+        no step run (training loss 0 over 0 steps) is returned."""
+        finished = finished_checkpoint_step(resume, int(trainer.args.max_steps))
+        if finished is not None:
+            from transformers.trainer_utils import TrainOutput
+
+            assert resume is not None
+            # NOTE: a private Trainer method; it loads the weights as trainer.train would
+            trainer._load_from_checkpoint(resume)
+            trainer.state.global_step = finished
+            print(f"done: nothing left to train (resumed at step {finished}, the last; the "
+                  "whole-run loss is in train_summary.json)", file=sys.stderr, flush=True)
+            return TrainOutput(finished, 0.0, {})
         try:
             with self.handle_sigint(), full_disk_in_one_line(out, f"into {out} during training"):
                 result = trainer.train(resume_from_checkpoint=resume)
