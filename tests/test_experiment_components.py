@@ -48,6 +48,21 @@ def test_read_train_log_keeps_numbers_only(tmp_path) -> None:
     assert read_train_log(path) == [{"step": 1.0, "ce": 2.0}, {"step": 2.0, "ce": 1.5}]
 
 
+def test_read_train_log_leaves_out_a_torn_last_line(tmp_path, capsys) -> None:
+    """A run killed while appending leaves half a line at the end: the report reads the rest
+    and says what it left out; a bad line in the middle is an error naming it."""
+    path = tmp_path / TRAIN_LOG
+    path.write_text('{"step": 1, "ce": 2}\n{"step": 2, "ce": 1.5}\n{"step": 3, "c', "utf-8")
+    assert read_train_log(path) == [{"step": 1.0, "ce": 2.0}, {"step": 2.0, "ce": 1.5}]
+    assert "its last line is incomplete" in capsys.readouterr().err
+    path.write_text('{"step": 1, "ce": 2}\n{"step": 2, "c\n{"step": 3, "ce": 1}\n', "utf-8")
+    with pytest.raises(ValueError, match=r"train_log.jsonl, line 2: not JSON"):
+        read_train_log(path)
+    path.write_text('{"step": 1, "ce": 2}\n{"step": 2, "c\n', "utf-8")  # complete, yet bad
+    with pytest.raises(ValueError, match=r"line 2: not JSON"):
+        read_train_log(path)
+
+
 @pytest.fixture
 def grid(tmp_path):
     exp = parse_experiment({"name": "fake", "base": FAKE_BASE, "seeds": [0, 1],

@@ -89,6 +89,23 @@ def test_resume_from_checkpoint_matches_uninterrupted(reference, tmp_path):
         assert r["loss"] == pytest.approx(ref["loss"], rel=1e-6)
 
 
+def test_resume_after_a_torn_log_line_matches_uninterrupted(reference, tmp_path, capsys):
+    """Killed while appending step 4's record: train_log.jsonl ends in half a line. --resume
+    from checkpoint-3 reads the log (the torn line said and dropped) and ends as the
+    uninterrupted run."""
+    out = tmp_path / "torn"
+    out.mkdir()
+    shutil.copytree(reference / "checkpoint-3", out / "checkpoint-3")
+    shutil.copy(reference / "run_config.yaml", out / "run_config.yaml")
+    lines = (reference / "train_log.jsonl").read_text().splitlines()
+    (out / "train_log.jsonl").write_text("\n".join(lines[:3]) + "\n" + lines[3][:25])
+    summary = run_training(_cfg(out), resume=True)
+    assert "its last line is incomplete" in capsys.readouterr().err
+    assert [r["step"] for r in _log(out)] == list(range(1, STEPS + 1))
+    ref_summary = json.loads((reference / "train_summary.json").read_text())
+    assert summary["train_loss"] == pytest.approx(ref_summary["train_loss"], rel=1e-5)
+
+
 def test_resume_of_a_finished_run_trains_nothing(reference, tmp_path, capsys):
     """--resume of a run already at its last step: no step is run (the weights, the log and the
     whole-run loss stay), and the console says so instead of "mean train loss 0"."""

@@ -1,5 +1,6 @@
 """Whole-or-nothing file writes and exclusive file locks for folders that several processes
-share (image caches, experiment cells, run folders).
+share (image caches, experiment cells, run folders), and reading the JSON-lines logs they append
+to (:func:`read_appended_jsonl`: a last line torn by a killed writer is left out, said once).
 
 A lock file that names its holder (:func:`hold_lock_file`) holds one line, ``<pid>`` or
 ``<pid> <what it is doing>``, written once the lock is taken and cleared before it is released.
@@ -9,7 +10,9 @@ leaves behind (SIGKILL: the OS drops the lock, the text stays) never blocks anyo
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -30,6 +33,33 @@ except ImportError:  # not on Windows
 WINDOWS_LOCK_OFFSET = 1 << 30
 #: How often a blocking lock is retried on Windows (msvcrt has no wait-forever mode).
 WINDOWS_RETRY_S = 0.1
+
+
+def read_appended_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file that a process appends to (train_log.jsonl).
+
+    A process killed while appending leaves its last line incomplete (no newline at the end,
+    not valid JSON): that line is left out with one line on stderr saying so. Any other line
+    that is not a JSON object is an error naming the file and the line."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    records: list[dict[str, Any]] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if number == len(lines) and not text.endswith("\n"):  # torn by a killed writer
+                print(f"emdlm: {path}: its last line is incomplete (a run stopped while writing "
+                      f"it); {len(line)} characters left out", file=sys.stderr)
+                break
+            raise ValueError(f"{path}, line {number}: not JSON ({err.msg})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}, line {number}: a JSON object was expected")
+        records.append(record)
+    return records
 
 
 class LockHeldError(BlockingIOError):

@@ -9,13 +9,13 @@ the run, the first, middle and last tenth of its logged steps, per seed and then
 
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from emdlm._files import read_appended_jsonl
 from emdlm.experiments.grid import Cell
 from emdlm.experiments.runner import CELL_DONE
 
@@ -29,14 +29,9 @@ NOT_COMPONENTS = frozenset({"step", "epoch", "lr", "learning_rate"})
 
 def read_train_log(path: Path) -> list[dict[str, float]]:
     """The per-step records of one run (numeric fields only)."""
-    records = []
-    with path.open(encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                row = json.loads(line)
-                records.append({k: float(v) for k, v in row.items()
-                                if isinstance(v, (int, float)) and not isinstance(v, bool)})
-    return records
+    return [{k: float(v) for k, v in row.items()
+             if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            for row in read_appended_jsonl(path)]
 
 
 def window_means(records: Sequence[dict[str, float]]) -> dict[str, dict[str, float]]:

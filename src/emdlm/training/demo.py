@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from emdlm._files import read_appended_jsonl
 from emdlm.config import load_config
 from emdlm.training.evaluate import evaluate_run
 from emdlm.training.train import run_training
@@ -155,8 +156,7 @@ def _last_loss(run_dir: Path) -> float | None:
     log = run_dir / "train_log.jsonl"
     if not log.exists():
         return None
-    lines = log.read_text().strip().splitlines()
-    if not lines:
+    records = read_appended_jsonl(log)
+    if not records:
         return None
-    last = json.loads(lines[-1])
-    return last.get("ce", last.get("loss"))
+    return records[-1].get("ce", records[-1].get("loss"))

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from emdlm._files import atomic_write
+from emdlm._files import atomic_write, read_appended_jsonl
 from emdlm.config import ConfigError, RunConfig
 from emdlm.integrations.sharding import world_size_from_env
 from emdlm.training.run_folder import (
@@ -71,11 +71,9 @@ def logged_losses(log: Path, last_step: int) -> list[float] | None:
     if not log.is_file():
         return None
     losses: dict[int, float] = {}
-    for line in log.read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            if "loss" in record and 1 <= int(record.get("step", 0)) <= last_step:
-                losses[int(record["step"])] = float(record["loss"])
+    for record in read_appended_jsonl(log):
+        if "loss" in record and 1 <= int(record.get("step", 0)) <= last_step:
+            losses[int(record["step"])] = float(record["loss"])
     if sorted(losses) != list(range(1, last_step + 1)):
         return None
     return [losses[s] for s in range(1, last_step + 1)]
@@ -91,11 +89,9 @@ def logged_mean_loss(log: Path, last_step: int) -> float | None:
     if not log.is_file() or last_step < 1:
         return None
     windows: dict[int, float] = {}
-    for line in log.read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            if "loss" in record and 1 <= int(record.get("step", 0)) <= last_step:
-                windows[int(record["step"])] = float(record["loss"])
+    for record in read_appended_jsonl(log):
+        if "loss" in record and 1 <= int(record.get("step", 0)) <= last_step:
+            windows[int(record["step"])] = float(record["loss"])
     if not windows or max(windows) != last_step:
         return None
     total, previous = 0.0, 0
@@ -123,9 +119,8 @@ def truncate_log(log: Path, step: int) -> None:
     """Drop log records after the checkpoint being resumed (they will be logged again)."""
     if not log.is_file():
         return
-    kept = [line for line in log.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step]
-    log.write_text("".join(line + "\n" for line in kept))
+    kept = [r for r in read_appended_jsonl(log) if r.get("step", 0) <= step]
+    log.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
 
 def run_inputs(cfg: RunConfig, config_path: str | Path | None) -> list[str | None]:
