@@ -50,6 +50,9 @@ NOT_RUN.update({
     "emdlm train -c pretrain_gpt2_english": "EMO protocol step 1: pre-trains a model for hours "
     "(its config loads in tests/test_cli.py::test_every_shipped_config_loads)",
     "emdlm eval runs/pretrain_gpt2_english": "needs the pre-trained model of the line above",
+    "emdlm train -c pretrain_gpt2_english train.seed=1 "
+    "output_dir=runs/pretrain_gpt2_english_seed1": "the same pre-training with another seed "
+    "(EMO's cost head in the oracle experiment): minutes to hours, as above",
     "emdlm experiment -c emo_finetune_news_dev": "an experiment grid (hours); every packaged grid "
     "expands in tests/test_experiment_grid.py and the runner is tested on tiny grids",
     "emdlm experiment -c emo_finetune_news": "an experiment grid (hours), as above",
