@@ -105,6 +105,21 @@ def register_answer_pattern(task: str, pattern: str | re.Pattern[str]) -> None:
     _REGISTRY[task] = dataclasses.replace(old, answer_pattern=_compiled(pattern))
 
 
+def check_dev_fraction(split: str, test_fraction: float, dev_fraction: float) -> None:
+    """ValueError unless ``dev_fraction`` fits beside ``test_fraction`` (in [0, 1 −
+    test_fraction)) and a "dev" split has one (> 0): the rule of the generated tasks whose
+    train / dev / test splits come from a content hash (arithmetic, visual_math)."""
+    if not 0.0 <= dev_fraction < 1.0 - test_fraction:
+        raise ValueError(
+            f"dev_fraction must be in [0, 1 - test_fraction) = [0, {1.0 - test_fraction:g}), "
+            f"got {dev_fraction}"
+        )
+    if split == "dev" and dev_fraction == 0.0:
+        raise ValueError(
+            "split='dev' needs dev_fraction > 0 (give the same dev_fraction to the train split)"
+        )
+
+
 def _load_builtins() -> None:
     for module in _BUILTIN_MODULES:
         importlib.import_module(module)
@@ -168,6 +183,7 @@ __all__ = [
     "TaskSpec",
     "answer_patterns",
     "available_tasks",
+    "check_dev_fraction",
     "generate_task",
     "get_task",
     "register_answer_pattern",

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from emdlm.tasks import register_task
+from emdlm.tasks import check_dev_fraction, register_task
 
 _OPS = {"+": 0, "-": 1, "*": 2}
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -106,15 +106,7 @@ def arithmetic(
         raise ValueError(f"ops must be a non-empty selection of '+-*', got {ops!r}")
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
-    if not 0.0 <= dev_fraction < 1.0 - test_fraction:
-        raise ValueError(
-            f"dev_fraction must be in [0, 1 - test_fraction) = [0, {1.0 - test_fraction:g}), "
-            f"got {dev_fraction}"
-        )
-    if split == "dev" and dev_fraction == 0.0:
-        raise ValueError(
-            "split='dev' needs dev_fraction > 0 (give the same dev_fraction to the train split)"
-        )
+    check_dev_fraction(split, test_fraction, dev_fraction)
     # the train stream and the test stream are unchanged from before the dev split existed
     rng = np.random.default_rng([seed, {"train": 0, "test": 1, "dev": 2}[split]])
     want = SPLITS.index(split)

@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from emdlm.tasks import register_task
+from emdlm.tasks import check_dev_fraction, register_task
 from emdlm.tasks.render import (
     COLORS,
     SHAPE_NAMES,
@@ -356,15 +356,7 @@ def render_figure(
 def _check_split(split: str, test_fraction: float, dev_fraction: float) -> None:
     if split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
-    if not 0.0 <= dev_fraction < 1.0 - test_fraction:
-        raise ValueError(
-            f"dev_fraction must be in [0, 1 - test_fraction) = [0, {1.0 - test_fraction:g}), "
-            f"got {dev_fraction}"
-        )
-    if split == "dev" and dev_fraction == 0.0:
-        raise ValueError(
-            "split='dev' needs dev_fraction > 0 (give the same dev_fraction to the train split)"
-        )
+    check_dev_fraction(split, test_fraction, dev_fraction)
 
 
 def _check(subtasks: tuple[str, ...], max_value: int, n_bars: int, multiple_choice: float,
