@@ -266,8 +266,9 @@ def test_emdlm_train_fused_linear_matches_logits_path(tmp_path, monkeypatch, cap
     from emdlm.training import run_training
 
     used = []
-    real = tf_mod.hidden_loss
-    monkeypatch.setattr(tf_mod, "hidden_loss", lambda *a, **k: used.append(1) or real(*a, **k))
+    real = tf_mod.aligned_hidden_loss
+    monkeypatch.setattr(tf_mod, "aligned_hidden_loss",
+                        lambda *a, **k: used.append(1) or real(*a, **k))
     outs = {}
     for fused in (False, True):
         out = tmp_path / f"fused_{fused}"
@@ -370,8 +371,9 @@ def test_emdlm_train_fused_linear_on_a_tiny_vlm_matches_logits_path(tmp_path, mo
     import emdlm.integrations.transformers as tf_mod
 
     used = []
-    real = tf_mod.hidden_loss
-    monkeypatch.setattr(tf_mod, "hidden_loss", lambda *a, **k: used.append(1) or real(*a, **k))
+    real = tf_mod.aligned_hidden_loss
+    monkeypatch.setattr(tf_mod, "aligned_hidden_loss",
+                        lambda *a, **k: used.append(1) or real(*a, **k))
     result = {}
     for fused in (False, True):
         out = tmp_path / f"run_{fused}"

@@ -188,3 +188,25 @@ def test_eval_on_unfinished_run_points_to_a_checkpoint(reference, tmp_path):
     assert result.exit_code == 2, result.output
     assert "holds no model (config.json missing)" in result.output
     assert f"emdlm eval {out / 'checkpoint-3'}" in result.output  # the newest complete one
+
+
+def test_log_truncation_interrupted_keeps_the_old_log(tmp_path, monkeypatch):
+    """Resuming cuts train_log.jsonl back to the checkpoint's step through a temporary file: a
+    kill between writing and renaming leaves the whole old log (not an empty or cut one)."""
+    import emdlm._files as files
+    from emdlm.training.folder_guard import truncate_log
+
+    log = tmp_path / "train_log.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3)))
+    before = log.read_bytes()
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(files.os, "replace", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            truncate_log(log, 2)
+    assert log.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [log.name]
+    truncate_log(log, 2)
+    assert [json.loads(x)["step"] for x in log.read_text().splitlines()] == [1, 2]

@@ -131,3 +131,26 @@ def test_cost_embedding_folder_without_safetensors_loads_the_model(
         (tmp_path / name).write_bytes((folder / name).read_bytes())
     head = output_embedding_from_folder(tmp_path)  # no safetensors: the model is loaded
     assert torch.equal(head, model.lm_head.weight.detach())
+
+
+def test_sample_killed_before_the_rename_leaves_the_old_file(
+    folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sample file is written through a temporary file: an interruption between writing and
+    renaming (KeyboardInterrupt at os.replace) leaves the previous file whole and no temp file."""
+    import emdlm._files as files
+
+    out = tmp_path / "corpus.jsonl"
+    out.write_text('{"prompt": "old", "completion": " kept"}\n')
+    before = out.read_bytes()
+
+    def interrupted(*args: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(files.os, "replace", interrupted)
+    args = ["sample", str(folder), "--data", str(_prompts(tmp_path)), "--num-samples", "2",
+            "--out", str(out), "--overwrite", "eval.max_new_tokens=5", "eval.seed=3"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 130  # the CLI's exit status for Ctrl-C
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", "prompts.jsonl"]

@@ -324,18 +324,3 @@ def test_bad_parameters(tmp_path: Path, params: dict[str, Any], match: str) -> N
     with pytest.raises(ValueError, match="visual_math"):
         rows_of(tmp_path, 2, colour="red")
 
-
-def test_demo_visual_math_runs_ce_and_ntil(tmp_path: Path) -> None:
-    from emdlm.training.demo import run_demo
-
-    cache = tmp_path / "cache"
-    lines: list[str] = []
-    rows = run_demo(tmp_path / "demo", [
-        "train.max_steps=2", "train.progress_bar=false", "train.tensorboard=false",
-        "data.train.n=8", "data.eval.n=4", f"data.train.params.cache_dir={cache}",
-        f"data.eval.params.cache_dir={cache}", "eval.max_new_tokens=3",
-    ], echo=lines.append, task="visual_math")
-    assert set(rows) == {"ce", "ntil"}
-    for row in rows.values():
-        assert row["n"] == 4 and row["steps"] == 2 and "abs_error_mean" in row
-    assert "visual math" in "\n".join(lines)

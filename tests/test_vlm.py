@@ -411,7 +411,15 @@ def test_other_images_shifts_images_by_one_row_and_keeps_the_text() -> None:
         other_images(rows[:1], "image")
 
 
-def test_demo_clock_runs_ce_and_ntil_side_by_side(tmp_path: Path) -> None:
+@pytest.mark.parametrize("task,metric,title", [
+    ("clock", "time_gap_mean_worst", "analog clock"),
+    ("visual_math", "abs_error_mean", "visual math"),
+])
+def test_vlm_demo_runs_ce_and_ntil_side_by_side(
+    tmp_path: Path, task: str, metric: str, title: str
+) -> None:
+    """`emdlm demo --task clock|visual_math`: the tiny VLM with CE and NTIL, the table printed
+    with the task's title, each run's contact sheet written."""
     from emdlm.training.demo import run_demo
 
     cache = tmp_path / "cache"
@@ -420,16 +428,23 @@ def test_demo_clock_runs_ce_and_ntil_side_by_side(tmp_path: Path) -> None:
         "train.max_steps=2", "train.progress_bar=false", "train.tensorboard=false",
         "data.train.n=8", "data.eval.n=4", f"data.train.params.cache_dir={cache}",
         f"data.eval.params.cache_dir={cache}", "eval.max_new_tokens=3",
-    ], echo=lines.append, task="clock")
+    ], echo=lines.append, task=task)
     assert set(rows) == {"ce", "ntil"}
     for row in rows.values():
-        assert row["n"] == 4 and row["steps"] == 2 and "time_gap_mean_worst" in row
-        assert 0 <= row["hour_accuracy"] <= 1 and 0 <= row["minute_accuracy"] <= 1
+        assert row["n"] == 4 and row["steps"] == 2 and metric in row
+        if task == "clock":
+            assert 0 <= row["hour_accuracy"] <= 1 and 0 <= row["minute_accuracy"] <= 1
     text = "\n".join(lines)
-    assert "analog clock" in text and "contact_sheet.png" in text
+    assert title in text and "contact_sheet.png" in text
     assert (tmp_path / "demo" / "ntil" / "eval" / "contact_sheet.png").is_file()
+
+
+def test_demo_refuses_an_unknown_task(tmp_path: Path) -> None:
+    from emdlm.training.demo import run_demo
+
     with pytest.raises(ConfigError, match="--task"):
         run_demo(tmp_path / "x", task="clocks")
+    assert not (tmp_path / "x").exists()
 
 
 def test_clock_configs_differ_only_in_objective_and_output() -> None:

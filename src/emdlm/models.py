@@ -39,6 +39,14 @@ VLM_NAMES = ("tiny-qwen2-vl", "tiny-llava")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def model_dtype(cfg: ModelConfig) -> torch.dtype:
+    """The torch dtype named by ``model.dtype`` ("float32" | "bfloat16" | "float16");
+    ConfigError naming the choices for anything else. Shared by the text and VLM builders."""
+    if cfg.dtype not in _DTYPES:
+        raise ConfigError(f"model.dtype must be one of {', '.join(_DTYPES)}, got {cfg.dtype!r}")
+    return _DTYPES[cfg.dtype]
+
+
 def load_tokenizer(name_or_path: str) -> Any:
     """A local tokenizer folder (``AutoTokenizer``), or a named offline one via
     :func:`emdlm.tokenizers.load_tokenizer` ("gpt2", "qwen", "llama3-like", "char").
@@ -105,9 +113,7 @@ def build_model(cfg: ModelConfig, tokenizer: Any, *, max_length: int | None = No
     """The causal LM described by ``cfg`` (its vocab is checked against ``tokenizer``)."""
     from transformers import AutoModelForCausalLM
 
-    if cfg.dtype not in _DTYPES:
-        raise ConfigError(f"model.dtype must be one of {', '.join(_DTYPES)}, got {cfg.dtype!r}")
-    dtype = _DTYPES[cfg.dtype]
+    dtype = model_dtype(cfg)
     if cfg.name in NAMED_MODELS:
         params = dict(cfg.params)
         if max_length is not None:

@@ -26,7 +26,12 @@ import torch
 from torch import nn
 from transformers.utils import ModelOutput
 
-from emdlm.integrations.loss_contract import IGNORE_INDEX, declared_needs, loss_inputs
+from emdlm.integrations.loss_contract import (
+    IGNORE_INDEX,
+    LossInputs,
+    declared_needs,
+    loss_inputs,
+)
 from emdlm.integrations.sharding import check_head_weight, gathered_head
 
 # model.forward keyword arguments that the backbone must not receive
@@ -163,15 +168,28 @@ def hidden_loss(
     from-hidden entry point reads it) and checked to be the full matrix. Returns
     (LossOutput, count).
     """
-    head = output_head(model)
     if labels is None and shift_labels is None:
         raise ValueError("from_hidden loss: neither labels nor shift_labels were given")
     aligned = loss_inputs(  # the one shift of every route (number_mask with the labels)
         shift_labels if shift_labels is not None else labels, hidden=hidden, model=model,
         number_mask=number_mask, shifted=shift_labels is not None,
     )
-    assert aligned.hidden is not None
-    shift_hidden, shift_labels, number_mask = aligned.hidden, aligned.labels, aligned.number_mask
+    return aligned_hidden_loss(loss_fn, aligned, ignore_index)
+
+
+def aligned_hidden_loss(
+    loss_fn: nn.Module, inputs: LossInputs, ignore_index: int = IGNORE_INDEX,
+) -> tuple[Any, torch.Tensor]:
+    """Summed from-hidden loss of already aligned ``inputs`` (built by
+    :func:`~emdlm.integrations.loss_contract.loss_inputs` with ``hidden`` and ``model``):
+    ``loss_fn.from_hidden(hidden, W, labels, b, ...)`` with the model's output embedding
+    (gathered under FSDP2 / ZeRO-3) and only the logit transforms the model has. Returns
+    (LossOutput, count of scored labels). :func:`hidden_loss` and
+    :meth:`~emdlm.integrations.transformers.ComputeLoss.step` both end here."""
+    if inputs.hidden is None or inputs.model is None:
+        raise ValueError("aligned_hidden_loss needs LossInputs built with hidden and model")
+    head = output_head(inputs.model)
+    shift_hidden, shift_labels, number_mask = inputs.hidden, inputs.labels, inputs.number_mask
     # only the transforms the model has: a loss whose from_hidden lacks one is refused by name
     extra = {k: v for k, v in (("logit_scale", head.logit_scale), ("softcap", head.softcap))
              if v is not None}
@@ -185,7 +203,7 @@ def hidden_loss(
     if number_mask is not None:  # ComputeLoss passes it only to losses that take it
         extra["number_mask"] = number_mask
     with gathered_head(head.weight, head.bias) as (weight, bias):
-        check_head_weight(weight, bias, head.module, hidden.shape[-1])
+        check_head_weight(weight, bias, head.module, shift_hidden.shape[-1])
         out = loss_fn.from_hidden(
             shift_hidden.to(weight.dtype), weight, shift_labels, bias, **extra
         )
@@ -263,6 +281,7 @@ def install_forward(model: nn.Module, wrapper_factory: Callable[[Any], FromHidde
 
 
 __all__ = [
-    "FromHiddenForward", "HiddenOutput", "OutputHead", "backbone_hidden", "hidden_loss",
+    "FromHiddenForward", "HiddenOutput", "OutputHead", "aligned_hidden_loss", "backbone_hidden",
+    "hidden_loss",
     "install_forward", "output_head", "unwrap_hf_model",
 ]

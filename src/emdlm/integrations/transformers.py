@@ -43,7 +43,7 @@ from transformers import Trainer, TrainerCallback
 
 from emdlm.integrations.hidden_forward import (
     FromHiddenForward,
-    hidden_loss,
+    aligned_hidden_loss,
     install_forward,
     output_head,
 )
@@ -167,14 +167,11 @@ class ComputeLoss:
 
     def step(self, inputs: LossInputs) -> tuple[Any, torch.Tensor]:
         """The summed loss of aligned ``inputs`` and the count of scored tokens: the one
-        place a loss is called. From hidden states: :func:`hidden_loss` (the model's output
-        head, gathered under FSDP2 / ZeRO-3); from logits: ``loss_fn(logits, labels, ...)``
-        with the teacher's logits or the number mask as the loss declares."""
+        place a loss is called. From hidden states: :func:`aligned_hidden_loss` (the model's
+        output head, gathered under FSDP2 / ZeRO-3); from logits: ``loss_fn(logits, labels,
+        ...)`` with the teacher's logits or the number mask as the loss declares."""
         if inputs.hidden is not None:
-            return hidden_loss(
-                self.loss_fn, inputs.model, inputs.hidden, None, self.ignore_index,
-                shift_labels=inputs.labels, number_mask=inputs.number_mask,
-            )
+            return aligned_hidden_loss(self.loss_fn, inputs, self.ignore_index)
         if inputs.teacher_logits is not None:
             out = self.loss_fn(inputs.logits, inputs.labels, inputs.teacher_logits)
         elif inputs.number_mask is not None:

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from emdlm._files import read_appended_jsonl
+from emdlm._files import atomic_write, read_appended_jsonl
 from emdlm.config import load_config
 from emdlm.training.evaluate import evaluate_run
 from emdlm.training.train import run_training
@@ -122,8 +122,10 @@ def run_demo(
         f"{reproducibility_note()}\n"
     )
     out.mkdir(parents=True, exist_ok=True)
-    (out / "demo_results.md").write_text(text)
-    (out / "demo_metrics.json").write_text(json.dumps(rows, indent=2, default=str))
+    with atomic_write(out / "demo_results.md") as fh:
+        fh.write(text)
+    with atomic_write(out / "demo_metrics.json") as fh:
+        fh.write(json.dumps(rows, indent=2, default=str))
     echo("")
     echo(text)
     echo(f"(saved to {out / 'demo_results.md'})")

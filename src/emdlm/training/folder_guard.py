@@ -120,7 +120,8 @@ def truncate_log(log: Path, step: int) -> None:
     if not log.is_file():
         return
     kept = [r for r in read_appended_jsonl(log) if r.get("step", 0) <= step]
-    log.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    with atomic_write(log) as fh:  # killed mid-write, the old log stays whole
+        fh.write("".join(json.dumps(r) + "\n" for r in kept))
 
 
 def run_inputs(cfg: RunConfig, config_path: str | Path | None) -> list[str | None]:
@@ -237,7 +238,8 @@ class FolderGuard:
             if stale:
                 print(f"removed unfinished checkpoint saves: {', '.join(stale)}", file=sys.stderr)
         record_outputs(out, [RUN_CONFIG, TRAIN_LOG] + (["tb"] if cfg.train.tensorboard else []))
-        (out / RUN_CONFIG).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        with atomic_write(out / RUN_CONFIG) as fh:
+            fh.write(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         if self.resume_from is not None:
             truncate_log(out / TRAIN_LOG, checkpoint_step(self.resume_from))
         return {p.name for p in out.iterdir()}

@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from emdlm._files import atomic_write
 from emdlm.config import ConfigError, RunConfig
 from emdlm.data import load_examples
 
@@ -74,7 +75,7 @@ def sample_corpus(
         rows.append({"text": prompt + sample} if fmt == "text"
                     else {"prompt": prompt, "completion": sample})
     target.parent.mkdir(parents=True, exist_ok=True)
-    with target.open("w", encoding="utf-8") as fh:
+    with atomic_write(target) as fh:  # a killed run leaves no half-written sample file
         for row in rows:
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")
     return {

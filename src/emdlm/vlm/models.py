@@ -30,10 +30,9 @@ from typing import Any
 import torch
 
 from emdlm.config import ConfigError, ModelConfig
-from emdlm.models import VLM_NAMES, check_vocab
+from emdlm.models import VLM_NAMES, check_vocab, model_dtype
 from emdlm.weights import model_load_error
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # model_type -> family; the family decides the prompt template and the image processor
 _FAMILIES = {
     "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_vl", "llava": "llava",
@@ -240,9 +239,7 @@ def build_vlm(cfg: ModelConfig, tokenizer: Any) -> BuiltVLM:
     the family's special tokens (:func:`prepare_vlm_tokenizer`)."""
     from transformers import AutoModelForImageTextToText
 
-    if cfg.dtype not in _DTYPES:
-        raise ConfigError(f"model.dtype must be one of {', '.join(_DTYPES)}, got {cfg.dtype!r}")
-    dtype = _DTYPES[cfg.dtype]
+    dtype = model_dtype(cfg)
     if cfg.name in VLM_NAMES:
         build = _tiny_qwen2_vl if cfg.name == "tiny-qwen2-vl" else _tiny_llava
         try:
