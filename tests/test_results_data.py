@@ -23,8 +23,6 @@ CSV_NAME = re.compile(r"[\w./-]+\.csv")
 KNOWN_MISSING = {
     "arithmetic_how_fast": "the grid's raw outputs were lost before its results.csv was "
     "committed; re-running it (~10,245 CPU-s on this CPU) is pending (issue 35)",
-    "arithmetic_how_fast_lr_dev": "the learning-rate dev grid of arithmetic_how_fast, lost "
-    "with it; arithmetic_lr_dev (published) is the same choice on the same task",
 }
 REPORTS = sorted(RESULTS.glob("*.md"))
 
