@@ -327,3 +327,32 @@ def test_a_cells_console_lines_carry_its_name(tmp_path, monkeypatch, capsys):
     bar = runner.PrefixedLines(stream, "[k] ")
     bar.write("\r 50%|#   |\r100%|####|\n")
     assert stream.getvalue() == "[k] \r[k]  50%|#   |\r[k] 100%|####|\n"
+
+
+def test_cell_console_prefixes_logging_handlers_made_before_the_cell() -> None:
+    """A logging handler created on the console's stderr before the cell (transformers makes
+    its own at import) writes through the cell's prefix while the cell runs, and to the
+    console again after it; a file handler is left alone."""
+    import io
+    import logging
+    import sys
+
+    from emdlm.experiments import runner
+
+    console = io.StringIO()
+    old_stderr, sys.stderr = sys.stderr, console
+    logger = logging.getLogger("emdlm_test_cell_console")
+    logger.propagate = False
+    handler = logging.StreamHandler()  # holds the console stream it was made with
+    logger.addHandler(handler)
+    try:
+        logger.warning("before")
+        with runner.cell_console("t/ce/seed0"):
+            logger.warning("tokenizer has new PAD/BOS/EOS tokens")
+        logger.warning("after")
+    finally:
+        logger.removeHandler(handler)
+        sys.stderr = old_stderr
+    assert console.getvalue().splitlines() == [
+        "before", "[t/ce/seed0] tokenizer has new PAD/BOS/EOS tokens", "after"]
+    assert handler.stream is console

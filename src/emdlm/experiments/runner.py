@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import os
 import shutil
 import signal
@@ -389,13 +390,38 @@ def cell_console(key: str) -> Iterator[None]:
     workers' output interleaves on one console."""
     prefix = f"[{key}] "
     out, err = PrefixedLines(sys.stdout, prefix), PrefixedLines(sys.stderr, prefix)
+    # logging handlers (transformers' own among them) hold the stream they were made with:
+    # point those on the console streams at the prefixed ones for the cell, then back
+    swapped = _console_log_handlers({id(sys.stdout): out, id(sys.stderr): err})
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             yield
     finally:
+        for handler, stream in swapped:
+            handler.setStream(stream)
         with contextlib.suppress(Exception):
             out.flush()
             err.flush()
+
+
+def _console_log_handlers(
+    targets: dict[int, Any],
+) -> list[tuple[logging.StreamHandler[Any], Any]]:
+    """Point every logging ``StreamHandler`` (not a file handler) that writes to one of the
+    streams keyed by id in ``targets`` at its replacement; returns (handler, old stream) pairs
+    to restore."""
+    loggers = [logging.getLogger()] + [
+        lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
+    ]
+    swapped = []
+    for handler in {h for lg in loggers for h in lg.handlers}:
+        if (isinstance(handler, logging.StreamHandler)
+                and not isinstance(handler, logging.FileHandler)
+                # a handler whose stream is a property follows sys.stderr by itself
+                and not isinstance(getattr(type(handler), "stream", None), property)
+                and id(handler.stream) in targets):
+            swapped.append((handler, handler.setStream(targets[id(handler.stream)])))
+    return swapped
 
 
 class CellInUseError(RuntimeError):
