@@ -204,7 +204,10 @@ def sample(
     overwrite: Annotated[bool, typer.Option(help="Replace an existing --out file")] = False,
 ) -> None:
     """Sample continuations of prompts by unbiased sampling (temperature 1, no top-k / top-p)
-    and write them as a JSONL corpus: the oracle experiment's training and test sets."""
+    and write them as a JSONL corpus: the oracle experiment's training and test sets.
+
+    The same model, prompts, eval.seed, eval.batch_size and torch thread count give the same
+    file; another thread count may change float sums and so, rarely, a sampled token."""
     from emdlm.training.evaluate import resolve_eval_config
     from emdlm.training.sample import sample_corpus
 
