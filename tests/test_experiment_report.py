@@ -278,6 +278,13 @@ def test_floor_line_counts_distinct_test_problems(made):
         _replace_predictions(eval_dir(cell.folder, 20), [row] * 3)
     report = write_outputs(exp, cells, command="emdlm experiment -c fake").report.read_text()
     assert "Floor, the same 3 (1 distinct) test problems answered with one constant" in report
+    # an image task: one question, told apart by the figure's answer
+    rows = [{**row, "prompt": "What is the value of the red bar?", "reference": ref,
+             "prediction": ref, "image": f"{k}.png"} for k, ref in enumerate("3593")]
+    for cell in cells:
+        _replace_predictions(eval_dir(cell.folder, 20), rows)
+    report = write_outputs(exp, cells, command="emdlm experiment -c fake").report.read_text()
+    assert "Floor, the same 4 (3 distinct) test problems answered with one constant" in report
 
 
 def test_report_of_a_two_seed_pilot_with_a_large_effect(tmp_path):

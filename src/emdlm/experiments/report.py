@@ -226,8 +226,8 @@ def constant_answer_floor(references: Sequence[str]) -> dict[str, dict[str, floa
 @dataclass
 class TaskFloor:
     """The constant-answer floor of a task's test set (:func:`constant_answer_floor`), with the
-    number of test problems it was computed on and how many of them are distinct (None when the
-    predictions carry no prompt)."""
+    number of test problems it was computed on and how many of them are distinct by (prompt,
+    reference) (None when the predictions carry no prompt)."""
 
     floor: dict[str, dict[str, float]]
     count: int
@@ -255,7 +255,10 @@ def task_floor(cells: Sequence[Cell], task: str) -> TaskFloor | None:
         floor = constant_answer_floor([r["reference"] for r in preds])
         if not floor:
             return None
-        distinct = len({r.get("prompt") for r in preds}) if "prompt" in preds[0] else None
+        # a problem is its question and its answer: an image task asks one question of many
+        # figures ("What is the value of the red bar?"), the figure's answer tells them apart
+        distinct = (len({(r.get("prompt"), r.get("reference")) for r in preds})
+                    if "prompt" in preds[0] else None)
         return TaskFloor(floor, len(preds), distinct)
     return None
 
