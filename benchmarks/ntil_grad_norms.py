@@ -109,7 +109,7 @@ def quantiles(x: list[float]) -> dict[str, float]:
 
 def run(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     """Train one variant and return its record."""
-    from emdlm.evaluation import generate_answers
+    from emdlm.generation import generate_answers
     from emdlm.metrics import exact_match_rate, numeric_errors
     from emdlm.tasks import generate_task
     from emdlm.tokenizers import load_tokenizer

@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from emdlm.evaluation import evaluate_choice, score_choices, sequence_nll
+from emdlm.evaluation import evaluate_choice, score_choices
+from emdlm.generation import sequence_nll
 from emdlm.metrics import choice_metrics, compute_task_metrics
 from emdlm.tasks import generate_task
 from emdlm.tasks.text_corpora import RT_LABELS, document_split, polarity_sentences

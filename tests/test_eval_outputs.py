@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from _experiment import FAKE_BASE
 from emdlm.cli import app
-from emdlm.evaluation import write_eval_outputs
+from emdlm.eval_outputs import write_eval_outputs
 from emdlm.experiments import expand_grid, run_cells, write_outputs
 from emdlm.experiments.grid import parse_experiment
 from emdlm.experiments.runner import CELL_DONE, eval_dir
@@ -257,7 +257,7 @@ def test_metrics_json_counts_the_rows_and_the_readers_check_them(tmp_path):
     out = tmp_path / "eval"
     write_eval_outputs(out, {"exact_match": 1.0}, iter(_rows(ROWS)))  # any iterable of rows
     assert json.loads((out / "metrics.json").read_text())["n_predictions"] == ROWS
-    from emdlm.evaluation import (
+    from emdlm.eval_outputs import (
         EvalOutputError,
         eval_outputs_problem,
         read_eval_outputs,

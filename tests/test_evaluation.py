@@ -11,14 +11,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
-from emdlm.evaluation import (
-    evaluate_examples,
-    format_metrics_table,
-    generate_answers,
-    sequence_nll,
-    sequence_perplexity,
-    write_eval_outputs,
-)
+from emdlm.eval_outputs import format_metrics_table, write_eval_outputs
+from emdlm.evaluation import evaluate_examples
+from emdlm.generation import generate_answers, sequence_nll, sequence_perplexity
 
 CHARS = list("0123456789+-=_ \nabcdefghijklmnopqrstuvwxyz?.")
 

@@ -34,12 +34,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("integrations", ("emdlm.integrations.*",)),
     # a package whose __init__ is only a docstring sits with its lowest module (importing any
     # of its modules runs the __init__ first)
-    ("answers", ("emdlm.vision", "emdlm.vision.boxes", "emdlm.math_answers", "emdlm.metrics",
+    ("answers", ("emdlm.vision", "emdlm.vision.boxes", "emdlm.math_answers", "emdlm.metrics.*",
                  "emdlm.vision.images")),
     ("tasks", ("emdlm.tasks.*",)),
     ("data", ("emdlm.data", "emdlm.vision.readers", "emdlm.vision.math_readers",
               "emdlm.vision.curved_text", "emdlm.vlm", "emdlm.vlm.data",
-              "emdlm.evaluation", "emdlm.vision.contact_sheet")),
+              "emdlm.generation", "emdlm.evaluation", "emdlm.eval_outputs",
+              "emdlm.vision.contact_sheet")),
     ("models", ("emdlm.models", "emdlm.vlm.models", "emdlm.vlm.collator",
                 "emdlm.vlm.generate")),
     ("training", ("emdlm.training.*", "emdlm.vlm.training")),

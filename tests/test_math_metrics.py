@@ -10,7 +10,7 @@ import pytest
 
 from emdlm.data import scope_pattern
 from emdlm.eval_kinds import eval_kind
-from emdlm.evaluation import ROW_FIELDS, _per_example_fields, evaluate_examples
+from emdlm.evaluation import ROW_FIELDS, evaluate_examples, per_example_fields
 from emdlm.math_answers import (
     NO_NUMBERS,
     MathItem,
@@ -235,7 +235,7 @@ def test_math_metrics_errors_name_the_example() -> None:
 
 def test_math_row_fields() -> None:
     row = _row("multi_choice", "text", choices=CHOICES)
-    assert _per_example_fields("4.5", "B", "math", row) == {
+    assert per_example_fields("4.5", "B", "math", row) == {
         "correct": True, "parsed": "B", "abs_error": None}
     assert ROW_FIELDS["math"]("2.5", "2", _row("free_form", "float", precision=1)) == {
         "correct": False, "parsed": "2.5", "abs_error": 0.5}

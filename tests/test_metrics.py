@@ -416,7 +416,7 @@ def test_mauve_small_set_kmeans_warning_is_shown_once(capfd, monkeypatch) -> Non
     written to stderr meanwhile still comes through."""
     import sys
 
-    import emdlm.metrics as metrics_mod
+    import emdlm.metrics.text as metrics_mod
     from emdlm.metrics import mauve_over_runs
 
     monkeypatch.setattr(metrics_mod, "_kmeans_warnings_shown", set())

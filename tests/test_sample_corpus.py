@@ -70,7 +70,7 @@ def test_sample_text_format_and_empty_samples_are_counted(
     from emdlm.training import sample as sample_mod
 
     fake = iter([[" one", "  ", " three"]])
-    monkeypatch.setattr("emdlm.evaluation.generate_answers", lambda *a, **k: next(fake))
+    monkeypatch.setattr("emdlm.generation.generate_answers", lambda *a, **k: next(fake))
     prompts = str(_prompts(tmp_path))
     cfg = build_config({"tokenizer": str(folder), "data": {"eval": {"path": prompts}},
                         "eval": {"num_samples": 1}})

@@ -14,7 +14,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from emdlm.evaluation import evaluate_text, generate_answers
+from emdlm.evaluation import evaluate_text
+from emdlm.generation import generate_answers
 from emdlm.metrics import (
     distinct_n,
     diversity_metrics,

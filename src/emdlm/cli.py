@@ -139,7 +139,7 @@ def train(
 
 def _print_eval(result: dict[str, Any]) -> None:
     """The metrics table and the files an evaluation wrote (``emdlm eval``, ``--eval``)."""
-    from emdlm.evaluation import format_metrics_table
+    from emdlm.eval_outputs import format_metrics_table
 
     typer.echo(format_metrics_table({result["name"]: result["metrics"]}))
     typer.echo(f"written: {result['out_dir']}/{', '.join(result['files'])}")

@@ -1,31 +1,32 @@
-"""Model-based evaluation: batched generation, completion perplexity, task metrics, reports.
+"""Model-based evaluation: a model's answers to test rows scored by their task kind.
 
-Works with any Hugging Face causal LM (``model(input_ids, attention_mask).logits`` and
-``model.generate``) and any tokenizer with ``__call__``/``decode`` (char-level or BPE).
+* :func:`evaluate_examples`: generate answers (:mod:`emdlm.generation`), score them with the
+  kind's metrics (:func:`emdlm.metrics.compute_task_metrics`) and write per-prediction
+  diagnostics (:data:`ROW_FIELDS`) for predictions.jsonl;
+* :func:`evaluate_text`: open-ended continuations by the EMO paper's protocol (Sec. 4.1):
+  MAUVE averaged over sampling runs, perplexities, ROUGE, diversity;
+* :func:`evaluate_choice`: multiple choice by the lowest perplexity (EMO Sec. 4.2).
 
-Tokenization convention (shared with the perplexity): a prompt is encoded with the tokenizer's
-special tokens (a BOS where the tokenizer adds one), a completion without them, and the two id
-lists are concatenated. This avoids BPE merges across the prompt/completion boundary.
+The files these results go to: :mod:`emdlm.eval_outputs`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import math
 import statistics
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import torch
-
-from emdlm._files import atomic_write
 from emdlm.eval_kinds import eval_kind
+from emdlm.generation import (
+    cut_at_stop,
+    generate_answers,
+    sequence_nll,
+    sequence_nlls,
+    sequence_perplexity,
+)
 from emdlm.math_answers import item_from_row, score_answer
 from emdlm.metrics import (
     TaskKind,
-    box_iou,
     choice_metrics,
     clock_time_gap,
     compute_task_metrics,
@@ -35,317 +36,11 @@ from emdlm.metrics import (
     mauve_over_runs,
     mauve_problem,
     mauve_score,
-    parse_box,
     parse_number,
     perplexity,
     rouge,
 )
-
-# ----------------------------------------------------------------------------------------------
-# Helpers
-# ----------------------------------------------------------------------------------------------
-
-
-def _model_device(model: torch.nn.Module) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except StopIteration:  # pragma: no cover - parameterless model
-        return torch.device("cpu")
-
-
-def _max_positions(model: torch.nn.Module) -> int | None:
-    config = getattr(model, "config", None)
-    for name in ("n_positions", "max_position_embeddings", "n_ctx"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def check_generation_fits(
-    model: Any, tokenizer: Any, prompts: Sequence[str], max_new_tokens: int
-) -> None:
-    """ValueError when the longest prompt plus ``max_new_tokens`` exceeds the model's context
-    (what :func:`generate_answers` would raise later, e.g. after a whole training run)."""
-    limit = _max_positions(model)
-    if limit is None or not prompts:
-        return
-    longest = max(len(_encode(tokenizer, p, special=True)) for p in prompts)
-    if longest + max_new_tokens > limit:
-        raise ValueError(
-            f"the longest eval prompt ({longest} tokens) + eval.max_new_tokens={max_new_tokens} "
-            f"exceeds the model's context length {limit}: raise data.max_length (a tiny model's "
-            "positions follow it) or lower eval.max_new_tokens"
-        )
-
-
-def _pad_id(tokenizer: Any) -> int:
-    """The id used for padding: pad, else eos, else 0 (padding is masked out anyway)."""
-    for name in ("pad_token_id", "eos_token_id"):
-        value = getattr(tokenizer, name, None)
-        if isinstance(value, int):
-            return value
-    return 0
-
-
-def _encode(tokenizer: Any, text: str, *, special: bool) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
-
-
-def _cut_at_stop(text: str, stop_at: Sequence[str]) -> str:
-    cut = len(text)
-    for stop in stop_at:
-        if stop:
-            idx = text.find(stop)
-            if idx != -1:
-                cut = min(cut, idx)
-    return text[:cut]
-
-
-class _StopOnStrings:
-    """Generation stopping criterion: a row is done once its decoded new text holds a stop
-    string. One batch_decode per step (a handful of short strings), not per token id."""
-
-    def __init__(self, tokenizer: Any, prompt_len: int, stop_at: Sequence[str]) -> None:
-        self.tokenizer = tokenizer
-        self.prompt_len = prompt_len
-        self.stop_at = [s for s in stop_at if s]
-
-    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-        texts = self.tokenizer.batch_decode(
-            input_ids[:, self.prompt_len :], skip_special_tokens=True
-        )
-        done = [any(s in t for s in self.stop_at) for t in texts]
-        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
-
-
-# ----------------------------------------------------------------------------------------------
-# Generation
-# ----------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def generation_session(
-    model: Any,
-    *,
-    max_new_tokens: int,
-    do_sample: bool,
-    temperature: float,
-    top_p: float,
-    seed: int,
-    pad_token_id: int | None,
-    eos_token_id: int | None,
-) -> Iterator[Any]:
-    """The ``GenerationConfig`` for one evaluation call, with the model in eval mode and a blank
-    ``model.generation_config`` meanwhile (both restored after).
-
-    transformers fills every unset generation field from the model's own generation_config, so a
-    checkpoint's defaults (top_k, repetition penalty, min length...) would otherwise change what
-    is evaluated. Sampling is unbiased apart from ``temperature`` / ``top_p``: top_k=0 disables
-    top-k filtering; the torch RNG is seeded with ``seed`` once per call.
-    """
-    from transformers import GenerationConfig
-
-    sampling = {"temperature": temperature, "top_p": top_p, "top_k": 0} if do_sample else {}
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=do_sample,
-        pad_token_id=pad_token_id,
-        eos_token_id=eos_token_id,
-        **sampling,
-    )
-    if do_sample:
-        torch.manual_seed(seed)
-    was_training = model.training
-    model.eval()
-    saved = getattr(model, "generation_config", None)
-    try:
-        if saved is not None:
-            model.generation_config = GenerationConfig()
-        yield config
-    finally:
-        if saved is not None:
-            model.generation_config = saved
-        model.train(was_training)
-
-
-@torch.no_grad()
-def generate_answers(
-    model: Any,
-    tokenizer: Any,
-    prompts: Sequence[str],
-    *,
-    max_new_tokens: int = 16,
-    batch_size: int = 32,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    stop_at: Sequence[str] = ("\n",),
-) -> list[str]:
-    """Generate a completion for each prompt; return only the new text, cut at a stop string.
-
-    Prompts are left-padded per batch (decoder-only models continue from the last position),
-    with an attention mask so padding is ignored. Generation stops per row at the tokenizer's
-    EOS or once the new text contains one of ``stop_at``; the returned text is decoded without
-    special tokens and cut before the first stop string (not stripped). Greedy decoding
-    (``do_sample=False``) is deterministic; sampling is seeded with ``seed`` once per call.
-
-    Raises ValueError if a prompt plus ``max_new_tokens`` exceeds the model's context length.
-    """
-    from transformers import StoppingCriteriaList
-
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    device = _model_device(model)
-    pad_id = _pad_id(tokenizer)
-    limit = _max_positions(model)
-    answers: list[str] = []
-    with generation_session(
-        model, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
-        top_p=top_p, seed=seed, pad_token_id=pad_id,
-        eos_token_id=getattr(tokenizer, "eos_token_id", None),
-    ) as gen_config:  # fmt: skip
-        for start in range(0, len(prompts), batch_size):
-            encoded = [
-                _encode(tokenizer, p, special=True) for p in prompts[start : start + batch_size]
-            ]
-            if any(len(ids) == 0 for ids in encoded):
-                raise ValueError("a prompt encodes to zero tokens; generation needs a context")
-            width = max(len(ids) for ids in encoded)
-            if limit is not None and width + max_new_tokens > limit:
-                raise ValueError(
-                    f"prompt of {width} tokens + max_new_tokens={max_new_tokens} exceeds the "
-                    f"model's context length {limit}"
-                )
-            input_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)  # [b, L]
-            attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)  # [b, L]
-            for row, ids in enumerate(encoded):  # left padding
-                input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-                attention_mask[row, width - len(ids) :] = 1
-            criteria = [_StopOnStrings(tokenizer, width, stop_at)] if any(stop_at) else []
-            out = model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention_mask.to(device),
-                generation_config=gen_config,
-                stopping_criteria=StoppingCriteriaList(criteria),
-            )  # [b, L + new]
-            texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-            answers.extend(_cut_at_stop(t, stop_at) for t in texts)
-    return answers
-
-
-# ----------------------------------------------------------------------------------------------
-# Perplexity
-# ----------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def sequence_nlls(
-    model: Any,
-    tokenizer: Any,
-    texts: Sequence[str] | Sequence[tuple[str, str]],
-    *,
-    batch_size: int = 16,
-    add_eos: bool = False,
-) -> list[tuple[float, int]]:
-    """Per sequence: (summed negative log-likelihood in nats, number of scored tokens).
-
-    ``texts`` is either plain strings (every token after the first is scored) or
-    ``(prompt, completion)`` pairs (only completion tokens are scored, conditioned on the
-    prompt). With ``add_eos`` the tokenizer's EOS is appended to each text / completion and
-    scored too, as in training (``emdlm.data.tokenize_example``). Batches are right-padded and
-    masked; one host sync per batch.
-    """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    device = _model_device(model)
-    pad_id = _pad_id(tokenizer)
-    eos: list[int] = []
-    if add_eos:
-        eos_id = getattr(tokenizer, "eos_token_id", None)
-        if not isinstance(eos_id, int):
-            raise ValueError("add_eos=True but the tokenizer has no eos_token_id")
-        eos = [eos_id]
-    seqs: list[tuple[list[int], int]] = []  # (ids, index of the first scored token)
-    for item in texts:
-        if isinstance(item, str):
-            ids = _encode(tokenizer, item, special=True) + eos
-            seqs.append((ids, 1))
-        else:
-            prompt, completion = item
-            p_ids = _encode(tokenizer, prompt, special=True)
-            c_ids = _encode(tokenizer, completion, special=False) + eos
-            seqs.append((p_ids + c_ids, max(len(p_ids), 1)))
-    limit = _max_positions(model)
-    was_training = model.training
-    model.eval()
-    out: list[tuple[float, int]] = []
-    try:
-        for start in range(0, len(seqs), batch_size):
-            chunk = seqs[start : start + batch_size]
-            width = max(len(ids) for ids, _ in chunk)
-            if limit is not None and width > limit:
-                raise ValueError(f"a sequence of {width} tokens exceeds the context {limit}")
-            input_ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)  # [b, L]
-            attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)  # [b, L]
-            labels = torch.full((len(chunk), width), -100, dtype=torch.long)  # [b, L]
-            for row, (ids, first) in enumerate(chunk):
-                input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-                attention_mask[row, : len(ids)] = 1
-                labels[row, first : len(ids)] = input_ids[row, first : len(ids)]
-            counts = (labels[:, 1:] != -100).sum(1).tolist()  # [b], on the host copy
-            if width < 2:
-                out.extend((0.0, 0) for _ in chunk)
-                continue
-            logits = model(
-                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)
-            ).logits  # [b, L, V]
-            shifted = labels[:, 1:].to(device)  # [b, L-1], token t+1 predicted at t
-            nll = torch.nn.functional.cross_entropy(
-                logits[:, :-1].float().transpose(1, 2),  # [b, V, L-1]
-                shifted,
-                ignore_index=-100,
-                reduction="none",
-            )  # [b, L-1], 0 where ignored
-            sums = nll.double().sum(1).tolist()  # one host sync per batch
-            out.extend(zip(sums, counts, strict=True))
-    finally:
-        model.train(was_training)
-    return out
-
-
-def sequence_nll(
-    model: Any,
-    tokenizer: Any,
-    texts: Sequence[str] | Sequence[tuple[str, str]],
-    *,
-    batch_size: int = 16,
-    add_eos: bool = False,
-) -> tuple[float, int]:
-    """Summed negative log-likelihood (nats) and the number of scored tokens over all
-    ``texts`` (see :func:`sequence_nlls` for what is scored); the sum is in float64."""
-    per_seq = sequence_nlls(model, tokenizer, texts, batch_size=batch_size, add_eos=add_eos)
-    return math.fsum(v for v, _ in per_seq), sum(c for _, c in per_seq)
-
-
-def sequence_perplexity(
-    model: Any,
-    tokenizer: Any,
-    texts: Sequence[str] | Sequence[tuple[str, str]],
-    *,
-    batch_size: int = 16,
-    add_eos: bool = False,
-) -> float:
-    """Per-token perplexity exp(sum NLL / n_tokens) over texts or completion tokens of
-    ``(prompt, completion)`` pairs (see :func:`sequence_nll`)."""
-    total_nll, total_tokens = sequence_nll(
-        model, tokenizer, texts, batch_size=batch_size, add_eos=add_eos
-    )
-    return perplexity(total_nll, total_tokens)
-
+from emdlm.vision.boxes import box_iou, parse_box
 
 # ----------------------------------------------------------------------------------------------
 # Whole evaluation
@@ -395,7 +90,7 @@ ROW_FIELDS: dict[str, Callable[..., dict[str, Any]]] = {
 }
 
 
-def _per_example_fields(
+def per_example_fields(
     pred: str, ref: str, kind: TaskKind, row: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """Per-prediction diagnostics written to predictions.jsonl (:data:`ROW_FIELDS`)."""
@@ -439,7 +134,7 @@ def evaluate_examples(
     if stop_at is None:
         stop_at = spec.stop_at
     prompts = [ex["prompt"] for ex in examples]
-    references = [_cut_at_stop(ex["completion"], stop_at).strip() for ex in examples]
+    references = [cut_at_stop(ex["completion"], stop_at).strip() for ex in examples]
     preds = generate_answers(
         model,
         tokenizer,
@@ -464,7 +159,7 @@ def evaluate_examples(
             model, tokenizer, pairs, batch_size=batch_size, add_eos=has_eos
         )
     rows = [
-        {"prompt": p, "reference": r, "prediction": y, **_per_example_fields(y, r, kind, ex)}
+        {"prompt": p, "reference": r, "prediction": y, **per_example_fields(y, r, kind, ex)}
         for p, r, y, ex in zip(prompts, references, preds, examples, strict=True)
     ]
     return metrics, rows
@@ -720,210 +415,3 @@ def evaluate_choice(
     return metrics, rows
 
 
-# ----------------------------------------------------------------------------------------------
-# Reports
-# ----------------------------------------------------------------------------------------------
-
-
-def _json_safe(value: Any) -> Any:
-    """Non-finite floats become None so the files are strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, Mapping):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
-#: The files of one evaluation folder (``emdlm eval``'s ``--out``, an experiment's step folder).
-METRICS_FILE = "metrics.json"
-PREDICTIONS_FILE = "predictions.jsonl"
-#: Key of metrics.json recording how many rows predictions.jsonl holds. metrics.json is written
-#: last, so it is the evaluation's completion record and this count is checked against the rows.
-N_PREDICTIONS = "n_predictions"
-#: Counts that metrics.json held before ``n_predictions`` existed, one per predictions row
-#: (``n_prompts`` of eval.kind text, ``n`` of every other kind): the check for older folders.
-LEGACY_ROW_COUNTS = ("n_prompts", "n")
-
-
-class EvalOutputError(ValueError):
-    """An evaluation folder that does not hold one whole evaluation (files missing, cut off,
-    or disagreeing on the number of rows). The message is one line naming the file."""
-
-
-def write_eval_outputs(
-    out_dir: str | Path,
-    metrics: Mapping[str, Any],
-    predictions: Iterable[Mapping[str, Any]],
-) -> dict[str, Path]:
-    """Write ``predictions.jsonl`` (one JSON object per line), then ``metrics.json`` with
-    ``n_predictions`` (the number of rows) added, to out_dir.
-
-    Each file is written to a temporary name in out_dir and renamed into place
-    (:func:`emdlm._files.atomic_write`), and an earlier ``metrics.json`` is removed first, so
-    that a ``metrics.json`` is only ever beside the complete predictions it counts: a write cut
-    short (an error, a killed process) leaves no folder that reads as a finished evaluation
-    (:func:`eval_outputs_problem`). NaN/inf values are written as null. Returns
-    ``{"metrics": path, "predictions": path}``.
-    """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    metrics_path = out / METRICS_FILE
-    preds_path = out / PREDICTIONS_FILE
-    metrics_path.unlink(missing_ok=True)  # the old completion record must not outlive its rows
-    count = 0
-    with atomic_write(preds_path) as fh:
-        for row in predictions:
-            fh.write(json.dumps(_json_safe(dict(row)), ensure_ascii=False, allow_nan=False))
-            fh.write("\n")
-            count += 1
-    record = {**_json_safe(dict(metrics)), N_PREDICTIONS: count}
-    with atomic_write(metrics_path) as fh:
-        fh.write(json.dumps(record, indent=2, allow_nan=False) + "\n")
-    return {"metrics": metrics_path, "predictions": preds_path}
-
-
-def _expected_rows(metrics: Mapping[str, Any]) -> int | None:
-    """The row count metrics.json records: ``n_predictions``, else (a folder written before it
-    existed) ``n_prompts`` or ``n``; None when it records none."""
-    for key in (N_PREDICTIONS, *LEGACY_ROW_COUNTS):
-        value = metrics.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
-
-
-def _read_metrics_record(out_dir: Path) -> dict[str, Any]:
-    """metrics.json of ``out_dir`` as a dict; EvalOutputError when it is missing or torn."""
-    path = out_dir / METRICS_FILE
-    if not path.is_file():
-        raise EvalOutputError(f"{path} is missing: the evaluation did not finish")
-    try:
-        metrics = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise EvalOutputError(f"{path} is not valid JSON ({err}): a cut-off write?") from None
-    if not isinstance(metrics, dict):
-        raise EvalOutputError(f"{path} holds a {type(metrics).__name__}, not a JSON object")
-    return metrics
-
-
-def _rows_problem(path: Path, data: bytes, expected: int | None) -> str | None:
-    """Why the bytes of predictions.jsonl are not ``expected`` whole rows (None when they are)."""
-    lines = data.count(b"\n")
-    if data and not data.endswith(b"\n"):
-        return (f"{path}:{lines + 1}: the last line is cut off mid-row (no newline at the end "
-                "of the file): a write that did not finish")
-    if expected is not None and lines != expected:
-        return (f"{path} has {lines} rows but {path.parent / METRICS_FILE} records {expected}: "
-                "a write that did not finish")
-    return None
-
-
-def eval_outputs_problem(out_dir: str | Path) -> str | None:
-    """Why ``out_dir`` does not hold one finished evaluation, in one line; None when it does.
-
-    Finished means: ``metrics.json`` parses as an object, and ``predictions.jsonl`` ends with a
-    newline and has as many lines as metrics.json records (``n_predictions``; for folders
-    written before that key, ``n_prompts`` or ``n``; with no count at all, the ending newline is
-    the only check). Cheap: the rows themselves are not parsed (:func:`read_eval_outputs` does).
-    """
-    out = Path(out_dir)
-    try:
-        metrics = _read_metrics_record(out)
-    except EvalOutputError as err:
-        return str(err)
-    path = out / PREDICTIONS_FILE
-    if not path.is_file():
-        return f"{path} is missing beside {out / METRICS_FILE}"
-    return _rows_problem(path, path.read_bytes(), _expected_rows(metrics))
-
-
-def read_predictions(path: str | Path, expected: int | None = None) -> list[dict[str, Any]]:
-    """The rows of a predictions.jsonl, checked: every line a JSON object, the file ending with
-    a newline, and ``expected`` rows when given. EvalOutputError naming ``file:line`` otherwise
-    (never a row count silently short, never a JSONDecodeError traceback)."""
-    path = Path(path)
-    data = path.read_bytes()
-    problem = _rows_problem(path, data, expected)
-    if problem is not None:
-        raise EvalOutputError(problem)
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        at = data[: err.start].count(b"\n") + 1
-        raise EvalOutputError(f"{path}:{at}: not UTF-8 text ({err.reason})") from None
-    rows: list[dict[str, Any]] = []
-    for number, line in enumerate(text.split("\n")[:-1], 1):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise EvalOutputError(f"{path}:{number}: not valid JSON ({err.msg})") from None
-        if not isinstance(row, dict):
-            raise EvalOutputError(f"{path}:{number}: a {type(row).__name__}, not a JSON object")
-        rows.append(row)
-    return rows
-
-
-def read_eval_outputs(out_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(metrics, prediction rows) of a finished evaluation folder, both checked (see
-    :func:`eval_outputs_problem` and :func:`read_predictions`); EvalOutputError otherwise."""
-    out = Path(out_dir)
-    metrics = _read_metrics_record(out)
-    path = out / PREDICTIONS_FILE
-    if not path.is_file():
-        raise EvalOutputError(f"{path} is missing beside {out / METRICS_FILE}")
-    return metrics, read_predictions(path, _expected_rows(metrics))
-
-
-def _format_value(value: Any) -> str:
-    if value is None:
-        return "-"
-    if _is_number_list(value):  # e.g. mauve_runs: a summary here, the list in metrics.json
-        v = [float(x) for x in value]
-        std = statistics.stdev(v) if len(v) > 1 else math.nan
-        return (f"{_format_value(statistics.fmean(v))} ± {_format_value(std)} "
-                f"({_format_value(min(v))}–{_format_value(max(v))}, n={len(v)})")
-    if isinstance(value, bool):
-        return str(value)
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        if value.is_integer() and abs(value) < 1e6:
-            return str(int(value))
-        return f"{value:.4g}"
-    return str(value)
-
-
-def _is_number_list(value: Any) -> bool:
-    return (isinstance(value, (list, tuple)) and len(value) > 0
-            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value))
-
-
-def format_metrics_table(rows: Mapping[str, Mapping[str, Any]]) -> str:
-    """A Markdown table with one column per run and one row per metric (side by side).
-
-    ``rows`` maps a run name (e.g. "ce", "ntil") to its metrics dict; metrics appear in order of
-    first appearance; a metric missing from a run shows "-". Floats get 4 significant digits; a
-    list of numbers (``mauve_runs``, one score per sampling run) is summarized as
-    "mean ± std (min–max, n=k)" (metrics.json keeps the list).
-    """
-    names = list(rows)
-    keys: list[str] = []
-    for metrics in rows.values():
-        keys.extend(k for k in metrics if k not in keys)
-    header = ["metric", *names]
-    body = [[k, *(_format_value(rows[n].get(k)) for n in names)] for k in keys]
-    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
-
-    def line(cells: Sequence[str]) -> str:
-        first = cells[0].ljust(widths[0])
-        rest = (c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True))
-        return "| " + " | ".join([first, *rest]) + " |"
-
-    sep = "|" + "|".join(["-" * (widths[0] + 2)] + [("-" * (w + 1)) + ":" for w in widths[1:]])
-    return "\n".join([line(header), sep + "|", *(line(r) for r in body)])

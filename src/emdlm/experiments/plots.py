@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from emdlm._files import atomic_write
-from emdlm.evaluation import EvalOutputError, read_eval_outputs
+from emdlm.eval_outputs import EvalOutputError, read_eval_outputs
 from emdlm.experiments.grid import Cell
 from emdlm.experiments.report import (
     Row,

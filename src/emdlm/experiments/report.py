@@ -19,7 +19,7 @@ improving, how many paired seeds, what they allow one to conclude, and how many 
 
 Only whole outputs count: a cell is read when its ``cell_done.json`` parses and every one of
 its evaluation folders has a metrics.json agreeing with the rows of its predictions.jsonl
-(:func:`emdlm.experiments.runner.cell_problem`, :func:`emdlm.evaluation.read_eval_outputs`).
+(:func:`emdlm.experiments.runner.cell_problem`, :func:`emdlm.eval_outputs.read_eval_outputs`).
 A cell marked done whose outputs are not whole (a cut-off predictions.jsonl an older emdlm
 took as evaluated) is left out of every table and plot, and named with the file and the
 reason (:attr:`GridRead.left_out`): no metric is computed from part of a file.
@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from emdlm._files import atomic_write
-from emdlm.evaluation import EvalOutputError, read_eval_outputs, read_predictions
+from emdlm.eval_outputs import EvalOutputError, read_eval_outputs, read_predictions
 from emdlm.experiments.components import component_lines
 from emdlm.experiments.digits import digit_accuracies, parsed_answers, place_accuracy_lines
 from emdlm.experiments.grid import Cell, Experiment
@@ -290,7 +290,7 @@ def _as_float(value: Any) -> float:
 def cell_rows(cell: Cell) -> list[Row]:
     """Every (step, metric) of a finished cell; nothing for an unfinished one (no readable
     ``cell_done.json``). EvalOutputError, naming the file, for an evaluation folder that is
-    not whole (:func:`emdlm.evaluation.read_eval_outputs`): never a metric from part of it."""
+    not whole (:func:`emdlm.eval_outputs.read_eval_outputs`): never a metric from part of it."""
     if read_cell_record(cell.folder) is None:
         return []
     rows: list[Row] = []

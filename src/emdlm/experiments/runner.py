@@ -6,7 +6,7 @@ Cell folder ``<output_dir>/<task>/<variant>/seed<k>/``:
 * ``train/``: the training run (``checkpoint-<step>`` folders, final model, train_log.jsonl).
 * ``eval/step-<N>/``: ``metrics.json`` and ``predictions.jsonl`` of the model at step N
   (metrics.json written last and counting the rows: a step is evaluated when it agrees with
-  them, :func:`emdlm.evaluation.eval_outputs_problem`; otherwise it is evaluated again).
+  them, :func:`emdlm.eval_outputs.eval_outputs_problem`; otherwise it is evaluated again).
 * ``eval/<name>/step-<N>/``: the same for each ``eval.extra`` evaluation of the final model.
 * ``cell_done.json``: written last; a cell whose record parses and whose evaluations are whole
   (:func:`cell_problem`) is skipped by later invocations, any other runs again. Its
@@ -147,12 +147,12 @@ def cell_problem(cell: Cell) -> str | None:
     """Why ``cell`` is not finished, in one line; None when it is.
 
     Finished: ``cell_done.json`` parses as a JSON object, and every evaluation folder of the
-    cell holds a whole evaluation (:func:`emdlm.evaluation.eval_outputs_problem`: metrics.json
+    cell holds a whole evaluation (:func:`emdlm.eval_outputs.eval_outputs_problem`: metrics.json
     present and counting the rows of predictions.jsonl). Older emdlm versions took "both
     files exist" as evaluated, so a cell they marked done may hold a cut-off predictions.jsonl:
     such a cell is not finished (the runner evaluates it again, the report leaves it out).
     """
-    from emdlm.evaluation import eval_outputs_problem
+    from emdlm.eval_outputs import eval_outputs_problem
 
     done = cell.folder / CELL_DONE
     if not done.is_file():
@@ -224,7 +224,7 @@ def _evaluate_once(model_dir: Path, cfg: Any, target: Path) -> dict[str, Any]:
     """Metrics of ``model_dir`` under ``cfg`` in ``target``: read back when an earlier
     invocation finished them (metrics.json agreeing with the rows of predictions.jsonl), else
     evaluated now (a folder an interrupted write left is evaluated again)."""
-    from emdlm.evaluation import EvalOutputError, read_eval_outputs
+    from emdlm.eval_outputs import EvalOutputError, read_eval_outputs
 
     try:
         return read_eval_outputs(target)[0]
@@ -240,7 +240,7 @@ def _check_unfinished_evaluations(cell: Cell, models: dict[int, Path]) -> None:
     model is no longer saved (``keep_checkpoints: false`` deleted it after an older emdlm took
     the cut-off folder as evaluated): it cannot be evaluated again, and would otherwise stay
     in the cell and keep it unfinished."""
-    from emdlm.evaluation import eval_outputs_problem
+    from emdlm.eval_outputs import eval_outputs_problem
 
     for folder in sorted((cell.folder / EVAL_DIR).glob("step-*")):
         tail = folder.name.split("-")[-1]

@@ -135,7 +135,7 @@ def _generation_problem(
 ) -> str | None:
     """Why ``emdlm eval`` with ``eval_cfg`` could not generate with this model (its longest
     prompt + ``eval.max_new_tokens`` exceed the model's context), or None."""
-    from emdlm.evaluation import check_generation_fits
+    from emdlm.generation import check_generation_fits
 
     prompts = [str(r["prompt"]) for r in rows if "prompt" in r]
     try:

@@ -76,7 +76,7 @@ def run_demo(
     """Train + evaluate one run per objective; print and save the side-by-side table.
     ``task``: one of :data:`DEMO_TASKS` (packaged configs ``<task>_<objective>``)."""
     from emdlm.config import check_choice
-    from emdlm.evaluation import format_metrics_table
+    from emdlm.eval_outputs import format_metrics_table
 
     check_choice("--task", task, DEMO_TASKS)
     out = Path(out_dir)

@@ -68,7 +68,7 @@ def evaluate_run(
     (or another ``emdlm eval``) is reported at once (RunFolderBusy, naming the holder) instead
     of after the evaluation.
     """
-    from emdlm.evaluation import write_eval_outputs
+    from emdlm.eval_outputs import write_eval_outputs
     from emdlm.training.run_folder import (
         enclosing_run_folder,
         hold_run_folder,

@@ -3,7 +3,7 @@
 EMO (ICLR 2024, Sec. 4.1, Table 2) trains students on text sampled from an oracle model and
 scores them against the oracle. This module samples ``num_samples`` continuations of every
 prompt of a test set by unbiased (ancestral) sampling — temperature 1, no top-k, top-p 1, as
-``eval.kind=text`` does (:func:`emdlm.evaluation.generate_answers`) — and writes a JSONL file:
+``eval.kind=text`` does (:func:`emdlm.generation.generate_answers`) — and writes a JSONL file:
 
 * ``--format prompt_completion`` (default): ``{"prompt": p, "completion": sample}``: a test set
   whose references are the oracle's samples (MAUVE / ROUGE / PPL_test against the oracle), or a
@@ -43,7 +43,7 @@ def sample_corpus(
     tokens for every prompt of ``cfg.data.eval`` with the model in ``run_dir``; write them to
     ``out`` (JSONL, prompt-major order) and return a summary (rows, prompts, empty samples,
     settings). Everything is checked before the file is written."""
-    from emdlm.evaluation import generate_answers
+    from emdlm.generation import generate_answers
     from emdlm.training.evaluate import load_trained
 
     target = Path(out)

@@ -1,7 +1,7 @@
 """Greedy (or sampled) answers and completion perplexity of a VLM on image rows, and the rows
 with their images swapped (:func:`other_images`) to measure how much the answers use the image.
 
-Same conventions as :func:`emdlm.evaluation.generate_answers`: an explicit GenerationConfig
+Same conventions as :func:`emdlm.generation.generate_answers`: an explicit GenerationConfig
 (the checkpoint's own generation defaults are not used), stop per row at EOS or a stop string,
 new text decoded without special tokens and cut before the first stop string. Prompts are
 templated and left-padded by :class:`emdlm.vlm.collator.VLMCollator` in generation mode.
@@ -39,13 +39,13 @@ def generate_vlm_answers(
     """One answer per row (dicts with the image and "prompt")."""
     from transformers import StoppingCriteriaList
 
-    from emdlm.evaluation import _cut_at_stop, _model_device, _StopOnStrings, generation_session
+    from emdlm.generation import StopOnStrings, cut_at_stop, generation_session, model_device
 
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"max_new_tokens and batch_size must be >= 1, got {max_new_tokens}, "
                          f"{batch_size}")
     tokenizer = collator.tokenizer
-    device = _model_device(model)
+    device = model_device(model)
     was_generation, collator.generation = collator.generation, True
     answers: list[str] = []
     try:
@@ -57,13 +57,13 @@ def generate_vlm_answers(
             for start in range(0, len(rows), batch_size):
                 batch = _on(collator(list(rows[start : start + batch_size])), device)
                 width = batch["input_ids"].shape[1]
-                criteria = [_StopOnStrings(tokenizer, width, stop_at)] if any(stop_at) else []
+                criteria = [StopOnStrings(tokenizer, width, stop_at)] if any(stop_at) else []
                 out = model.generate(
                     **batch, generation_config=config,
                     stopping_criteria=StoppingCriteriaList(criteria),
                 )  # [b, width + new]
                 texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-                answers.extend(_cut_at_stop(t, stop_at) for t in texts)
+                answers.extend(cut_at_stop(t, stop_at) for t in texts)
     finally:
         collator.generation = was_generation
     return answers

@@ -126,7 +126,8 @@ def evaluate_vlm(
     wrong, never dropped. ``sheet``: where to write a contact sheet (PNG) of the first 32 test
     images with gold and predicted answers (kinds clock / box / boxes, images given as paths).
     Returns (metrics, one prediction row per example)."""
-    from emdlm.evaluation import _cut_at_stop, _per_example_fields
+    from emdlm.evaluation import per_example_fields
+    from emdlm.generation import cut_at_stop
     from emdlm.metrics import compute_task_metrics
     from emdlm.models import load_tokenizer as load_tok
     from emdlm.vlm.generate import generate_vlm_answers, other_images, vlm_perplexity
@@ -148,7 +149,7 @@ def evaluate_vlm(
         stop_at=stop_at,
     )
     preds = [p.strip() for p in preds]
-    refs = [_cut_at_stop(r["completion"], stop_at).strip() for r in rows]
+    refs = [cut_at_stop(r["completion"], stop_at).strip() for r in rows]
     metrics: dict[str, Any] = compute_task_metrics(preds, refs, e.kind, rows=rows)
     key = cfg.data.image_key
     metrics["perplexity"] = vlm_perplexity(model, collator, rows, batch_size=e.batch_size)
@@ -165,7 +166,7 @@ def evaluate_vlm(
         make_contact_sheet(sheet_rows, preds, sheet, kind=e.kind)
     predictions = [
         {"image": r[key] if isinstance(r[key], str) else None, "prompt": r["prompt"],
-         "reference": ref, "prediction": pred, **_per_example_fields(pred, ref, e.kind, r)}
+         "reference": ref, "prediction": pred, **per_example_fields(pred, ref, e.kind, r)}
         for r, ref, pred in zip(rows, refs, preds, strict=True)
     ]
     return metrics, predictions
