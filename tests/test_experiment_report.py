@@ -170,7 +170,7 @@ def test_extra_evaluations_are_reported_with_their_prefix(tmp_path):
 def test_single_step_grid_plots_final_values_and_a_text_note(tmp_path):
     """checkpoints: final (one evaluated step): final values, not curves; text metrics explained."""
     from emdlm.experiments.plots import plot_learning_curves
-    from emdlm.experiments.report import Row
+    from emdlm.experiments.results import Row
 
     rows = [Row("default", v, s, 20, m, 1.0 + s) for v in ("ce", "emo") for s in (0, 1)
             for m in ("mauve", "ppl_test")]
@@ -186,7 +186,7 @@ def test_single_step_grid_plots_final_values_and_a_text_note(tmp_path):
 
 
 def test_constant_answer_floor_by_hand():
-    from emdlm.experiments.report import constant_answer_floor
+    from emdlm.experiments.floor import constant_answer_floor
 
     # references 2, -1, 1/2, 10 and one unparsable answer (left out)
     floor = constant_answer_floor(["2", "-1", "1/2", "10", "n/a"])
@@ -215,7 +215,7 @@ def test_report_states_the_constant_answer_floor(made):
 
 
 def test_clock_extras_by_hand():
-    from emdlm.experiments.report import clock_extras
+    from emdlm.experiments.results import clock_extras
 
     rows = [{"reference": "9_15", "prediction": "9_45", "time_gap": 0.5},   # hour right
             {"reference": "10_15", "prediction": "2_15", "time_gap": 4.0},  # minutes right

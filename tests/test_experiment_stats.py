@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from emdlm.experiments.report import numeric_extras
+from emdlm.experiments.results import numeric_extras
 from emdlm.experiments.stats import (
     bootstrap_ci,
     compare_paired,

@@ -230,8 +230,8 @@ def test_paired_t_interval_and_which_interval_compare_paired_gives():
 
 
 def test_evidence_rule_by_seed_count():
-    from emdlm.experiments.report import is_evidence, seeds_verdict
     from emdlm.experiments.stats import PairedComparison
+    from emdlm.experiments.verdict import is_evidence, seeds_verdict
 
     def comp(n, lo, hi, p_w, p_t):
         return PairedComparison(n, (lo + hi) / 2, lo, hi, p_w, p_t, "")

@@ -35,9 +35,10 @@ class ExperimentResult:
 def write_outputs(exp: Experiment, cells: list[Cell], *, command: str = "") -> ExperimentResult:
     """Aggregate whatever cells are finished into results.csv, report.md and plots/ (each
     written whole). Only cells whose outputs read back whole count; the others marked done
-    are named in the report and in ``left_out`` (:func:`emdlm.experiments.report.read_grid`)."""
+    are named in the report and in ``left_out`` (:func:`emdlm.experiments.results.read_grid`)."""
     from emdlm.experiments.plots import make_plots
-    from emdlm.experiments.report import read_grid, write_csv, write_report
+    from emdlm.experiments.report import write_report
+    from emdlm.experiments.results import read_grid, write_csv
 
     out = exp.output_dir
     out.mkdir(parents=True, exist_ok=True)

@@ -24,13 +24,7 @@ import numpy as np
 from emdlm._files import atomic_write
 from emdlm.eval_outputs import EvalOutputError, read_eval_outputs
 from emdlm.experiments.grid import Cell
-from emdlm.experiments.report import (
-    Row,
-    curves,
-    is_extra_metric,
-    key_metrics,
-    ordered_metrics,
-)
+from emdlm.experiments.results import Row, curves, is_extra_metric, key_metrics, ordered_metrics
 from emdlm.experiments.runner import EVAL_DIR, cell_problem
 
 
