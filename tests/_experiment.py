@@ -34,8 +34,8 @@ def finished_text_grid(output_dir, seeds, metrics_of):
     import json
 
     from emdlm.experiments import expand_grid
+    from emdlm.experiments.cell_folder import CELL_DONE, eval_dir
     from emdlm.experiments.grid import parse_experiment
-    from emdlm.experiments.runner import CELL_DONE, eval_dir
 
     exp = parse_experiment({"name": "t", "base": FAKE_BASE, "seeds": list(seeds),
                             "variants": {"ce": [], "emo": ["objective.name=ce"]},

@@ -20,8 +20,8 @@ from _experiment import FAKE_BASE
 from emdlm.cli import app
 from emdlm.eval_outputs import write_eval_outputs
 from emdlm.experiments import expand_grid, run_cells, write_outputs
+from emdlm.experiments.cell_folder import CELL_DONE, eval_dir
 from emdlm.experiments.grid import parse_experiment
-from emdlm.experiments.runner import CELL_DONE, eval_dir
 
 ROWS = 50  # rows of a whole test set
 CUT = 29  # rows a killed write left behind

@@ -8,6 +8,7 @@ import pytest
 
 from _experiment import FAKE_BASE
 from emdlm.experiments import expand_grid, write_outputs
+from emdlm.experiments.cell_folder import CELL_DONE
 from emdlm.experiments.components import (
     TRAIN_LOG,
     component_summary,
@@ -15,7 +16,6 @@ from emdlm.experiments.components import (
     window_means,
 )
 from emdlm.experiments.grid import parse_experiment
-from emdlm.experiments.runner import CELL_DONE
 
 
 def _log(n_steps: int, ce_at, extra=None) -> list[dict]:

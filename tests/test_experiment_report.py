@@ -12,8 +12,9 @@ import pytest
 
 from _experiment import FAKE_BASE, finished_text_grid
 from emdlm.experiments import expand_grid, write_outputs
+from emdlm.experiments.cell_folder import CELL_DONE, eval_dir
 from emdlm.experiments.grid import parse_experiment
-from emdlm.experiments.runner import CELL_DONE, _models_to_evaluate, eval_dir
+from emdlm.experiments.runner import _models_to_evaluate
 from emdlm.experiments.stats import (
     compare_paired,
     detectable_difference,

@@ -13,14 +13,16 @@ from typer.testing import CliRunner
 from _experiment import TINY_BASE
 from emdlm.cli import app
 from emdlm.experiments import expand_grid, run_experiment
-from emdlm.experiments.grid import parse_experiment
-from emdlm.experiments.runner import (
+from emdlm.experiments.cell_folder import (
     CELL_DONE,
     ERROR_FILE,
+    LOCK_FILE,
     WALL_TIME_FILE,
-    _WallLedger,
-    run_cells,
+    WallLedger,
 )
+from emdlm.experiments.console import PrefixedLines, cell_console
+from emdlm.experiments.grid import parse_experiment
+from emdlm.experiments.runner import run_cells
 
 pytestmark = pytest.mark.slow
 
@@ -159,7 +161,7 @@ def test_wall_ledger_survives_a_killed_invocation(tmp_path):
     warning (no __exit__) leaves its time, which the next invocation adds."""
     folder = tmp_path / "cell"
     folder.mkdir()
-    killed = _WallLedger(folder, resumed=False, heartbeat_s=0.01)
+    killed = WallLedger(folder, resumed=False, heartbeat_s=0.01)
     killed.write()
     killed._thread.start()
     deadline = time.monotonic() + 10
@@ -170,13 +172,13 @@ def test_wall_ledger_survives_a_killed_invocation(tmp_path):
     killed._thread.join()
     left = json.loads((folder / WALL_TIME_FILE).read_text())
     assert left["earlier_s"] == 0.0
-    with _WallLedger(folder, resumed=True) as next_one:
+    with WallLedger(folder, resumed=True) as next_one:
         assert next_one.complete and next_one.earlier_s == pytest.approx(left["this_s"])
     final = json.loads((folder / WALL_TIME_FILE).read_text())
     assert final["earlier_s"] == pytest.approx(left["this_s"]) and final["this_s"] > 0
     # a torn ledger: the time is unknown, not zero
     (folder / WALL_TIME_FILE).write_text('{"earlier_s": 1.0')
-    assert not _WallLedger(folder, resumed=True).complete
+    assert not WallLedger(folder, resumed=True).complete
 
 
 def test_worker_processes_record_failures(tmp_path):
@@ -255,19 +257,18 @@ def test_a_cell_another_process_holds_is_left_alone(tmp_path):
     """The same grid started twice on one folder: the second invocation reports the held cell
     (naming the holder's pid) and writes nothing into it; once released, the cell runs."""
     fcntl = pytest.importorskip("fcntl")
-    from emdlm.experiments import runner
 
     data = {"base": BASE, "variants": {"ce": []}, "output_dir": str(tmp_path / "grid")}
     (cell,) = expand_grid(parse_experiment(data))
     cell.folder.mkdir(parents=True)
-    with open(cell.folder / runner.LOCK_FILE, "w") as other:  # the "other process"
+    with open(cell.folder / LOCK_FILE, "w") as other:  # the "other process"
         other.write("4242\n")
         other.flush()
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
         (outcome,) = run_cells([cell], workers=1, threads=1, progress=False)
         assert outcome.status == "failed"
         assert "in use by another process (pid 4242)" in outcome.error
-        assert sorted(p.name for p in cell.folder.iterdir()) == [runner.LOCK_FILE]
+        assert sorted(p.name for p in cell.folder.iterdir()) == [LOCK_FILE]
     (outcome,) = run_cells([cell], workers=1, threads=1, progress=False)  # released
     assert outcome.status == "done" and (cell.folder / CELL_DONE).is_file()
 
@@ -322,9 +323,9 @@ def test_a_cells_console_lines_carry_its_name(tmp_path, monkeypatch, capsys):
     assert captured.err.splitlines() == [
         "[default/ce/seed3] emdlm: world size 1 (single process) for 3",
         "[default/ntil/seed3] emdlm: world size 1 (single process) for 3"]
-    assert sys.stdout is not None and not isinstance(sys.stdout, runner.PrefixedLines)
+    assert sys.stdout is not None and not isinstance(sys.stdout, PrefixedLines)
     stream = io.StringIO()
-    bar = runner.PrefixedLines(stream, "[k] ")
+    bar = PrefixedLines(stream, "[k] ")
     bar.write("\r 50%|#   |\r100%|####|\n")
     assert stream.getvalue() == "[k] \r[k]  50%|#   |\r[k] 100%|####|\n"
 
@@ -337,7 +338,6 @@ def test_cell_console_prefixes_logging_handlers_made_before_the_cell() -> None:
     import logging
     import sys
 
-    from emdlm.experiments import runner
 
     console = io.StringIO()
     old_stderr, sys.stderr = sys.stderr, console
@@ -347,7 +347,7 @@ def test_cell_console_prefixes_logging_handlers_made_before_the_cell() -> None:
     logger.addHandler(handler)
     try:
         logger.warning("before")
-        with runner.cell_console("t/ce/seed0"):
+        with cell_console("t/ce/seed0"):
             logger.warning("tokenizer has new PAD/BOS/EOS tokens")
         logger.warning("after")
     finally:

@@ -17,8 +17,8 @@ from scipy import stats
 
 from _experiment import FAKE_BASE, finished_text_grid
 from emdlm.experiments import expand_grid, write_outputs
+from emdlm.experiments.cell_folder import CELL_DONE, eval_dir
 from emdlm.experiments.grid import parse_experiment
-from emdlm.experiments.runner import CELL_DONE, eval_dir
 
 # the test problems of every fake cell: references 2 and 18, so the best constant answer (the
 # median, 10) has abs_error_mean 8 and answering 0 has 10

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from emdlm._files import read_appended_jsonl
+from emdlm.experiments.cell_folder import CELL_DONE
 from emdlm.experiments.grid import Cell
-from emdlm.experiments.runner import CELL_DONE
 
 TRAIN_LOG = "train_log.jsonl"
 #: (name, first, last) fractions of the final logged step.

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from emdlm.experiments.cell_folder import CELL_DONE, final_predictions
 from emdlm.experiments.grid import Cell
-from emdlm.experiments.runner import CELL_DONE, final_predictions
 from emdlm.experiments.stats import mean_std
 
 _EXACT_INT = 2.0**53  # floats below this hold every integer exactly

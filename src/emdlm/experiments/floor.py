@@ -10,11 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from emdlm.eval_outputs import read_predictions
+from emdlm.experiments.cell_folder import CELL_DONE, final_predictions
 from emdlm.experiments.grid import Cell
-from emdlm.experiments.runner import (
-    CELL_DONE,
-    final_predictions,
-)
 
 
 def constant_answer_floor(references: Sequence[str]) -> dict[str, dict[str, float]]:

@@ -23,9 +23,9 @@ import numpy as np
 
 from emdlm._files import atomic_write
 from emdlm.eval_outputs import EvalOutputError, read_eval_outputs
+from emdlm.experiments.cell_folder import EVAL_DIR, cell_problem
 from emdlm.experiments.grid import Cell
 from emdlm.experiments.results import Row, curves, is_extra_metric, key_metrics, ordered_metrics
-from emdlm.experiments.runner import EVAL_DIR, cell_problem
 
 
 def _pyplot():  # type: ignore[no-untyped-def]

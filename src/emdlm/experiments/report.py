@@ -27,17 +27,12 @@ import numpy as np
 
 from emdlm._files import atomic_write
 from emdlm.eval_outputs import read_predictions
+from emdlm.experiments.cell_folder import CELL_DONE, ERROR_FILE, cell_problem, read_cell_record
 from emdlm.experiments.components import component_lines
 from emdlm.experiments.digits import place_accuracy_lines
 from emdlm.experiments.floor import TaskFloor, task_floor
 from emdlm.experiments.grid import Cell, Experiment
 from emdlm.experiments.results import Row, better_direction, fmt, fmt_p
-from emdlm.experiments.runner import (
-    CELL_DONE,
-    ERROR_FILE,
-    cell_problem,
-    read_cell_record,
-)
 from emdlm.experiments.stats import (
     ALPHA,
     MIN_BOOTSTRAP_SEEDS,

@@ -7,7 +7,7 @@ shares of answers within +-1% and +-5%, magnitude and sign errors, digit accurac
 
 Only whole outputs count: a cell is read when its ``cell_done.json`` parses and every one of
 its evaluation folders has a metrics.json agreeing with the rows of its predictions.jsonl
-(:func:`emdlm.experiments.runner.cell_problem`, :func:`emdlm.eval_outputs.read_eval_outputs`).
+(:func:`emdlm.experiments.cell_folder.cell_problem`, :func:`emdlm.eval_outputs.read_eval_outputs`).
 A cell marked done whose outputs are not whole is left out and named with the file and the
 reason (:attr:`GridRead.left_out`): no metric is computed from part of a file.
 
@@ -30,14 +30,9 @@ import numpy as np
 
 from emdlm._files import atomic_write
 from emdlm.eval_outputs import EvalOutputError, read_eval_outputs
+from emdlm.experiments.cell_folder import CELL_DONE, EVAL_DIR, cell_problem, read_cell_record
 from emdlm.experiments.digits import digit_accuracies, parsed_answers
 from emdlm.experiments.grid import Cell
-from emdlm.experiments.runner import (
-    CELL_DONE,
-    EVAL_DIR,
-    cell_problem,
-    read_cell_record,
-)
 from emdlm.experiments.stats import (
     normalized_auc,
 )
@@ -215,7 +210,7 @@ class GridRead:
 
 
 def read_grid(cells: Iterable[Cell]) -> GridRead:
-    """Read every finished cell whole (:func:`emdlm.experiments.runner.cell_problem`, then
+    """Read every finished cell whole (:func:`emdlm.experiments.cell_folder.cell_problem`, then
     :func:`cell_rows`); a cell marked done whose outputs are not whole goes to ``left_out``
     with its reason instead of into the statistics. Unfinished cells are passed over."""
     out = GridRead()
