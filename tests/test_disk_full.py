@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from typer.testing import CliRunner
 
 from emdlm.cli import app
-from emdlm.training.run_folder import checkpoint_folders, checkpoint_problem, weights_problem
+from emdlm.training.checkpoints import checkpoint_folders, checkpoint_problem, weights_problem
 
 runner = CliRunner()
 TINY = [
@@ -141,7 +141,7 @@ def test_disk_full_during_the_final_model_save(tmp_path, monkeypatch):
 def test_other_save_errors_are_not_called_a_full_disk(tmp_path):
     """Only a full disk is reported as one: any other error, or torch's write error while the
     disk has space, is raised as it was."""
-    from emdlm.training.run_folder import DiskFullError, disk_full_error
+    from emdlm.training.saving import DiskFullError, disk_full_error
 
     assert disk_full_error(PermissionError(13, "Permission denied"), tmp_path, "x") is None
     assert disk_full_error(RuntimeError("CUDA out of memory"), tmp_path, "x") is None

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from emdlm.cli import app
 from emdlm.config import ConfigError, load_config
 from emdlm.training import latest_checkpoint, prepare_run, run_training, train
-from emdlm.training.run_folder import checkpoint_problem
+from emdlm.training.checkpoints import checkpoint_problem
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,8 @@ import pytest
 from torch.nn.modules.module import _IncompatibleKeys
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-from emdlm.training.run_folder import atomic_checkpoint_trainer, tied_missing_keys
+from emdlm.training.checkpoints import tied_missing_keys
+from emdlm.training.saving import atomic_checkpoint_trainer
 
 
 def _tiny_gpt2(tied: bool) -> GPT2LMHeadModel:

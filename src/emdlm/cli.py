@@ -96,7 +96,7 @@ def train(
     from emdlm.config import load_config
     from emdlm.training import TrainingInterrupted, run_training
     from emdlm.training.launch import close_process_group
-    from emdlm.training.run_folder import DiskFullError
+    from emdlm.training.saving import DiskFullError
 
     items = list(overrides or [])
     for key, value in (("output_dir", output), ("objective.name", objective),

@@ -17,7 +17,7 @@ from typing import Any
 
 from emdlm.integrations.transformers import ComputeLoss
 from emdlm.training.folder_guard import TRAIN_LOG
-from emdlm.training.run_folder import full_disk_in_one_line
+from emdlm.training.saving import full_disk_in_one_line
 
 
 def finished_checkpoint_step(checkpoint: str | None, max_steps: int) -> int | None:

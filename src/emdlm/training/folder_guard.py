@@ -27,18 +27,16 @@ import yaml
 from emdlm._files import atomic_write, read_appended_jsonl
 from emdlm.config import ConfigError, RunConfig
 from emdlm.integrations.sharding import world_size_from_env
+from emdlm.training.checkpoints import checkpoint_folders, resume_checkpoint
 from emdlm.training.run_folder import (
     check_overwrite_target,
     check_run_folder_free,
-    checkpoint_folders,
     clear_run_folder,
-    full_disk_in_one_line,
     has_entries,
     hold_run_folder,
     record_outputs,
-    remove_stale_saves,
-    resume_checkpoint,
 )
+from emdlm.training.saving import full_disk_in_one_line, remove_stale_saves
 
 RUN_CONFIG = "run_config.yaml"  # also read by emdlm.training.evaluate
 TRAIN_LOG = "train_log.jsonl"

@@ -16,7 +16,7 @@ def load_trained(run_dir: str | Path, tokenizer_name: str | None = None) -> tupl
     from transformers import AutoModelForCausalLM
 
     from emdlm.models import check_vocab, load_tokenizer
-    from emdlm.training.run_folder import checkpoint_folders, checkpoint_problem, weights_problem
+    from emdlm.training.checkpoints import checkpoint_folders, checkpoint_problem, weights_problem
 
     folder = Path(run_dir)
     if not folder.is_dir():

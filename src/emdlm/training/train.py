@@ -30,7 +30,7 @@ empty folder cannot both use it); a second run is refused at once, naming the ho
 Checkpoints are written under ``tmp-checkpoint-<step>`` and renamed into place when complete;
 ``resume`` checks the checkpoint (every file present and readable) before anything in the
 folder changes, and falls back past a damaged newest one. A full disk while saving ends the
-run with one line (:class:`~emdlm.training.run_folder.DiskFullError`) naming what was being
+run with one line (:class:`~emdlm.training.saving.DiskFullError`) naming what was being
 saved and the checkpoint that is intact.
 
 The first Ctrl-C finishes the optimizer step in progress, saves a checkpoint and raises
@@ -82,11 +82,8 @@ from emdlm.training.folder_guard import (
     run_inputs,
 )
 from emdlm.training.launch import from_hidden_message, start_run_console
-from emdlm.training.run_folder import (
-    atomic_checkpoint_trainer,
-    full_disk_in_one_line,
-    record_outputs,
-)
+from emdlm.training.run_folder import record_outputs
+from emdlm.training.saving import atomic_checkpoint_trainer, full_disk_in_one_line
 
 __all__ = [  # the recipe's names, and those of its parts that were first defined here
     "GENERATION_KINDS", "RUN_CONFIG", "TRAIN_LOG", "PreparedRun", "TrainingInterrupted",
