@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("answers", ("emdlm.vision", "emdlm.vision.boxes", "emdlm.math_answers", "emdlm.metrics.*",
                  "emdlm.vision.images")),
     ("tasks", ("emdlm.tasks.*",)),
-    ("data", ("emdlm.data", "emdlm.vision.readers", "emdlm.vision.math_readers",
+    ("data", ("emdlm.number_scope", "emdlm.data", "emdlm.vision.readers", "emdlm.vision.math_readers",
               "emdlm.vision.curved_text", "emdlm.vlm", "emdlm.vlm.data",
               "emdlm.generation", "emdlm.evaluation", "emdlm.eval_outputs",
               "emdlm.vision.contact_sheet")),

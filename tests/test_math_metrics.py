@@ -8,7 +8,6 @@ import math
 
 import pytest
 
-from emdlm.data import scope_pattern
 from emdlm.eval_kinds import eval_kind
 from emdlm.evaluation import ROW_FIELDS, evaluate_examples, per_example_fields
 from emdlm.math_answers import (
@@ -25,6 +24,7 @@ from emdlm.math_answers import (
     score_answer,
 )
 from emdlm.metrics import compute_task_metrics
+from emdlm.number_scope import scope_pattern
 from emdlm.vision.boxes import boxes_metrics
 
 CHOICES = ["3", "4.5", "larger than", "smaller than"]

@@ -14,9 +14,9 @@ import pytest
 from PIL import Image
 
 from emdlm.config import ConfigError
-from emdlm.data import row_scopes
 from emdlm.math_answers import NO_NUMBERS
 from emdlm.metrics import compute_task_metrics
+from emdlm.number_scope import row_scopes
 from emdlm.vision.curved_text import read_ctw1500, read_totaltext
 from emdlm.vision.math_readers import read_mathvision, read_mathvista
 

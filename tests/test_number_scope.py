@@ -15,13 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from emdlm.config import ConfigError, ModelConfig, load_config
-from emdlm.data import (
-    DataCollator,
-    build_dataset,
-    in_scope_tokens,
-    scope_pattern,
-    tokenize_example,
-)
+from emdlm.data import DataCollator, build_dataset, tokenize_example
 from emdlm.functional.ntil import mix_coefficient
 from emdlm.integrations.transformers import (
     LossComponentsCallback,
@@ -30,6 +24,7 @@ from emdlm.integrations.transformers import (
 )
 from emdlm.losses.ce import CrossEntropyLoss
 from emdlm.losses.ntil import DigitEMDLoss, NTILLoss
+from emdlm.number_scope import in_scope_tokens, scope_pattern
 from emdlm.numbers import NumberVocab, find_number_spans
 
 ROW_TEXT = "answer: 3, box (12,40),(80,99)"

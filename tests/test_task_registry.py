@@ -19,7 +19,7 @@ from typing import Any, get_args
 import pytest
 from PIL import Image, ImageDraw
 
-from emdlm import config, data, eval_kinds, metrics, tasks
+from emdlm import config, eval_kinds, metrics, number_scope, tasks
 from emdlm.eval_kinds import EVAL_KIND_SPECS, EVAL_KINDS, GENERATION_KINDS, PICTURE_KINDS
 from emdlm.evaluation import ROW_FIELDS, per_example_fields
 from emdlm.metrics import (
@@ -318,28 +318,29 @@ _OLD_BOX = (r"\(\s*\d+\s*,\s*\d+\s*\)\s*,\s*\(\s*\d+\s*,\s*\d+\s*\)"
 
 
 def test_answer_patterns_are_the_task_registrys() -> None:
-    """data.py keeps no table of its own: ANSWER_PATTERNS reads the task specs."""
+    """number_scope keeps no table of its own: ANSWER_PATTERNS reads the task specs."""
     specs = tasks.task_specs()
     want = {n: s.answer_pattern for n, s in specs.items() if s.answer_pattern is not None}
-    assert dict(data.ANSWER_PATTERNS) == want == tasks.answer_patterns()
-    # the patterns data.py held before, moved next to their tasks unchanged
+    assert dict(number_scope.ANSWER_PATTERNS) == want == tasks.answer_patterns()
+    # the patterns emdlm.data held before, moved next to their tasks unchanged
     assert {n: want[n].pattern for n in ("clock", "grounding", "text_detection")} == {
         "clock": r"\b\d{1,2}_\d{2}\b", "grounding": _OLD_BOX, "text_detection": _OLD_BOX}
-    assert "arithmetic" not in data.ANSWER_PATTERNS
-    assert data.scope_pattern("answer:clock", None, "x") is want["clock"]
-    assert data.scope_pattern("answer", "grounding", "x") is want["grounding"]
-    hits = data.ANSWER_PATTERNS["text_detection"].findall("(0,0),(5,5); [0.1, 0.2, 0.3, 0.4] 7")
+    assert "arithmetic" not in number_scope.ANSWER_PATTERNS
+    assert number_scope.scope_pattern("answer:clock", None, "x") is want["clock"]
+    assert number_scope.scope_pattern("answer", "grounding", "x") is want["grounding"]
+    detection = number_scope.ANSWER_PATTERNS["text_detection"]
+    hits = detection.findall("(0,0),(5,5); [0.1, 0.2, 0.3, 0.4] 7")
     assert hits == ["(0,0),(5,5)", "[0.1, 0.2, 0.3, 0.4]"]
     with pytest.raises(TypeError):
-        data.ANSWER_PATTERNS["mine"] = re.compile("x")  # type: ignore[index]
+        number_scope.ANSWER_PATTERNS["mine"] = re.compile("x")  # type: ignore[index]
 
 
 def test_register_answer_pattern_goes_to_the_task_registry(monkeypatch) -> None:
     monkeypatch.setattr(tasks, "_REGISTRY", dict(tasks.task_specs()))
-    data.register_answer_pattern("_rows_from_a_file", r"\d+")
+    tasks.register_answer_pattern("_rows_from_a_file", r"\d+")
     spec = tasks.task_spec("_rows_from_a_file")
     assert spec.generator is None and spec.answer_pattern.pattern == r"\d+"
-    assert data.scope_pattern("answer:_rows_from_a_file", None, "x") is spec.answer_pattern
+    assert number_scope.scope_pattern("answer:_rows_from_a_file", None, "x") is spec.answer_pattern
     assert "_rows_from_a_file" not in tasks.available_tasks()
     with pytest.raises(ValueError, match="unknown task '_rows_from_a_file'"):
         tasks.get_task("_rows_from_a_file")
@@ -350,7 +351,7 @@ def test_register_answer_pattern_goes_to_the_task_registry(monkeypatch) -> None:
 
     spec = tasks.task_spec("_rows_from_a_file")
     assert spec.generator is _gen and spec.answer_pattern.pattern == r"\d+"  # kept
-    data.register_answer_pattern("clock", r"\d+_\d+")  # replaces a built-in task's
+    tasks.register_answer_pattern("clock", r"\d+_\d+")  # replaces a built-in task's
     assert tasks.task_spec("clock").answer_pattern.pattern == r"\d+_\d+"
     assert tasks.task_spec("clock").generator is not None
     with pytest.raises(ValueError, match="unknown eval kind 'speech'"):

@@ -16,9 +16,9 @@ import pytest
 from PIL import Image
 from scipy import ndimage
 
-from emdlm.data import piece_masks, scope_pattern
 from emdlm.eval_kinds import EVAL_KINDS
 from emdlm.models import load_tokenizer
+from emdlm.number_scope import piece_masks, scope_pattern
 from emdlm.tasks import available_tasks, generate_task, task_spec
 from emdlm.tasks.render import COLORS
 from emdlm.tasks.visual_math import (

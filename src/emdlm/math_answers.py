@@ -62,7 +62,7 @@ QUESTION_TYPES = ("multi_choice", "free_form")
 ANSWER_TYPES = ("integer", "float", "text", "list")
 NUMERIC_TYPES = ("integer", "float")
 LETTERS = string.ascii_uppercase
-#: a number scope (:func:`emdlm.data.scope_pattern`) matching nothing: no token is a number
+#: a number scope (:func:`emdlm.number_scope.scope_pattern`) matching nothing: no token is a number
 NO_NUMBERS = "regex:(?!)"
 #: the number scope of a free-form numeric answer: the answer is the number
 WHOLE_ANSWER = "all"

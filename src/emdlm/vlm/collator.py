@@ -32,13 +32,8 @@ from typing import Any
 import torch
 
 from emdlm.config import ConfigError
-from emdlm.data import (
-    IGNORE_INDEX,
-    pad_number_mask,
-    piece_masks,
-    require_pad_token_id,
-    row_scopes,
-)
+from emdlm.data import IGNORE_INDEX, pad_number_mask, require_pad_token_id
+from emdlm.number_scope import piece_masks, row_scopes
 from emdlm.vision.images import displayed_size, open_rgb
 from emdlm.vlm.models import VisionSpec
 

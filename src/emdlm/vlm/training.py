@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from emdlm.config import ConfigError, RunConfig
-from emdlm.data import row_scopes
 from emdlm.eval_kinds import eval_kind
 from emdlm.models import load_tokenizer
+from emdlm.number_scope import row_scopes
 from emdlm.vlm.collator import VLMCollator
 from emdlm.vlm.data import ImageRowsDataset, cut_image_rows, load_image_examples
 from emdlm.vlm.models import (
