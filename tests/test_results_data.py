@@ -2,7 +2,8 @@
 
 - A report written by ``emdlm experiment`` names its grid ("Variants: ...; seeds: ...;"): the
   CSVs in the folder of the report's name must hold every (variant, seed) it names.
-- A CSV a report names (``results.csv``, ``<folder>/results_16k.csv``) must exist.
+- A CSV a report names (``results.csv``, ``<folder>/results_16k.csv``, or a path from the
+  repository root) must exist.
 - The reports whose data is not published are listed in KNOWN_MISSING with the reason; the
   list must be exact, so publishing the data (or losing more) fails this test until it is
   updated.
@@ -44,7 +45,9 @@ def _missing(report: Path, results: Path = RESULTS) -> list[str]:
     for name in sorted(set(CSV_NAME.findall(text))):
         # "their results.csv" of a folder of grids: <grid>_results.csv counts
         prefixed = list(folder.glob(f"*_{name}")) if folder.is_dir() and "/" not in name else []
-        if not any(c.is_file() for c in [results / name, folder / name, *prefixed]):
+        # a path from the repository root (a command line in the report) counts too
+        candidates = [results / name, folder / name, results.parents[1] / name, *prefixed]
+        if not any(c.is_file() for c in candidates):
             missing.append(name)
     return missing
 
