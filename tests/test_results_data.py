@@ -75,3 +75,21 @@ def test_the_reader_finds_a_missing_seed(tmp_path):
     assert _missing(report, tmp_path) == ["ce/seed1"]
     report.write_text("Variants: ce (baseline `ce`); seeds: 0; tasks: t.\nsee other.csv\n")
     assert _missing(report, tmp_path) == ["other.csv"]
+
+
+def test_number_losses_tables_are_what_the_committed_script_prints():
+    """The char tables of number_losses.md are the output of its committed script on its
+    committed CSV (docs/results/number_losses/tables.py), line for line."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "number_losses_tables", RESULTS / "number_losses" / "tables.py")
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    values, step, seeds = tables.load(str(RESULTS / "number_losses" / "results.csv"), "char")
+    assert (step, seeds) == (8000, [0, 1, 2, 3, 4])
+    lines = (tables.headline(values, seeds) + tables.paired(values, seeds, "ce")
+             + tables.paired(values, seeds, "ce_lr1e-3"))
+    doc = (RESULTS / "number_losses.md").read_text(encoding="utf-8").splitlines()
+    absent = [line for line in lines if line not in doc]
+    assert not absent, f"number_losses.md lacks what tables.py prints: {absent[:2]}"
