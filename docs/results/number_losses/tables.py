@@ -3,7 +3,7 @@
 Usage (from the repository root):
 
     .venv/bin/python docs/results/number_losses/tables.py \
-        docs/results/number_losses/results.csv char
+        docs/results/number_losses/results.csv char [--curves OUT.png]
 
 Prints, for one task at its final checkpoint: the headline table (mean ± sample std over seeds,
 the best mean of each column in bold), the paired differences against CE at the same learning
@@ -12,6 +12,10 @@ rate and against the CE learning-rate control (the runner's own test,
 resamples, seed 0, and the paired-t p-value; bold when p < 0.05 and the interval excludes 0,
 with how many seeds lie on the difference's side), and the per-seed mean absolute error.
 Only seeds every variant of the task finished are used (the comparison is paired).
+
+``--curves OUT.png`` also draws the runner's learning-curve plot
+(``emdlm.experiments.plots.plot_learning_curves``: mean over seeds, min-max band) from the CSV,
+for a grid whose cells ran on different machines, so no one runner saw them all.
 """
 
 from __future__ import annotations
@@ -20,9 +24,12 @@ import csv
 import math
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 
+from emdlm.experiments.plots import plot_learning_curves
+from emdlm.experiments.results import Row
 from emdlm.experiments.stats import compare_paired
 
 VARIANTS = {
@@ -131,7 +138,27 @@ def main(path: str, task: str) -> None:
     print(f"Per seed, mean abs error at step {step} (seeds {seeds}): {per_seed}")
 
 
+def curves(path: str, task: str, out: Path) -> None:
+    """The runner's learning-curve PNG of ``task`` from the CSV's rows."""
+    with open(path, newline="") as f:
+        rows = [Row(r["task"], r["variant"], int(r["seed"]), int(r["step"]), r["metric"],
+                    float(r["value"])) for r in csv.DictReader(f) if r["task"] == task]
+    if not plot_learning_curves(rows, task, list(VARIANTS), out):
+        raise SystemExit(f"no curve to draw for task {task!r} in {path}")
+    print(f"written: {out}")
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
+    args = sys.argv[1:]
+    out = None
+    if "--curves" in args:
+        i = args.index("--curves")
+        if i + 1 >= len(args):
+            raise SystemExit(__doc__)
+        out = Path(args.pop(i + 1))
+        args.pop(i)
+    if len(args) != 2:
         raise SystemExit(__doc__)
-    main(sys.argv[1], sys.argv[2])
+    main(*args)
+    if out is not None:
+        curves(*args, out)
