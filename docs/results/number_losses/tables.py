@@ -56,18 +56,25 @@ PAIRED = [
 ]
 
 
-def load(path: str, task: str) -> tuple[dict[tuple[str, str], dict[int, float]], int, list[int]]:
-    """Values at the task's final step as {(variant, metric): {seed: value}}, the step and the
-    seeds every variant has."""
+def read_rows(path: str, task: str) -> list[Row]:
+    """The task's rows of a runner's results.csv (columns task, variant, seed, step, metric,
+    value)."""
     with open(path, newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r["task"] == task]
+        rows = [Row(r["task"], r["variant"], int(r["seed"]), int(r["step"]), r["metric"],
+                    float(r["value"])) for r in csv.DictReader(f) if r["task"] == task]
     if not rows:
         raise SystemExit(f"no rows for task {task!r} in {path}")
-    step = max(int(r["step"]) for r in rows)
+    return rows
+
+
+def load(rows: list[Row]) -> tuple[dict[tuple[str, str], dict[int, float]], int, list[int]]:
+    """Values at the final step as {(variant, metric): {seed: value}}, the step and the seeds
+    every variant has."""
+    step = max(r.step for r in rows)
     values: dict[tuple[str, str], dict[int, float]] = defaultdict(dict)
     for r in rows:
-        if int(r["step"]) == step:
-            values[(r["variant"], r["metric"])][int(r["seed"])] = float(r["value"])
+        if r.step == step:
+            values[(r.variant, r.metric)][r.seed] = r.value
     seed_sets = [set(values[(v, "abs_error_mean")]) for v in VARIANTS]
     seeds = sorted(set.intersection(*seed_sets))
     return values, step, seeds
@@ -122,8 +129,8 @@ def paired(values, seeds, reference: str) -> list[str]:
     return out
 
 
-def main(path: str, task: str) -> None:
-    values, step, seeds = load(path, task)
+def main(rows: list[Row], task: str) -> None:
+    values, step, seeds = load(rows)
     print(f"Task {task}, step {step}, paired seeds {seeds}\n")
     print("\n".join(headline(values, seeds)) + "\n")
     print("Against CE at the same learning rate:\n")
@@ -138,13 +145,10 @@ def main(path: str, task: str) -> None:
     print(f"Per seed, mean abs error at step {step} (seeds {seeds}): {per_seed}")
 
 
-def curves(path: str, task: str, out: Path) -> None:
+def curves(rows: list[Row], task: str, out: Path) -> None:
     """The runner's learning-curve PNG of ``task`` from the CSV's rows."""
-    with open(path, newline="") as f:
-        rows = [Row(r["task"], r["variant"], int(r["seed"]), int(r["step"]), r["metric"],
-                    float(r["value"])) for r in csv.DictReader(f) if r["task"] == task]
     if not plot_learning_curves(rows, task, list(VARIANTS), out):
-        raise SystemExit(f"no curve to draw for task {task!r} in {path}")
+        raise SystemExit(f"no curve to draw for task {task!r}")
     print(f"written: {out}")
 
 
@@ -159,6 +163,8 @@ if __name__ == "__main__":
         args.pop(i)
     if len(args) != 2:
         raise SystemExit(__doc__)
-    main(*args)
+    csv_path, task_name = args
+    task_rows = read_rows(csv_path, task_name)
+    main(task_rows, task_name)
     if out is not None:
-        curves(*args, out)
+        curves(task_rows, task_name, out)
