@@ -77,16 +77,18 @@ def test_the_reader_finds_a_missing_seed(tmp_path):
     assert _missing(report, tmp_path) == ["other.csv"]
 
 
-def test_number_losses_tables_are_what_the_committed_script_prints():
-    """The char tables of number_losses.md are the output of its committed script on its
-    committed CSV (docs/results/number_losses/tables.py), line for line."""
+@pytest.mark.parametrize(("csv_name", "task"), [("results.csv", "char"),
+                                               ("gpt2_results.csv", "gpt2")])
+def test_number_losses_tables_are_what_the_committed_script_prints(csv_name, task):
+    """The tables of number_losses.md (both tokenizers) are the output of its committed script
+    on its committed CSVs (docs/results/number_losses/tables.py), line for line."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
         "number_losses_tables", RESULTS / "number_losses" / "tables.py")
     tables = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tables)
-    rows = tables.read_rows(str(RESULTS / "number_losses" / "results.csv"), "char")
+    rows = tables.read_rows(str(RESULTS / "number_losses" / csv_name), task)
     values, step, seeds = tables.load(rows)
     assert (step, seeds) == (8000, [0, 1, 2, 3, 4])
     lines = (tables.headline(values, seeds) + tables.paired(values, seeds, "ce")
