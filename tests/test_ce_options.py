@@ -107,7 +107,7 @@ def test_token_accuracy() -> None:
 @pytest.mark.parametrize(("eps", "s"), [(0.1, 0.0), (0.0, 1e-2), (0.2, 1e-3)])
 def test_from_hidden_equals_logits(eps: float, s: float, reduction: str) -> None:
     gen = torch.Generator().manual_seed(3)
-    # float64: the chunked path sums in another order; float32 agreement would hang on the BLAS
+    # float64: the chunked path sums in another order; float32 agreement would depend on the BLAS
     f64 = torch.float64
     h0 = torch.randn(3, 6, 8, generator=gen, dtype=f64)
     w0, b0 = torch.randn(13, 8, generator=gen, dtype=f64), None

@@ -109,7 +109,7 @@ def test_gradcheck_float64_with_the_weight_held() -> None:
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_from_hidden_equals_logits(reduction: str) -> None:
     gen = torch.Generator().manual_seed(4)
-    # float64: the chunked path sums in another order; float32 agreement would hang on the BLAS
+    # float64: the chunked path sums in another order; float32 agreement would depend on the BLAS
     h = torch.randn(3, 7, 6, generator=gen, dtype=torch.float64)
     w = torch.randn(19, 6, generator=gen, dtype=torch.float64)
     _, labels = _case(4)
