@@ -21,7 +21,6 @@ inputs needs no trainer change.
 from __future__ import annotations
 
 import dataclasses
-import json
 import operator
 import os
 import sys
@@ -33,11 +32,18 @@ from typing import Any
 import torch
 
 from emdlm.config import ConfigError, DataSourceConfig
+from emdlm.json_io import JSONDataError, parse_json
 from emdlm.number_scope import NUMBER_SCOPE_KEY, piece_masks, row_scopes, scope_pattern
 
 IGNORE_INDEX = -100
 CUT_POLICIES = ("warn", "error")  # data.on_truncate / data.on_drop
 _BASE_KEYS = ("input_ids", "labels", "attention_mask", "number_mask")
+#: the row fields that are tokenized, and so cut to :func:`max_characters` first
+TEXT_FIELDS = ("prompt", "completion", "text")
+#: tokens of room past ``max_length`` in :func:`max_characters`
+CHARACTER_CAP_SLACK = 8
+#: characters per token assumed for a tokenizer without ``get_vocab`` (:func:`max_characters`)
+TOKEN_CHARACTERS_FALLBACK = 256
 
 
 def _check_row(row: Any, where: str) -> dict[str, Any]:
@@ -91,9 +97,9 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ConfigError(f"{p}:{lineno}: not valid JSON ({err.msg})") from err
+                row = parse_json(line)
+            except JSONDataError as err:
+                raise ConfigError(f"{p}:{lineno}: {err}") from None
             rows.append(_check_row(row, f"{p}:{lineno}"))
     if not rows:
         raise ConfigError(f"{p}: no examples")
@@ -141,6 +147,48 @@ def load_examples(src: DataSourceConfig, *, seed: int) -> list[dict[str, Any]]:
     if src.limit is not None:
         rows = rows[: src.limit]
     return rows
+
+
+def max_characters(tokenizer: Any, max_length: int) -> int:
+    """The characters a text field keeps before tokenizing (:func:`cap_characters`):
+    ``(max_length + CHARACTER_CAP_SLACK) * L``, L the longest entry of the tokenizer's
+    vocabulary (``get_vocab()``; :data:`TOKEN_CHARACTERS_FALLBACK` without one).
+
+    A token stands for at most L characters of text, so a field cut there still has more than
+    ``max_length`` tokens and the ``max_length`` kept are those of the whole field; the
+    :data:`CHARACTER_CAP_SLACK` tokens absorb the last word, split differently at the cut.
+    (A tokenizer that drops characters, a normalizer stripping accents or whitespace no token
+    holds, can keep fewer: the cut is counted and said either way.) GPT-2's and Qwen2's longest
+    entry is 128 characters, so ``max_length=16`` keeps 3,072 characters of a 50 MB line, which
+    took minutes and gigabytes to tokenize whole."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    longest = max(map(len, get_vocab()), default=1) if callable(get_vocab) else (
+        TOKEN_CHARACTERS_FALLBACK
+    )
+    return (max_length + CHARACTER_CAP_SLACK) * max(1, longest)
+
+
+def cap_characters(
+    rows: list[dict[str, Any]], tokenizer: Any, max_length: int
+) -> tuple[list[dict[str, Any]], set[int], int, int]:
+    """(rows, indices of the rows cut, characters cut, the cap): every text field
+    (:data:`TEXT_FIELDS`) longer than :func:`max_characters` cut to it (a cut row is a new
+    dict; the others are the same objects). The tokenizer's vocabulary is read only when a
+    field is long enough to be cut at all."""
+    longest = max((len(v) for r in rows for k in TEXT_FIELDS if isinstance(v := r.get(k), str)),
+                  default=0)
+    if longest <= max_length + CHARACTER_CAP_SLACK:  # below any cap: no vocabulary to read
+        return rows, set(), 0, 0
+    cap = max_characters(tokenizer, max_length)
+    out, cut_rows, cut = [], set(), 0
+    for i, row in enumerate(rows):
+        long = [k for k in TEXT_FIELDS if isinstance(row.get(k), str) and len(row[k]) > cap]
+        if long:
+            cut_rows.add(i)
+            cut += sum(len(row[k]) - cap for k in long)
+            row = {**row, **{k: row[k][:cap] for k in long}}
+        out.append(row)
+    return out, cut_rows, cut, cap
 
 
 def tokenize_example(
@@ -197,6 +245,8 @@ class CutCounts:
 
     ``truncated``: kept, but cut (a completion lost its end and its EOS, or a text its end);
     ``dropped``: removed, because the prompt filled ``max_length`` and no target token was left.
+    ``character_cut_rows`` of the rows had a field longer than ``max_characters``, cut to it
+    before tokenizing (:func:`cap_characters`), ``characters_cut`` characters in all.
     """
 
     source: str
@@ -204,13 +254,24 @@ class CutCounts:
     truncated: int
     dropped: int
     max_length: int
+    character_cut_rows: int = 0
+    characters_cut: int = 0
+    max_characters: int = 0
 
     def message(self) -> str:
-        """``"<source>: N of M examples truncated, K dropped (data.max_length=L)"``."""
-        return (
+        """``"<source>: N of M examples truncated, K dropped (data.max_length=L)"``, then
+        ``"; R rows had a field over C characters, cut to it before tokenizing (X characters)"``
+        when the character cap cut any."""
+        text = (
             f"{self.source}: {self.truncated} of {self.examples} examples truncated, "
             f"{self.dropped} dropped (data.max_length={self.max_length})"
         )
+        if self.character_cut_rows:
+            text += (
+                f"; {self.character_cut_rows} rows had a field over {self.max_characters} "
+                f"characters, cut to it before tokenizing ({self.characters_cut} characters)"
+            )
+        return text
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -266,7 +327,9 @@ def build_dataset(
     """Tokenize all examples (batched calls into the tokenizer; same result as
     :func:`tokenize_example` per example, plus ``number_mask`` when a scope is set).
 
-    Examples longer than ``max_length`` are cut, and dropped when no target token is left;
+    Text fields longer than :func:`max_characters` are cut to it first (tokenizing a 50 MB
+    line whole to keep 16 tokens took minutes), and counted. Examples longer than
+    ``max_length`` are cut, and dropped when no target token is left;
     both are counted (``dataset.cuts``) and printed once as :meth:`CutCounts.message`, or are a
     ConfigError when ``on_truncate`` / ``on_drop`` is "error". ConfigError as well if no
     example is left.
@@ -274,7 +337,9 @@ def build_dataset(
     ``number_scope`` is the rows' default scope and ``task`` the source's task (for "answer"),
     see the module docstring: when any row's scope is not "all", every item gets
     ``number_mask`` (list of bool aligned with ``labels``)."""
-    rows = list(examples)
+    rows, char_cut_rows, chars_cut, char_cap = cap_characters(
+        list(examples), tokenizer, max_length
+    )
     scopes = row_scopes(rows, number_scope, task, source)
     pc = [i for i, ex in enumerate(rows) if "completion" in ex]
     tx = [i for i, ex in enumerate(rows) if "completion" not in ex]
@@ -318,7 +383,7 @@ def build_dataset(
         if all(lab == IGNORE_INDEX for lab in labels[1:]):
             dropped += 1  # truncation left no target
             continue
-        truncated += full_length[i] > max_length
+        truncated += full_length[i] > max_length or i in char_cut_rows
         item: dict[str, Any] = {"input_ids": ids, "labels": labels}
         if scopes is not None:
             item["number_mask"] = mask_of[i]
@@ -327,7 +392,8 @@ def build_dataset(
                 raise ConfigError(f"{source}: example {i} has no extra key {key!r}")
             item[key] = torch.as_tensor(ex[key])
         items.append(item)
-    cuts = CutCounts(source, len(rows), truncated, dropped, max_length)
+    cuts = CutCounts(source, len(rows), truncated, dropped, max_length, len(char_cut_rows),
+                     chars_cut, char_cap)
     if not items:
         raise ConfigError(
             f"{source}: no example has a target token left after truncation to "

@@ -27,8 +27,11 @@ How a prediction is read (MathVista's ``calculate_score.py`` normalisation; Math
 
   - ``precision`` given: both rounded to that many decimals (Python's ``round``), equal.
     MathVision's items have precision 2 (its ``is_equal`` rounds both to 2 decimals).
-  - an integer item without precision (MathVista's integers): ``int(float(prediction))`` equals
-    the gold integer, as MathVista does: ``"2.7"`` reads as 2 (truncated, not rounded).
+  - an integer item without precision (MathVista's integers): the prediction truncated to an
+    integer equals the gold integer, as MathVista's ``int(float(prediction))`` does: ``"2.7"``
+    reads as 2 (truncated, not rounded). NOTE: here both are read exactly
+    (:func:`exact_value`), not through a float, which makes ``12345678901234567`` and
+    ``12345678901234568`` equal.
   - a float item without precision: the gold answer's own number of decimals.
 
   NOTE: MathVista compares the rounded prediction's ``str`` with the gold string, so ``"0.50"``
@@ -56,6 +59,7 @@ import statistics
 import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 QUESTION_TYPES = ("multi_choice", "free_form")
@@ -160,6 +164,27 @@ def parse_value(s: str) -> float | None:
     return (-1.0 if sign == "-" else 1.0) * int(num) / int(den)
 
 
+def exact_value(s: str) -> Fraction | None:
+    """The number a whole string is, exactly (a :class:`fractions.Fraction`; no float on the
+    way, so ``"12345678901234567"`` stays itself where ``float`` makes it
+    ``12345678901234568``), or None where :func:`parse_value` gives None.
+
+    >>> exact_value("12345678901234567")
+    Fraction(12345678901234567, 1)
+    >>> exact_value("-6/11"), exact_value("1,234.5")
+    (Fraction(-6, 11), Fraction(2469, 2))
+    """
+    if parse_value(s) is None:
+        return None
+    t = s.strip().translate(_MINUS)
+    if _NUMBER_RE.fullmatch(t):
+        return Fraction(t.replace(",", ""))
+    m = _FRACTION_RE.fullmatch(t) or _LATEX_FRACTION_RE.fullmatch(t)
+    assert m is not None  # parse_value read it
+    sign, num, den = ("", *m.groups()) if len(m.groups()) == 2 else m.groups()
+    return Fraction(int(f"{sign}{num}"), int(den))
+
+
 def _strip_unit(s: str, unit: str | None) -> str:
     t = s.strip().translate(_MINUS)
     for symbol in _SYMBOLS:
@@ -172,16 +197,24 @@ def _strip_unit(s: str, unit: str | None) -> str:
     return t
 
 
-def read_number(prediction: str, unit: str | None = None) -> float | None:
-    """The number a free-form prediction gives: the whole text without its unit and symbols,
-    else the one number inside it (equal repeats count once), else None."""
+def number_text(prediction: str, unit: str | None = None) -> str | None:
+    """The text of the number a free-form prediction gives: the whole text without its unit and
+    symbols, else the one number inside it (equal repeats count once), else None."""
     t = _strip_unit(prediction, unit)
-    value = parse_value(t)
-    if value is not None:
-        return value
-    found = {parse_value(m.group(0)) for m in _NUMBER_IN_TEXT_RE.finditer(t)}
-    found.discard(None)
-    return found.pop() if len(found) == 1 else None
+    if parse_value(t) is not None:
+        return t
+    found: dict[Fraction, str] = {}
+    for m in _NUMBER_IN_TEXT_RE.finditer(t):
+        exact = exact_value(m.group(0))
+        if exact is not None:
+            found.setdefault(exact, m.group(0))
+    return next(iter(found.values())) if len(found) == 1 else None
+
+
+def read_number(prediction: str, unit: str | None = None) -> float | None:
+    """The value of :func:`number_text`, or None."""
+    text = number_text(prediction, unit)
+    return None if text is None else parse_value(text)
 
 
 def _read_list(s: str) -> list[float] | None:
@@ -330,13 +363,16 @@ def _score_number(prediction: str, reference: str, item: MathItem, eps: float) -
     gold = parse_value(reference)
     if gold is None:
         raise ValueError(f"not a number: {reference!r}")
-    value = read_number(prediction, item.unit)
-    if value is None:
+    text = number_text(prediction, item.unit)
+    value = None if text is None else parse_value(text)
+    if text is None or value is None:
         return MathScore(False, None)
     err = abs(value - gold)
     rel = err / max(abs(gold), eps)
     if item.answer_type == "integer" and item.precision is None:  # MathVista: int(float(x))
-        return MathScore(math.trunc(value) == math.trunc(gold), str(math.trunc(value)), err, rel)
+        # truncated exactly: through a float, 17-digit integers a unit apart compare equal
+        shown, want = (math.trunc(exact_value(t) or 0) for t in (text, reference))
+        return MathScore(shown == want, str(shown), err, rel)
     precision = item.precision if item.precision is not None else _decimals(reference)
     shown = repr(value) if precision is None else f"{round(value, precision):.{precision}f}"
     return MathScore(_same_at(value, gold, precision), shown, err, rel)
@@ -440,7 +476,8 @@ def math_metrics(
 
 __all__ = [
     "ANSWER_TYPES", "LETTERS", "NO_NUMBERS", "NUMERIC_TYPES", "QUESTION_TYPES", "WHOLE_ANSWER",
-    "MathItem", "MathScore", "check_choices", "format_choices", "format_number", "infer_item",
-    "item_from_row", "make_item", "math_metrics", "normalize_text", "number_scope",
+    "MathItem", "MathScore", "check_choices", "exact_value", "format_choices", "format_number",
+    "infer_item",
+    "item_from_row", "make_item", "math_metrics", "normalize_text", "number_scope", "number_text",
     "option_letter", "parse_value", "read_choice", "read_number", "score_answer",
 ]

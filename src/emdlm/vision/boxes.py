@@ -59,8 +59,39 @@ def check_box_format(box_format: str) -> None:
         raise ValueError(f"box_format must be one of {BOX_FORMATS}, got {box_format!r}")
 
 
+def box_problem(box: Sequence[float], width: int, height: int) -> str | None:
+    """Why the pixel box (x1, y1, x2, y2) cannot be an answer for a ``width`` x ``height``
+    image, or None when it can: a coordinate that is not a finite number (a NaN, or an
+    overflow such as ``1e308 + 1e308``), or a box outside the image, which :func:`format_box`
+    would clamp to a zero-area answer on the image's edge such as ``(1000,1000),(1000,1000)``.
+
+    Per axis, a side of positive length must overlap the image by a positive length; a side of
+    zero length (a degenerate box, legal) must lie within it. A box that pokes out of the image
+    is fine: its answer is the part inside.
+
+    >>> box_problem((10, 20, 30, 40), 100, 200) is None
+    True
+    >>> box_problem((150, 20, 180, 40), 100, 200)
+    'box (150, 20, 180, 40) lies outside the 100x200 image'
+    """
+    if len(box) != 4 or not all(math.isfinite(v) for v in box):
+        return f"box {_shown(box)} has a coordinate that is not a finite number"
+    for lo, hi, size in ((box[0], box[2], width), (box[1], box[3], height)):
+        if hi < lo:
+            return f"box {_shown(box)} is inverted (x2 < x1 or y2 < y1)"
+        inside = min(hi, size) - max(lo, 0)
+        if not (inside > 0 or (hi == lo and 0 <= lo <= size)):
+            return f"box {_shown(box)} lies outside the {width}x{height} image"
+    return None
+
+
+def _shown(box: Sequence[float]) -> str:
+    return "(" + ", ".join(f"{float(v):g}" for v in box) + ")"
+
+
 def format_box(box: Sequence[float], width: int, height: int, box_format: str = "qwen2vl") -> str:
-    """The answer text of one pixel box (see the module docstring for the formats).
+    """The answer text of one pixel box (see the module docstring for the formats); ValueError
+    for a box with no answer (:func:`box_problem`: not finite, or no area inside the image).
 
     >>> format_box((10, 20, 30, 40), 100, 200)
     '(100,100),(300,200)'
@@ -70,6 +101,9 @@ def format_box(box: Sequence[float], width: int, height: int, box_format: str = 
     check_box_format(box_format)
     if width <= 0 or height <= 0:
         raise ValueError(f"image size must be positive, got {width}x{height}")
+    problem = box_problem(box, width, height)
+    if problem is not None:
+        raise ValueError(problem)
     fx = [box[0] / width, box[1] / height, box[2] / width, box[3] / height]
     fx = [min(1.0, max(0.0, v)) for v in fx]  # boxes of datasets can poke out of the image
     if box_format == "qwen2vl":

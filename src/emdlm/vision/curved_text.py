@@ -125,18 +125,21 @@ def _ctw_line(line: str, where: str) -> tuple[Box, str]:
     return quad_bbox(points), ""
 
 
-def _ctw_txt(gt: Path) -> tuple[list[Box], list[str]]:
-    boxes, words = [], []
+def _ctw_txt(gt: Path) -> tuple[list[Box], list[str], list[str]]:
+    """(boxes, words, where each box was read) of a CTW1500 text label file."""
+    boxes, words, wheres = [], [], []
     for lineno, line in enumerate(_read_text(gt).splitlines(), 1):
         if line.strip():
             box, text = _ctw_line(line, f"{gt}:{lineno}")
             boxes.append(box)
             words.append(text)
-    return boxes, words
+            wheres.append(f"{gt}:{lineno}")
+    return boxes, words, wheres
 
 
-def _ctw_xml(gt: Path) -> list[tuple[str, list[Box], list[str]]]:
-    """(image file, boxes, words) of each ``<image>`` of a CTW1500 XML label file."""
+def _ctw_xml(gt: Path) -> list[tuple[str, list[Box], list[str], list[str]]]:
+    """(image file, boxes, words, where each box was read) of each ``<image>`` of a CTW1500
+    XML label file."""
     import xml.etree.ElementTree as ET
 
     text = _read_text(gt)
@@ -152,7 +155,7 @@ def _ctw_xml(gt: Path) -> list[tuple[str, list[Box], list[str]]]:
         name = image.get("file")
         if not name:
             raise ConfigError(f"{gt}: an <image> without its file attribute")
-        boxes, words = [], []
+        boxes, words, wheres = [], [], []
         for j, box in enumerate(image.iter("box")):
             where = f"{gt}: image {name!r} box {j}"
             segs = box.findtext("segs")
@@ -167,14 +170,21 @@ def _ctw_xml(gt: Path) -> list[tuple[str, list[Box], list[str]]]:
                     raise ConfigError(f"{where}: width and height must be >= 0")
                 boxes.append((x, y, x + w, y + h))
             words.append((box.findtext("label") or "").strip())
-        out.append((name, boxes, words))
+            wheres.append(where)
+        out.append((name, boxes, words, wheres))
     return out
 
 
-def _keep(boxes: list[Box], words: list[str], dont_care: tuple[str, ...], include: bool
-          ) -> tuple[list[Box], list[str]]:
-    kept = [(b, w) for b, w in zip(boxes, words, strict=True) if include or w not in dont_care]
-    return [b for b, _ in kept], [w for _, w in kept]
+def _keep(
+    boxes: list[Box], words: list[str], wheres: list[str], dont_care: tuple[str, ...],
+    include: bool,
+) -> tuple[list[Box], list[str], list[str]]:
+    """(boxes, words, wheres) without the "don't care" regions unless ``include``."""
+    kept = [
+        (b, w, at) for b, w, at in zip(boxes, words, wheres, strict=True)
+        if include or w not in dont_care
+    ]
+    return [b for b, _, _ in kept], [w for _, w, _ in kept], [at for _, _, at in kept]
 
 
 def read_ctw1500(
@@ -198,16 +208,17 @@ def read_ctw1500(
     rows = []
     for gt in _label_files(Path(gt_dir), (".txt", ".xml")):
         if gt.suffix.lower() == ".xml":
-            for name, boxes, words in _ctw_xml(gt):
+            for name, boxes, words, wheres in _ctw_xml(gt):
                 image = images / name
                 width, height = _image_size(image, f"{gt}: image {name!r}", images_root, name)
-                boxes, words = _keep(boxes, words, (DONT_CARE,), include_dont_care)
-                rows.append(_text_row(image, boxes, words, width, height, box_format))
+                kept = _keep(boxes, words, wheres, (DONT_CARE,), include_dont_care)
+                rows.append(_text_row(image, kept[0], kept[1], width, height, box_format,
+                                      kept[2]))
             continue
         image = _image_for(images, gt.stem, gt)
         width, height = _image_size(image, f"{gt}:1", images_root)
-        boxes, words = _keep(*_ctw_txt(gt), (DONT_CARE,), include_dont_care)
-        rows.append(_text_row(image, boxes, words, width, height, box_format))
+        boxes, words, wheres = _keep(*_ctw_txt(gt), (DONT_CARE,), include_dont_care)
+        rows.append(_text_row(image, boxes, words, width, height, box_format, wheres))
     return rows
 
 
@@ -226,8 +237,9 @@ def _tt_records(gt: Path) -> list[tuple[int, str]]:
     return records
 
 
-def _tt_txt(gt: Path) -> tuple[list[Box], list[str], list[str]]:
-    boxes, words, ornts = [], [], []
+def _tt_txt(gt: Path) -> tuple[list[Box], list[str], list[str], list[str]]:
+    """(boxes, words, orientations, where each box was read) of a Total-Text text file."""
+    boxes, words, ornts, wheres = [], [], [], []
     for lineno, record in _tt_records(gt):
         where = f"{gt}:{lineno}"
         m = _TT_RECORD_RE.match(record)
@@ -244,7 +256,8 @@ def _tt_txt(gt: Path) -> tuple[list[Box], list[str], list[str]]:
         boxes.append(_polygon_box(coords, where))
         words.append(m.group("text"))
         ornts.append(m.group("ornt"))
-    return boxes, words, ornts
+        wheres.append(where)
+    return boxes, words, ornts, wheres
 
 
 def _mat_text(value: Any) -> str:
@@ -257,7 +270,8 @@ def _mat_text(value: Any) -> str:
     return str(value).strip()
 
 
-def _tt_mat(gt: Path) -> tuple[list[Box], list[str], list[str]]:
+def _tt_mat(gt: Path) -> tuple[list[Box], list[str], list[str], list[str]]:
+    """As :func:`_tt_txt`, for a ``.mat`` file (wheres name its entries)."""
     import numpy as np
     from scipy.io import loadmat
 
@@ -269,7 +283,7 @@ def _tt_mat(gt: Path) -> tuple[list[Box], list[str], list[str]]:
     if not isinstance(table, np.ndarray) or table.ndim != 2 or table.shape[1] < 5:
         raise ConfigError(f"{gt}: expected a variable 'polygt' (or 'gt') of rows 'x:', xs, 'y:', "
                           "ys, transcription, orientation")
-    boxes, words, ornts = [], [], []
+    boxes, words, ornts, wheres = [], [], [], []
     for i, row in enumerate(table):
         where = f"{gt}: entry {i}"
         try:
@@ -283,7 +297,8 @@ def _tt_mat(gt: Path) -> tuple[list[Box], list[str], list[str]]:
         boxes.append(_polygon_box(coords, where))
         words.append(_mat_text(row[4]))
         ornts.append(_mat_text(row[5]) if table.shape[1] > 5 else "")
-    return boxes, words, ornts
+        wheres.append(where)
+    return boxes, words, ornts, wheres
 
 
 def read_totaltext(
@@ -311,13 +326,15 @@ def read_totaltext(
             continue
         image = _image_for(images, m.group(1), gt)
         width, height = _image_size(image, f"{gt}:1", images_root)
-        boxes, words, ornts = _tt_mat(gt) if gt.suffix.lower() == ".mat" else _tt_txt(gt)
+        boxes, words, ornts, wheres = (
+            _tt_mat(gt) if gt.suffix.lower() == ".mat" else _tt_txt(gt)
+        )
         kept = [
-            (b, w) for b, w, o in zip(boxes, words, ornts, strict=True)
+            (b, w, at) for b, w, o, at in zip(boxes, words, ornts, wheres, strict=True)
             if include_dont_care or (TOTALTEXT_DONT_CARE not in (w, o) and w != DONT_CARE)
         ]
-        rows.append(_text_row(image, [b for b, _ in kept], [w for _, w in kept], width, height,
-                              box_format))
+        rows.append(_text_row(image, [b for b, _, _ in kept], [w for _, w, _ in kept], width,
+                              height, box_format, [at for _, _, at in kept]))
     if not rows:
         raise ConfigError(f"{gt_dir}: no Total-Text label files (poly_gt_<image>.txt or .mat)")
     return rows

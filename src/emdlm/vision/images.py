@@ -45,6 +45,11 @@ SUPPORTED_MODES = (
     "1", "L", "P", "RGB", "RGBX", "CMYK", "YCbCr", "HSV", "I", "F",
     *SIXTEEN_BIT_MODES, *ALPHA_MODES,
 )
+#: the widest aspect ratio (long side / short side) accepted: Qwen2-VL's image processor refuses
+#: more (``smart_resize``, transformers/models/qwen2_vl/image_processing_qwen2_vl.py), and
+#: LLaVA's, which scales the short side to 336 pixels, would make a 5000x1 image 1.7 million
+#: pixels wide before its crop
+MAX_ASPECT_RATIO = 200
 _ORIENTATION_TAG = 0x0112  # EXIF Orientation; 5..8 swap width and height
 _TRANSPOSED = (5, 6, 7, 8)
 
@@ -128,13 +133,25 @@ def displayed_size(image: Any) -> tuple[int, int]:
     return (height, width) if orientation in _TRANSPOSED else (width, height)
 
 
+def check_image_shape(width: int, height: int) -> None:
+    """ImageCheckError (one line) for an image whose long side is more than
+    :data:`MAX_ASPECT_RATIO` times its short side."""
+    if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+        raise ImageCheckError(
+            f"the image is {width}x{height} pixels, an aspect ratio of "
+            f"{max(width, height) / max(1, min(width, height)):.0f}:1; image processors take "
+            f"at most {MAX_ASPECT_RATIO}:1 (Qwen2-VL's refuses more): crop or pad it"
+        )
+
+
 def check_image_file(path: Path) -> tuple[int, int]:
     """Decode the image file at ``path`` fully, convert it as the model will get it
     (:func:`to_rgb`) and return its upright (width, height).
 
     Raises:
         ImageCheckError: (one line) the file is not an image Pillow reads, is truncated or
-            corrupt anywhere in its data (or its EXIF), has an unsupported mode, or declares
+            corrupt anywhere in its data (or its EXIF), has an unsupported mode, an aspect
+            ratio over :data:`MAX_ASPECT_RATIO` (:func:`check_image_shape`), or declares
             more pixels than ``PIL.Image.MAX_IMAGE_PIXELS`` (a possible decompression bomb:
             Pillow's warning band counts too, so nothing that large is decoded).
     """
@@ -145,7 +162,9 @@ def check_image_file(path: Path) -> tuple[int, int]:
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(path) as img:
                 img.load()  # decode every byte: verify() and open() stop at the header
-                return to_rgb(img).size  # what the collator will do cannot fail later
+                size: tuple[int, int] = to_rgb(img).size  # what the collator does cannot fail
+        check_image_shape(*size)  # nor what the image processor does
+        return size
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
         raise ImageCheckError(f"refused as a possible decompression bomb: {err}") from err
     except ImageCheckError:

@@ -35,7 +35,6 @@ naming the file and line (JSONL), entry (JSON) or row (dataset folder).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Iterator
@@ -43,9 +42,11 @@ from pathlib import Path
 from typing import Any
 
 from emdlm.config import ConfigError
+from emdlm.json_io import JSONDataError, parse_json
 from emdlm.math_answers import (
     LETTERS,
     MathItem,
+    exact_value,
     format_choices,
     format_number,
     make_item,
@@ -66,9 +67,9 @@ _SAFE_NAME_RE = re.compile(r"[^\w.-]")
 def _json_entries(path: Path) -> Iterator[tuple[str, Any, Any]]:
     """(where, key, entry) of a JSON file: a list, or a dict keyed by pid."""
     try:
-        data = json.loads(_read_text(path))
-    except (ValueError, RecursionError) as err:
-        raise ConfigError(f"{path}: not valid JSON: {' '.join(str(err).split())}") from err
+        data = parse_json(_read_text(path))
+    except JSONDataError as err:
+        raise ConfigError(f"{path}: {err}") from None
     if isinstance(data, dict):
         for key, entry in data.items():
             yield f"{path}: entry {key!r}", key, entry
@@ -86,9 +87,10 @@ def _jsonl_entries(path: Path) -> Iterator[tuple[str, Any, Any]]:
             continue
         where = f"{path}:{lineno}"
         try:
-            yield where, None, json.loads(line)
-        except (ValueError, RecursionError) as err:
-            raise ConfigError(f"{where}: not valid JSON: {err}") from err
+            entry = parse_json(line)
+        except JSONDataError as err:
+            raise ConfigError(f"{where}: {err}") from None
+        yield where, None, entry
 
 
 def _dataset_entries(folder: Path, split: str | None) -> Iterator[tuple[str, Any, Any]]:
@@ -129,14 +131,20 @@ def _text(entry: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def _answer_text(entry: dict[str, Any], where: str) -> str:
+#: what a missing answer means, per reader (MathVista's test answers are private; every
+#: MathVision entry, test and testmini alike, has its answer)
+NO_ANSWER_ADVICE = {
+    "mathvista": "MathVista's test split keeps its answers private: use testmini",
+    "mathvision": "every MathVision entry (test and testmini) has its answer: the file is "
+                  "damaged or is not MathVision's",
+}
+
+
+def _answer_text(entry: dict[str, Any], where: str, source: str) -> str:
     value = entry.get("answer")
     usable = isinstance(value, (str, int, float)) and not isinstance(value, bool)
     if not usable or not str(value).strip():
-        raise ConfigError(
-            f"{where}: no answer (got {value!r}); MathVista's test split keeps its answers "
-            "private: use testmini"
-        )
+        raise ConfigError(f"{where}: no answer (got {value!r}); {NO_ANSWER_ADVICE[source]}")
     return " ".join(str(value).split())
 
 
@@ -192,9 +200,12 @@ def _completion(answer: str, item: MathItem, where: str) -> str:
         value = parse_value(answer)
         if value is None:
             raise ConfigError(f"{where}: {item.answer_type} answer {answer!r} is not a number")
-        if item.answer_type == "integer" and not value.is_integer():
-            raise ConfigError(f"{where}: integer answer {answer!r} is not a whole number")
-        if item.answer_type == "integer" or item.precision is not None:
+        if item.answer_type == "integer":  # exactly: a float rounds 17-digit integers
+            exact = exact_value(answer)
+            if exact is None or exact.denominator != 1:
+                raise ConfigError(f"{where}: integer answer {answer!r} is not a whole number")
+            return str(exact.numerator)
+        if item.precision is not None:
             return format_number(value, item.answer_type, item.precision)
     return answer
 
@@ -270,7 +281,7 @@ def read_mathvista(
             answer_type=entry.get("answer_type"), choices=entry.get("choices"),
             precision=entry.get("precision"), unit=entry.get("unit"),
         )
-        answer = _answer_text(entry, where)
+        answer = _answer_text(entry, where, "mathvista")
         completion = _completion(answer, item, where)
         if prompt == "query":
             text = _text(entry, "query", where)
@@ -339,7 +350,7 @@ def read_mathvision(
         if isinstance(ident, bool) or not isinstance(ident, (str, int)):
             raise ConfigError(f"{where}: field 'id' must be text or a number, got {ident!r}")
         question = " ".join(_PLACEHOLDER_RE.sub(" ", _text(entry, "question", where)).split())
-        answer = _answer_text(entry, where)
+        answer = _answer_text(entry, where, "mathvision")
         item = _mathvision_item(entry, answer, where)
         if item.question_type == "multi_choice":
             prompt = f"{question}\n{format_choices(item.choices)}"

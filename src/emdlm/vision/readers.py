@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import io
-import json
 import math
 import os
 import pickle
@@ -45,11 +44,14 @@ from pathlib import Path
 from typing import Any
 
 from emdlm.config import ConfigError
+from emdlm.json_io import JSONDataError, parse_json
 from emdlm.tasks.clock import PROMPT as CLOCK_PROMPT
 from emdlm.tasks.clock import format_time
 from emdlm.tasks.grounding import PROMPTS as GROUNDING_PROMPTS
 from emdlm.tasks.text_detection import PROMPTS as TEXT_PROMPTS
 from emdlm.vision.boxes import (
+    Box,
+    box_problem,
     check_box_format,
     format_box,
     format_boxes,
@@ -282,11 +284,13 @@ def read_refcoco(
                 f"{where}: malformed ref or unknown image/annotation: {err!r}"
             ) from err
         sentences = _ref_sentences(raw_sentences, where)
-        box = _coco_box(ann, f"{instances_path}: annotation id {ann_id}")
+        ann_where = f"{instances_path}: annotation id {ann_id}"
+        box = _coco_box(ann, ann_where)
         path = folder / _file_name(image, f"{instances_path}: image id {image_id}")
         if path not in sizes:
             sizes[path] = _image_size(path, where, images_root)
         width, height = sizes[path]
+        _check_box(box, width, height, ann_where, path)
         answer = format_box(box, width, height, box_format)
         for sent in sentences:
             rows.append(
@@ -308,10 +312,10 @@ def _load_instances(path: PathLike) -> tuple[dict[int, Any], dict[int, Any]]:
     """(images by id, annotations by id) of a COCO instances.json; ConfigError if it is not
     one (unreadable, not JSON, nested too deeply, missing keys)."""
     try:
-        instances = json.loads(Path(path).read_text(encoding="utf-8"))
+        instances = parse_json(Path(path).read_text(encoding="utf-8"))
         images = {int(im["id"]): im for im in instances["images"]}
         anns = {int(a["id"]): a for a in instances["annotations"]}
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
+    except (OSError, ValueError, KeyError, TypeError) as err:
         reason = " ".join(str(err).split()) or type(err).__name__
         raise ConfigError(f"{path}: not a COCO instances file: {reason}") from err
     return images, anns
@@ -359,6 +363,14 @@ def _ref_sentences(sentences: Any, where: str) -> list[str]:
     return out
 
 
+def _check_box(box: Box, width: int, height: int, where: str, image: Path) -> None:
+    """ConfigError naming ``where`` and the image for a box that cannot be an answer for it
+    (:func:`emdlm.vision.boxes.box_problem`); the one geometry check of every reader."""
+    problem = box_problem(box, width, height)
+    if problem is not None:
+        raise ConfigError(f"{where}: {problem} {image.name}")
+
+
 # ----------------------------------------------------------------------------- text detection
 def _text_row(
     image: Path,
@@ -367,7 +379,13 @@ def _text_row(
     width: int,
     height: int,
     box_format: str,
+    wheres: list[str],
 ) -> dict[str, Any]:
+    """The text detection row of one image; ConfigError naming the box's ``where`` (file:line
+    or entry) for a box with no answer (:func:`emdlm.vision.boxes.box_problem`: not finite
+    after the reader's arithmetic, or outside the ``width`` x ``height`` image)."""
+    for box, where in zip(boxes, wheres, strict=True):
+        _check_box(box, width, height, where, image)
     order = reading_order(boxes)
     boxes = [boxes[i] for i in order]
     return {
@@ -414,7 +432,7 @@ def read_icdar2015(
         if image is None:
             raise ConfigError(f"{gt}:1: image not found: {images / stem}.jpg")
         width, height = _image_size(image, f"{gt}:1")
-        boxes, words = [], []
+        boxes, words, wheres = [], [], []
         for lineno, line in enumerate(_read_text(gt).splitlines(), 1):
             if not line.strip():
                 continue
@@ -423,7 +441,8 @@ def read_icdar2015(
                 continue
             boxes.append(quad_bbox(coords))
             words.append(text)
-        rows.append(_text_row(image, boxes, words, width, height, box_format))
+            wheres.append(f"{gt}:{lineno}")
+        rows.append(_text_row(image, boxes, words, width, height, box_format, wheres))
     return rows
 
 
@@ -481,7 +500,7 @@ def read_td500(
         if image is None:
             raise ConfigError(f"{gt}:1: image not found: {root / gt.stem}.JPG")
         width, height = _image_size(image, f"{gt}:1")
-        boxes = []
+        boxes, wheres = [], []
         for lineno, line in enumerate(_read_text(gt).splitlines(), 1):
             if not line.strip():
                 continue
@@ -489,7 +508,8 @@ def read_td500(
             if difficult and not include_difficult:
                 continue
             boxes.append(rotated_rect_bbox(x, y, w, h, angle))
-        rows.append(_text_row(image, boxes, [""] * len(boxes), width, height, box_format))
+            wheres.append(f"{gt}:{lineno}")
+        rows.append(_text_row(image, boxes, [""] * len(boxes), width, height, box_format, wheres))
     return rows
 
 
@@ -561,9 +581,9 @@ def read_image_jsonl(
             continue
         where = f"{src}:{lineno}"
         try:
-            row = json.loads(line)
-        except (json.JSONDecodeError, RecursionError) as err:
-            raise ConfigError(f"{where}: not valid JSON: {err}") from err
+            row = parse_json(line)
+        except JSONDataError as err:
+            raise ConfigError(f"{where}: {err}") from None
         if not isinstance(row, dict):
             raise ConfigError(f"{where}: expected a JSON object, got {type(row).__name__}")
         missing = [k for k in ("image", "prompt", "completion") if not isinstance(row.get(k), str)]

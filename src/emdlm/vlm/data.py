@@ -24,7 +24,14 @@ from typing import Any
 
 from emdlm.config import ConfigError, DataSourceConfig
 from emdlm.data import CutCounts, load_examples, report_cuts
-from emdlm.vision.images import SUPPORTED_MODES, ImageCheckError, check_image_file, confine
+from emdlm.vision.images import (
+    SUPPORTED_MODES,
+    ImageCheckError,
+    check_image_file,
+    check_image_shape,
+    confine,
+    displayed_size,
+)
 
 
 def _jsonl_line_numbers(path: Path) -> list[int]:
@@ -52,6 +59,10 @@ def check_image(
         if value.mode not in SUPPORTED_MODES:
             raise ConfigError(f"{where}: field {image_key!r}: image mode {value.mode} is not "
                               f"supported (supported: {', '.join(SUPPORTED_MODES)})")
+        try:
+            check_image_shape(*displayed_size(value))
+        except ImageCheckError as err:
+            raise ConfigError(f"{where}: field {image_key!r}: {err}") from err
         return value
     if not isinstance(value, str) or not value:
         raise ConfigError(
