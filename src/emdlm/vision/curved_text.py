@@ -24,7 +24,8 @@ with no box. "Don't care" regions are left out unless ``include_dont_care``.
   ``scipy.io.loadmat`` (which builds arrays and never unpickles): variable ``polygt`` or ``gt``,
   rows ``'x:', xs, 'y:', ys, transcription, orientation``.
 
-Every malformed line or record (too few coordinates, a value that is not a finite number) is a
+Every malformed line or record (too few coordinates, a value that is not a finite number, a
+box that is not finite once computed or lies outside its image) is a
 :class:`emdlm.config.ConfigError` naming the file and line (or the entry); images are decoded in
 full before anything trains. ``images_root`` refuses an image that resolves outside a folder
 (an XML ``file`` attribute with ``../`` or an absolute path, a symlink in ``image_dir``;

@@ -3,9 +3,12 @@
 Every reader returns rows ``{"image": absolute path, "prompt", "completion", ...metadata}`` in the
 same format as the built-in generators (``clock``, ``grounding``, ``text_detection``), so training
 and :func:`emdlm.metrics.compute_task_metrics` treat them alike. Bad rows (an image that is
-missing or does not decode in full, a malformed or non-finite annotation, a file that is not
-UTF-8) raise :class:`emdlm.config.ConfigError` naming the file and line (or entry) before
-anything trains. ``images_root`` (RefCOCO, image JSONL) refuses images outside a folder.
+missing or does not decode in full, a malformed or non-finite annotation, a box outside its
+image, a file that is not UTF-8) raise :class:`emdlm.config.ConfigError` naming the file and
+line (or entry) before anything trains. Every box passes one geometry check
+(:func:`emdlm.vision.boxes.box_problem`, after the reader's arithmetic: finite, and inside the
+image), and JSON files are read by :func:`emdlm.json_io.parse_json` (a key given twice, deep
+nesting and lone surrogates are refused). ``images_root`` (RefCOCO, image JSONL) refuses images outside a folder.
 Images are measured upright (EXIF orientation applied), as :mod:`emdlm.vision.images` feeds
 them to the model.
 
