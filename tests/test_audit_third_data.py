@@ -149,6 +149,32 @@ def test_the_character_cap_follows_on_truncate_error(tmp_path: Path) -> None:
                       on_truncate="error")
 
 
+def test_the_character_cap_applies_to_image_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """VLM rows are measured (tokenized) before training too: the same cap, counted."""
+    from emdlm.config import load_config
+    from emdlm.vlm.training import prepare_vlm_run
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    _png(tmp_path / "a.png", (64, 64))
+    huge = "1" * 300_000
+    data = _jsonl(tmp_path, '{"image": "a.png", "prompt": "p", "completion": "12"}',
+                  json.dumps({"image": "a.png", "prompt": "p", "completion": huge}))
+    cfg = load_config(None, [
+        "model.name=tiny-qwen2-vl", "tokenizer=char", f"data.train.path={data}",
+        "data.max_length=128", f"output_dir={tmp_path / 'run'}",
+    ])
+    parts = prepare_vlm_run(cfg)
+    cuts = parts.train_dataset.cuts
+    assert cuts is not None and cuts.character_cut_rows == 1
+    cap = cuts.max_characters
+    assert 0 < cap < 20_000 and cuts.characters_cut == len(huge) - cap
+    assert len(parts.train_dataset[1]["completion"]) == cap
+    assert f"1 rows had a field over {cap} characters" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- geometry
 def _icdar(tmp_path: Path, text: str) -> tuple[Path, Path]:
     images, gts = tmp_path / "images", tmp_path / "gt"

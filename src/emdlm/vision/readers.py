@@ -8,9 +8,9 @@ image, a file that is not UTF-8) raise :class:`emdlm.config.ConfigError` naming 
 line (or entry) before anything trains. Every box passes one geometry check
 (:func:`emdlm.vision.boxes.box_problem`, after the reader's arithmetic: finite, and inside the
 image), and JSON files are read by :func:`emdlm.json_io.parse_json` (a key given twice, deep
-nesting and lone surrogates are refused). ``images_root`` (RefCOCO, image JSONL) refuses images outside a folder.
-Images are measured upright (EXIF orientation applied), as :mod:`emdlm.vision.images` feeds
-them to the model.
+nesting and lone surrogates are refused). ``images_root`` (RefCOCO, image JSONL) refuses
+images outside a folder. Images are measured upright (EXIF orientation applied), as
+:mod:`emdlm.vision.images` feeds them to the model.
 
 * RefCOCO / RefCOCO+ / RefCOCOg (:func:`read_refcoco`): the ``refs(unc).p`` / ``refs(google).p``
   / ``refs(umd).p`` pickle of lichengunc/refer (a list of refs: ref_id, ann_id, image_id, split,

@@ -137,6 +137,7 @@ def cut_image_rows(
     max_length: int,
     on_truncate: str = "warn",
     on_drop: str = "warn",
+    character_cuts: tuple[int, int, int] = (0, 0, 0),
 ) -> ImageRowsDataset:
     """Say what ``data.max_length`` cuts before training, as for text data
     (:func:`emdlm.data.build_dataset`): a row whose prompt (image tokens included) leaves no
@@ -144,10 +145,13 @@ def cut_image_rows(
     truncated by the collator; both are counted, printed once and kept in ``dataset.cuts``
     (``train_summary.json``), or are a ConfigError with ``data.on_drop`` / ``data.on_truncate``
     = "error". ``lengths``: (prompt, answer) token counts per row
-    (:meth:`emdlm.vlm.collator.VLMCollator.lengths`)."""
+    (:meth:`emdlm.vlm.collator.VLMCollator.lengths`). ``character_cuts``: (rows cut, characters
+    cut, the cap) of :func:`emdlm.data.cap_characters`, run on the rows before they were
+    measured."""
     kept = [row for row, (p, _) in zip(rows, lengths, strict=True) if p + 1 <= max_length]
     truncated = sum(1 for p, a in lengths if p + 1 <= max_length < p + a)
-    cuts = CutCounts(source, len(rows), truncated, len(rows) - len(kept), max_length)
+    cuts = CutCounts(source, len(rows), truncated, len(rows) - len(kept), max_length,
+                     *character_cuts)
     need = measured_need(lengths)
     try:
         report_cuts(cuts, on_truncate, on_drop)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from emdlm.config import ConfigError, RunConfig
+from emdlm.data import cap_characters
 from emdlm.eval_kinds import eval_kind
 from emdlm.models import load_tokenizer
 from emdlm.number_scope import row_scopes
@@ -70,9 +71,11 @@ def prepare_vlm_run(cfg: RunConfig) -> VLMParts:
 
     def dataset(rows: list[dict[str, Any]], src: Any) -> ImageRowsDataset:
         row_scopes(rows, d.number_scope, src.task, src.describe())  # bad scopes: now, not mid-run
+        rows, cut_rows, chars_cut, cap = cap_characters(rows, tokenizer, d.max_length)
         return cut_image_rows(
             rows, collator.lengths(rows), source=src.describe(), max_length=d.max_length,
             on_truncate=d.on_truncate, on_drop=d.on_drop,
+            character_cuts=(len(cut_rows), chars_cut, cap),
         )
 
     return VLMParts(
