@@ -239,7 +239,7 @@ class EvalConfig:
     # mbr_samples answers at temperature / top_p and keep the one of least expected distance
     # to the others, by the kind's own distance: emdlm.decoding)
     decode: str = "greedy"
-    mbr_samples: int = 16
+    mbr_samples: int = 16  # decode=mbr: answers sampled per prompt (k; the cost grows with it)
     temperature: float = 1.0  # sampling (do_sample, decode=mbr, kind text); 1 = the model's own
     top_p: float = 1.0
     seed: int = 0
