@@ -217,3 +217,12 @@ def test_emdlm_eval_decode_mbr_end_to_end(tmp_path: Any) -> None:
     assert result.exit_code == 2 and "eval.decode=mbr needs a generated short answer" in (
         result.output)
     assert not (tmp_path / "t").exists()
+
+
+def test_image_text_models_refuse_mbr_before_loading_anything(tmp_path: Any) -> None:
+    from emdlm.vlm.training import evaluate_vlm
+
+    cfg = build_config({"eval": {"decode": "mbr", "kind": "clock"},
+                        "data": {"eval": {"task": "clock", "n": 2}}})
+    with pytest.raises(ConfigError, match=r"eval\.decode=mbr is not implemented for image-text"):
+        evaluate_vlm(tmp_path / "no_model_here", "qwen2_vl", cfg)
