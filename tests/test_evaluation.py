@@ -306,7 +306,7 @@ def test_text_kind_keeps_multiline_references(tok) -> None:
         sevens, tok, examples, kind="text", max_new_tokens=5, with_perplexity=False
     )
     assert rows[0]["reference"] == "77\n77" and rows[0]["prediction"] == "77777"
-    assert set(metrics) == {"exact_match", "rouge1", "rougeL", "n"}
+    assert set(metrics) == {"exact_match", "rouge1", "rougeL", "n", "decode"}
 
 
 def test_add_eos_scores_the_end_of_the_completion(model, tok) -> None:

@@ -41,7 +41,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("data", ("emdlm.number_scope", "emdlm.data", "emdlm.vision.readers",
               "emdlm.vision.math_readers", "emdlm.vision.curved_text", "emdlm.vlm",
               "emdlm.vlm.data",
-              "emdlm.generation", "emdlm.evaluation", "emdlm.eval_outputs",
+              "emdlm.generation", "emdlm.decoding", "emdlm.evaluation", "emdlm.eval_outputs",
               "emdlm.vision.contact_sheet")),
     ("models", ("emdlm.models", "emdlm.vlm.models", "emdlm.vlm.collator",
                 "emdlm.vlm.generate")),

@@ -7,6 +7,9 @@
 - The reports whose data is not published are listed in KNOWN_MISSING with the reason; the
   list must be exact, so publishing the data (or losing more) fails this test until it is
   updated.
+- Intervals that docs/results.md quotes (QUOTED) are the ones the committed CSVs give by the
+  reports' own test (paired t below 5 seeds), and the at-a-glance table's multiplicity note
+  counts the table's p-values.
 """
 
 from __future__ import annotations
@@ -96,3 +99,59 @@ def test_number_losses_tables_are_what_the_committed_script_prints(csv_name, tas
     doc = (RESULTS / "number_losses.md").read_text(encoding="utf-8").splitlines()
     absent = [line for line in lines if line not in doc]
     assert not absent, f"number_losses.md lacks what tables.py prints: {absent[:2]}"
+
+
+def _paired(csv_path: Path, baseline: str, variant: str, metric: str, step: int):
+    """compare_paired (the reports' own test: bootstrap from 5 seeds, paired t below) of
+    ``variant`` against ``baseline`` at ``step`` over the seeds both have."""
+    from emdlm.experiments.stats import compare_paired
+
+    values: dict[tuple[str, int], float] = {}
+    with csv_path.open(newline="", encoding="utf-8") as fh:
+        for r in csv.DictReader(fh):
+            if r["metric"] == metric and int(r["step"]) == step:
+                values[(r["variant"], int(r["seed"]))] = float(r["value"])
+    seeds = sorted({s for v, s in values if v == baseline} & {s for v, s in values if v == variant})
+    return compare_paired([values[(baseline, s)] for s in seeds],
+                          [values[(variant, s)] for s in seeds]), len(seeds)
+
+
+def _minus(x: str) -> str:
+    return x.replace("-", "\u2212")
+
+
+# (csv under docs/results, baseline, variant, metric, step, seeds): comparisons that
+# docs/results.md quotes with their interval, 3-seed ones with the paired-t interval
+QUOTED = [
+    ("arithmetic_objectives/results_32k.csv", "ce", "ntil_static", "exact_match", 32000, 3),
+    ("arithmetic_objectives/results_32k.csv", "ce", "ntil_static", "exact_match", 4000, 3),
+    ("arithmetic_objectives/results_32k.csv", "ce", "ce_lr1e-3", "exact_match", 32000, 3),
+    ("math_mixed/results.csv", "ce", "emd", "abs_error_mean", 1000, 3),
+    ("arithmetic_how_far_replication/results.csv", "ce", "ntil", "log10_error_mean", 8000, 3),
+    ("arithmetic_tokenizers/results_llama3_like_16k.csv", "ce_lr1e-3", "ntil_static",
+     "log10_error_mean", 16000, 5),
+    ("arithmetic_objectives/results_16k.csv", "ce", "emd", "within_5pct", 16000, 5),
+]
+
+
+@pytest.mark.parametrize(("csv_name", "baseline", "variant", "metric", "step", "n"), QUOTED)
+def test_results_page_quotes_the_intervals_the_csvs_give(csv_name, baseline, variant, metric,
+                                                         step, n):
+    """The interval docs/results.md prints is the one the committed CSV gives by the project's
+    rule (paired t below 5 seeds, so no percentile bootstrap of 3 differences)."""
+    c, seeds = _paired(RESULTS / csv_name, baseline, variant, metric, step)
+    assert seeds == n
+    assert c.ci_kind == ("t" if n < 5 else "bootstrap")
+    text = (f"{c.mean_diff:+.3f} [{c.ci_low:.3f}, {c.ci_high:.3f}], p = {c.p_ttest:.2g}")
+    doc = (RESULTS.parent / "results.md").read_text(encoding="utf-8")
+    assert _minus(text) in doc, f"results.md does not quote {_minus(text)}"
+
+
+def test_at_a_glance_counts_its_p_values():
+    """The multiplicity note under the at-a-glance table counts the table's p-values."""
+    doc = (RESULTS.parent / "results.md").read_text(encoding="utf-8")
+    table = doc[doc.index("**At a glance**"):].split("\n\n")[1]
+    rows = [line for line in table.splitlines() if line.startswith("| [")]
+    counted = sum(len(re.findall(r"p [=<] \d", row)) for row in rows)
+    stated = re.search(r"the (\d+) p-values in this table", doc)
+    assert stated is not None and int(stated.group(1)) == counted

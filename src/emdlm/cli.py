@@ -165,6 +165,10 @@ def eval_cmd(
     sample: Annotated[
         bool, typer.Option("--sample", help="Sample instead of greedy decoding")
     ] = False,
+    decode: Annotated[
+        str | None,
+        typer.Option(help="greedy | mbr (eval.mbr_samples samples, the one nearest the others)"),
+    ] = None,
     out: Annotated[str | None, typer.Option(help="Where metrics.json goes")] = None,
 ) -> None:
     """Generate answers for a test set and compute metrics (metrics.json, predictions.jsonl)."""
@@ -175,6 +179,8 @@ def eval_cmd(
         items.append(f"eval.kind={kind}")
     if sample:
         items.append("eval.do_sample=true")
+    if decode is not None:
+        items.append(f"eval.decode={decode}")
     if oracle is not None:
         items.append(f"eval.oracle={oracle}")
     items += list(overrides or [])

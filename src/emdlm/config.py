@@ -45,6 +45,9 @@ NUMERIC_OBJECTIVES = tuple(n for n, s in OBJECTIVE_SPECS.items() if s.numeric)  
 #: λ schedules of the numeric term (emdlm.training.lam_schedule).
 LAM_SCHEDULES = ("constant", "linear", "cosine")
 DATA_SPLITS = ("train", "dev", "test")  # "dev" only where the task or dataset has one
+#: eval.decode: one answer per prompt ("greedy"), or minimum Bayes risk over samples
+#: (emdlm.decoding)
+DECODE_MODES = ("greedy", "mbr")
 #: The largest seed transformers.set_seed accepts: it seeds numpy (np.random.seed), whose seeds
 #: are 0 .. 2**32 - 1; a negative seed fails there, after the run has started.
 MAX_SEED = 2**32 - 1
@@ -230,9 +233,14 @@ class EvalConfig:
 
     kind: str = "number"  # how answers are scored: a registered eval kind (emdlm.eval_kinds)
     max_new_tokens: int = 16  # text: the generation length in tokens
-    batch_size: int = 64
+    batch_size: int = 64  # sequences per generate call (mbr: batch_size // mbr_samples prompts)
     do_sample: bool = False
-    temperature: float = 1.0
+    # short answers: "greedy" (one answer per prompt; sampled with do_sample) or "mbr" (sample
+    # mbr_samples answers at temperature / top_p and keep the one of least expected distance
+    # to the others, by the kind's own distance: emdlm.decoding)
+    decode: str = "greedy"
+    mbr_samples: int = 16  # decode=mbr: answers sampled per prompt (k; the cost grows with it)
+    temperature: float = 1.0  # sampling (do_sample, decode=mbr, kind text); 1 = the model's own
     top_p: float = 1.0
     seed: int = 0
     num_samples: int = 5  # text: continuations sampled per prompt
@@ -307,15 +315,20 @@ class RunConfig:
         e = self.eval
         check_choice("eval.kind", e.kind, EVAL_KINDS)
         check_choice("eval.mauve_mode", e.mauve_mode, ("mean", "pooled"))
-        for key in ("batch_size", "max_new_tokens", "num_samples"):
+        check_choice("eval.decode", e.decode, DECODE_MODES)
+        spec = EVAL_KIND_SPECS[e.kind]
+        if e.decode == "mbr" and not spec.short_answer:
+            raise ConfigError(f"eval.decode=mbr needs a generated short answer; eval.kind="
+                              f"{e.kind} has none (use eval.decode=greedy)")
+        for key in ("batch_size", "max_new_tokens", "num_samples", "mbr_samples"):
             value = getattr(e, key)
             if value < 1:
                 raise ConfigError(f"eval.{key} must be an integer >= 1, got {value!r}")
         # transformers' samplers refuse these at generation (open-ended kinds always sample)
-        if e.do_sample or EVAL_KIND_SPECS[e.kind].open_ended:
+        if e.do_sample or e.decode == "mbr" or spec.open_ended:
             if not (math.isfinite(e.temperature) and e.temperature > 0):
-                raise ConfigError(f"eval.temperature must be > 0 when sampling (eval.do_sample "
-                                  f"or eval.kind=text), got {e.temperature!r}")
+                raise ConfigError(f"eval.temperature must be > 0 when sampling (eval.do_sample, "
+                                  f"eval.decode=mbr or eval.kind=text), got {e.temperature!r}")
             if not 0 <= e.top_p <= 1:
                 raise ConfigError(f"eval.top_p must be in [0, 1] when sampling, got {e.top_p!r}")
 

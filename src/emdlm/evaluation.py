@@ -16,6 +16,7 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from emdlm.decoding import check_decode, mbr_decode, mbr_distance
 from emdlm.eval_kinds import eval_kind
 from emdlm.generation import (
     cut_at_stop,
@@ -113,6 +114,8 @@ def evaluate_examples(
     with_perplexity: bool = True,
     mauve: bool = False,
     featurizer: Any = None,
+    decode: str = "greedy",
+    mbr_samples: int = 16,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Generate answers for ``examples`` (dicts with "prompt" and "completion") and score them.
 
@@ -126,8 +129,16 @@ def evaluate_examples(
     completions (and the EOS after them, as in training) given the prompts when
     ``with_perplexity``; one dict per example with prompt,
     reference, prediction and per-example diagnostics (correct, abs_error / time_gap / iou).
+
+    ``decode="mbr"``: each prediction is the minimum-Bayes-risk pick among ``mbr_samples``
+    answers sampled at ``temperature`` / ``top_p`` (:func:`emdlm.decoding.mbr_decode`); the
+    metrics record the decoding settings and each row its ``samples``. ``"greedy"`` (default):
+    one answer per prompt (sampled when ``do_sample``). Both record ``decode``.
     """
     spec = eval_kind(kind)  # checked before any generation: ValueError on an unknown kind
+    check_decode(decode)
+    if decode == "mbr":
+        mbr_distance(kind)  # ValueError for a kind without a short answer
     for i, ex in enumerate(examples):
         if "prompt" not in ex or "completion" not in ex:
             raise KeyError(f"example {i} needs keys 'prompt' and 'completion', has {sorted(ex)}")
@@ -135,22 +146,32 @@ def evaluate_examples(
         stop_at = spec.stop_at
     prompts = [ex["prompt"] for ex in examples]
     references = [cut_at_stop(ex["completion"], stop_at).strip() for ex in examples]
-    preds = generate_answers(
-        model,
-        tokenizer,
-        prompts,
-        max_new_tokens=max_new_tokens,
-        batch_size=batch_size,
-        do_sample=do_sample,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
-        stop_at=stop_at,
-    )
+    decoded = None
+    if decode == "mbr":
+        decoded = mbr_decode(
+            model, tokenizer, prompts, kind=kind, samples=mbr_samples,
+            max_new_tokens=max_new_tokens, batch_size=batch_size, temperature=temperature,
+            top_p=top_p, seed=seed, stop_at=stop_at,
+        )
+        preds = decoded.answers
+    else:
+        preds = generate_answers(
+            model,
+            tokenizer,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop_at=stop_at,
+        )
     preds = [p.strip() for p in preds]
     metrics = compute_task_metrics(
         preds, references, kind, mauve=mauve, featurizer=featurizer, rows=examples
     )
+    metrics.update(decoded.metrics if decoded is not None else {"decode": "greedy"})
     if with_perplexity and examples:
         pairs = [(ex["prompt"], ex["completion"]) for ex in examples]
         # scored like the training loss: completion tokens and the EOS that ends them
@@ -162,6 +183,9 @@ def evaluate_examples(
         {"prompt": p, "reference": r, "prediction": y, **per_example_fields(y, r, kind, ex)}
         for p, r, y, ex in zip(prompts, references, preds, examples, strict=True)
     ]
+    if decoded is not None:
+        for row, group in zip(rows, decoded.samples, strict=True):
+            row["samples"] = group
     return metrics, rows
 
 

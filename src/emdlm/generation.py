@@ -114,6 +114,7 @@ def generation_session(
     seed: int,
     pad_token_id: int | None,
     eos_token_id: int | None,
+    num_return_sequences: int = 1,
 ) -> Iterator[Any]:
     """The ``GenerationConfig`` for one evaluation call, with the model in eval mode and a blank
     ``model.generation_config`` meanwhile (both restored after).
@@ -122,6 +123,7 @@ def generation_session(
     checkpoint's defaults (top_k, repetition penalty, min length...) would otherwise change what
     is evaluated. Sampling is unbiased apart from ``temperature`` / ``top_p``: top_k=0 disables
     top-k filtering; the torch RNG is seeded with ``seed`` once per call.
+    ``num_return_sequences``: sequences returned per prompt (more than 1 only when sampling).
     """
     from transformers import GenerationConfig
 
@@ -131,6 +133,7 @@ def generation_session(
         do_sample=do_sample,
         pad_token_id=pad_token_id,
         eos_token_id=eos_token_id,
+        num_return_sequences=num_return_sequences,
         **sampling,
     )
     if do_sample:
@@ -161,8 +164,12 @@ def generate_answers(
     top_p: float = 1.0,
     seed: int = 0,
     stop_at: Sequence[str] = ("\n",),
+    num_return_sequences: int = 1,
 ) -> list[str]:
     """Generate a completion for each prompt; return only the new text, cut at a stop string.
+
+    ``num_return_sequences`` (k, sampling only): k completions per prompt from one ``generate``
+    call per batch, returned prompt-major (the k of prompt 0, then the k of prompt 1, ...).
 
     Prompts are left-padded per batch (decoder-only models continue from the last position),
     with an attention mask so padding is ignored. Generation stops per row at the tokenizer's
@@ -178,6 +185,11 @@ def generate_answers(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if num_return_sequences < 1 or (num_return_sequences > 1 and not do_sample):
+        raise ValueError(
+            f"num_return_sequences must be 1 for greedy decoding and >= 1 when sampling, got "
+            f"{num_return_sequences} (do_sample={do_sample})"
+        )
     device = model_device(model)
     pad_id = _pad_id(tokenizer)
     limit = _max_positions(model)
@@ -186,6 +198,7 @@ def generate_answers(
         model, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
         top_p=top_p, seed=seed, pad_token_id=pad_id,
         eos_token_id=getattr(tokenizer, "eos_token_id", None),
+        num_return_sequences=num_return_sequences,
     ) as gen_config:  # fmt: skip
         for start in range(0, len(prompts), batch_size):
             encoded = [
@@ -210,7 +223,7 @@ def generate_answers(
                 attention_mask=attention_mask.to(device),
                 generation_config=gen_config,
                 stopping_criteria=StoppingCriteriaList(criteria),
-            )  # [b, L + new]
+            )  # [b * num_return_sequences, L + new], prompt-major
             texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
             answers.extend(cut_at_stop(t, stop_at) for t in texts)
     return answers

@@ -85,7 +85,8 @@ KEY_METRICS = ("abs_error_mean", "log10_error_mean", "within_5pct", "exact_match
 SKIP_METRICS = ("n", "n_predictions", "num_samples", "temperature", "top_p", "top_k",
                 "max_new_tokens", "n_prompts", "n_samples", "mauve_num_buckets",
                 "mauve_scaling_factor", "mauve_seed", "mauve_kmeans_num_redo",
-                "mauve_kmeans_max_iter", "mauve_run_min", "mauve_run_max")
+                "mauve_kmeans_max_iter", "mauve_run_min", "mauve_run_max", "mbr_samples",
+                "mbr_temperature", "mbr_top_p")
 CSV_FIELDS = ("task", "variant", "seed", "step", "metric", "value")
 
 

@@ -76,7 +76,7 @@ def evaluate_text_folder(
         metrics, predictions = evaluate_examples(
             model, tokenizer, examples, kind=e.kind, max_new_tokens=e.max_new_tokens,
             batch_size=e.batch_size, do_sample=e.do_sample, temperature=e.temperature,
-            top_p=e.top_p, seed=e.seed,
+            top_p=e.top_p, seed=e.seed, decode=e.decode, mbr_samples=e.mbr_samples,
         )
     return metrics, predictions
 

@@ -139,6 +139,9 @@ def evaluate_vlm(
     if not eval_kind(e.kind).short_answer:
         raise ConfigError(f"eval.kind={e.kind} is not supported for VLMs; use clock, box, boxes "
                           "or number")
+    if e.decode != "greedy":  # before the model is loaded
+        raise ConfigError(f"eval.decode={e.decode} is not implemented for image-text models; "
+                          "use eval.decode=greedy")
     assert cfg.data.eval is not None
     rows = load_image_examples(cfg.data.eval, seed=cfg.train.seed, image_key=cfg.data.image_key,
                                images_root=cfg.data.images_root)
