@@ -243,7 +243,7 @@ def _not_a_plain_file(path: Path, mode: int) -> FolderEntryError:
     )
 
 
-def _open_lock_file(path: Path, *, create: bool) -> IO[Any] | None:
+def _open_lock(path: Path, *, create: bool) -> IO[Any] | None:
     """``path`` opened for reading and writing, never through a link (``O_NOFOLLOW``), and only
     when it is a plain file; None when it is missing and ``create`` is False.
 
@@ -279,6 +279,15 @@ def _open_lock_file(path: Path, *, create: bool) -> IO[Any] | None:
     return os.fdopen(fd, "a+" if create else "r+", encoding="utf-8")
 
 
+def open_lock_file(path: Path) -> IO[Any]:
+    """``path`` opened (created if missing) for a lock, read and written but never through a
+    symbolic link, and only when it is a plain file; :class:`FolderEntryError` naming it
+    otherwise (see :func:`_open_lock`)."""
+    fh = _open_lock(path, create=True)
+    assert fh is not None  # created when missing
+    return fh
+
+
 def _held_error(fh: IO[Any], path: Path) -> LockHeldError:
     err = LockHeldError(f"{path} is locked by another process")
     err.holder = lock_holder(fh)
@@ -297,10 +306,9 @@ def hold_lock_file(path: Path, doing: str = "") -> Iterator[None]:
     (a lock file deleted and created again could be held by two processes at once).
 
     The lock file is never opened through a symbolic link and must be a plain file: anything
-    else is :class:`FolderEntryError` naming it and what it is (:func:`_open_lock_file`).
+    else is :class:`FolderEntryError` naming it and what it is (:func:`open_lock_file`).
     """
-    fh = _open_lock_file(path, create=True)
-    assert fh is not None
+    fh = open_lock_file(path)
     with fh, contextlib.ExitStack() as held:
         try:
             held.enter_context(exclusive_lock(fh, blocking=False))
@@ -329,7 +337,7 @@ def check_lock_free(path: Path) -> None:
 
     A lock file that is a link, not a plain file, or not open to this user is
     :class:`FolderEntryError` now, as :func:`hold_lock_file` would raise it later."""
-    fh = _open_lock_file(path, create=False)
+    fh = _open_lock(path, create=False)
     if fh is None:  # missing: nothing to test
         return
     with fh:
