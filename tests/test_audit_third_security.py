@@ -219,6 +219,21 @@ def test_an_experiment_refuses_a_cell_folder_that_is_a_link(tmp_path):
     assert victim.read_text() == "the user's own file\n"
 
 
+def test_demo_refuses_a_run_folder_that_is_a_link_before_training(tmp_path):
+    """`emdlm demo --out d` with `d/ntil` a link elsewhere: the second run would have trained
+    into the link's target; now refused before the first run trains."""
+    out = tmp_path / "demo"
+    out.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (out / "ntil").symlink_to(elsewhere, target_is_directory=True)
+    small = [item for item in TINY if item != "data.eval=null"]
+    code, text = _cli("demo", "--out", out, *small, "train.max_steps=1", "data.eval.n=2",
+                      "eval.max_new_tokens=2")
+    _one_error_line(code, text, str(out / "ntil"), "symbolic link")
+    assert list(elsewhere.iterdir()) == [] and sorted(p.name for p in out.iterdir()) == ["ntil"]
+
+
 # --- S7: a lock file that is not a plain file ---------------------------------------------------
 
 
