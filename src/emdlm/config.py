@@ -36,7 +36,7 @@ import yaml
 
 from emdlm.eval_kinds import EVAL_KIND_SPECS, EVAL_KINDS  # the one registry of eval kinds
 from emdlm.objective_specs import OBJECTIVE_NAMES, OBJECTIVE_SPECS
-from emdlm.yaml_io import DuplicateKeyError, safe_load_unique
+from emdlm.yaml_io import RefusedYAMLError, safe_load_unique
 
 # derived from the one registry (emdlm.objective_specs)
 OBJECTIVES = OBJECTIVE_NAMES
@@ -483,7 +483,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         raise ConfigError(f"override {item!r} has an empty key")
     try:
         value = safe_load_unique(raw) if raw.strip() else ""
-    except DuplicateKeyError as err:
+    except RefusedYAMLError as err:  # a key given twice, a bomb of aliases
         raise ConfigError(f"override {item!r}: {err}") from err
     except yaml.YAMLError:
         value = raw
@@ -591,12 +591,13 @@ def _say_once(line: str) -> None:
 
 def read_yaml_file(path: Path) -> Any:
     """The YAML document in ``path``; ConfigError naming the file for invalid YAML or a key given
-    twice in one mapping (:func:`emdlm.yaml_io.safe_load_unique`)."""
+    twice in one mapping, or a document past the size limits of
+    :func:`emdlm.yaml_io.safe_load_unique`."""
     try:
         return safe_load_unique(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason})") from err
-    except DuplicateKeyError as err:
+    except RefusedYAMLError as err:  # a key given twice, a bomb of aliases
         raise ConfigError(f"{path}: {err}") from err
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from err

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from emdlm._files import atomic_write
+from emdlm._files import atomic_write, refuse_links
 
 # ----------------------------------------------------------------------------------------------
 # Reports
@@ -43,6 +43,8 @@ N_PREDICTIONS = "n_predictions"
 #: Counts that metrics.json held before ``n_predictions`` existed, one per predictions row
 #: (``n_prompts`` of eval.kind text, ``n`` of every other kind): the check for older folders.
 LEGACY_ROW_COUNTS = ("n_prompts", "n")
+#: Every file an evaluation may write into its folder (a VLM's evaluation draws a contact sheet).
+WRITTEN_FILES = (METRICS_FILE, PREDICTIONS_FILE, "contact_sheet.png")
 
 
 class EvalOutputError(ValueError):
@@ -50,10 +52,24 @@ class EvalOutputError(ValueError):
     or disagreeing on the number of rows). The message is one line naming the file."""
 
 
+def refuse_eval_links(out_dir: str | Path, *, within: str | Path | None = None) -> None:
+    """:class:`emdlm._files.FolderEntryError` naming the link when the evaluation folder
+    ``out_dir``, a folder between ``within`` (the folder the user named; default ``out_dir``
+    itself) and it, or one of the files an evaluation writes there (:data:`WRITTEN_FILES`) is
+    a symbolic link. Reads only: called before the evaluation starts, and again by
+    :func:`write_eval_outputs`."""
+    out = Path(out_dir)
+    refuse_links(out, within=out if within is None else Path(within))
+    for name in WRITTEN_FILES:
+        refuse_links(out / name)
+
+
 def write_eval_outputs(
     out_dir: str | Path,
     metrics: Mapping[str, Any],
     predictions: Iterable[Mapping[str, Any]],
+    *,
+    within: str | Path | None = None,
 ) -> dict[str, Path]:
     """Write ``predictions.jsonl`` (one JSON object per line), then ``metrics.json`` with
     ``n_predictions`` (the number of rows) added, to out_dir.
@@ -63,9 +79,11 @@ def write_eval_outputs(
     that a ``metrics.json`` is only ever beside the complete predictions it counts: a write cut
     short (an error, a killed process) leaves no folder that reads as a finished evaluation
     (:func:`eval_outputs_problem`). NaN/inf values are written as null. Returns
-    ``{"metrics": path, "predictions": path}``.
+    ``{"metrics": path, "predictions": path}``. Nothing is written when ``out_dir`` or one of
+    its files is a symbolic link (:func:`refuse_eval_links`, ``within`` as there).
     """
     out = Path(out_dir)
+    refuse_eval_links(out, within=within)
     out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / METRICS_FILE
     preds_path = out / PREDICTIONS_FILE

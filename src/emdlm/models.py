@@ -9,7 +9,8 @@ length (dropout 0 by default so runs are deterministic and multi-process runs ma
 Any other name must be an existing folder holding a Hugging Face causal-LM checkpoint.
 Pickled weights (``pytorch_model.bin``, ``.pt``) are only ever loaded with torch's
 ``weights_only`` unpickler; a file it refuses (one that would run code when unpickled) is
-reported in one line naming the file, never loaded (:mod:`emdlm.weights`).
+reported in one line naming the file, never loaded, and a folder with its own code (an
+``auto_map``) is refused, never run (:mod:`emdlm.weights`).
 Vision-language models (named tiny VLMs and image-text-to-text folders) are built by
 :mod:`emdlm.vlm.models`; :mod:`emdlm.training.train` picks that path with ``is_vlm``.
 """
@@ -29,6 +30,7 @@ from emdlm.weights import (
     PICKLE_SUFFIXES,  # noqa: F401
     model_load_error,
     output_embedding_from_folder,  # noqa: F401
+    refuse_folder_code,
     refused_pickle_message,  # noqa: F401
     weights_only_refusal,  # noqa: F401
 )
@@ -55,8 +57,9 @@ def load_tokenizer(name_or_path: str) -> Any:
     if path.is_dir():
         from transformers import AutoTokenizer
 
+        refuse_folder_code(path)  # before transformers, which would prompt to run it
         try:
-            tok = AutoTokenizer.from_pretrained(str(path))
+            tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
         except Exception as err:  # transformers raises many types here; name the folder
             raise ConfigError(f"could not load a tokenizer from folder {path}: {err}") from err
     else:
@@ -129,8 +132,10 @@ def build_model(cfg: ModelConfig, tokenizer: Any, *, max_length: int | None = No
             raise ConfigError(f"model folder {path} has no config.json")
         if cfg.params:
             raise ConfigError("model.params only apply to named architectures, not to folders")
+        refuse_folder_code(path)
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(path), dtype=dtype, trust_remote_code=False)
         except Exception as err:  # name the folder whatever transformers raised
             raise model_load_error(f"could not load a causal LM from {path}", path, err) from err
     check_vocab(model, tokenizer)

@@ -118,7 +118,10 @@ def load_tokenizer(name_or_path: str) -> Any:
         )
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    from emdlm.weights import refuse_folder_code
+
+    refuse_folder_code(path)  # transformers would prompt to run the folder's code
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
 
 
 # ---------------------------------------------------------------------------- helpers

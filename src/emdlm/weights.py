@@ -1,4 +1,5 @@
-"""Reading model weights files safely: a pickle is never unpickled with code.
+"""Reading model weights files safely: a pickle is never unpickled with code, and a folder's
+own code is never run.
 
 Pickled weights (``pytorch_model.bin``, ``.pt``) are only ever loaded with torch's
 ``weights_only`` unpickler; a file it refuses (one that would run code when unpickled) is
@@ -6,10 +7,18 @@ reported in one line naming the file (:func:`weights_only_refusal`), never loade
 embedding of a checkpoint folder is read from its safetensors without building the model where
 possible (:func:`output_embedding_from_folder`). Used to build models (:mod:`emdlm.models`), cost
 embeddings (:mod:`emdlm.objectives`) and to check run folders (:mod:`emdlm.training.run_folder`).
+
+A model, tokenizer or processor folder whose configuration maps a class to a Python file of its
+own (an ``auto_map`` entry: transformers' "custom code",
+https://huggingface.co/docs/transformers/custom_models) is refused in one line naming the file
+(:func:`refuse_folder_code`) before transformers sees it, and every ``from_pretrained`` passes
+``trust_remote_code=False``: transformers would otherwise ask "[y/N]" on stdin, and a ``y``
+piped in would run the folder's code.
 """
 
 from __future__ import annotations
 
+import json
 import pickle
 import re
 from pathlib import Path
@@ -23,6 +32,39 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth")  # weights stored with torch.save (a p
 # unsupported GLOBAL posix.system whose module posix is blocked." (torch 2.13) or
 # "Unsupported global: GLOBAL posix.system was not an allowed global by default" (older)
 _REFUSAL_LINE = re.compile(r"GLOBAL|[Uu]nsupported|not an allowed|blocked|WeightsUnpickler")
+
+
+def _auto_map_of(file: Path) -> dict[str, object] | None:
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # unreadable or not JSON: transformers reports it
+        return None
+    auto_map = data.get("auto_map") if isinstance(data, dict) else None
+    return auto_map if isinstance(auto_map, dict) and auto_map else None
+
+
+def refuse_folder_code(folder: str | Path) -> None:
+    """ConfigError naming the file when a configuration file of ``folder`` (``config.json``,
+    ``tokenizer_config.json``, ``preprocessor_config.json``, ``processor_config.json``: every
+    ``*config.json`` there) has an ``auto_map``, the entry through which transformers loads
+    classes from Python files in the folder. Reads only; a folder without one passes. Call it
+    before any ``from_pretrained`` of a folder a user names (model, tokenizer, oracle, cost
+    embedding, VLM), so that no prompt appears and no code runs."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    for file in sorted(folder.glob("*config.json")):
+        auto_map = _auto_map_of(file)
+        if auto_map is None:
+            continue
+        named = sorted({str(v) for value in auto_map.values()
+                        for v in (value if isinstance(value, list) else [value]) if v})
+        raise ConfigError(
+            f"{file} has an auto_map ({', '.join(named[:3])}{', ...' if len(named) > 3 else ''})"
+            f": the folder's own Python code, which emdlm never runs (trust_remote_code is off);"
+            " use a folder of classes transformers ships, or remove the auto_map entry if the "
+            "classes it names are transformers' own"
+        )
 
 
 def _unpickling_errors(err: BaseException) -> list[pickle.UnpicklingError]:
@@ -112,6 +154,7 @@ def output_embedding_from_folder(folder: Path) -> torch.Tensor:
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    refuse_folder_code(folder)
     try:
         config = AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
         with torch.device("meta"):

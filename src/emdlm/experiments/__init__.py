@@ -11,8 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from emdlm._files import refuse_links, refuse_links_below
 from emdlm.experiments.grid import Cell, Experiment, expand_grid, load_experiment, select_cells
 from emdlm.experiments.runner import CellOutcome, default_workers, run_cells
+
+#: What an experiment writes into its output folder besides the cells.
+RESULTS_CSV, REPORT_MD, PLOTS_DIR = "results.csv", "report.md", "plots"
 
 
 @dataclass
@@ -43,14 +47,30 @@ def write_outputs(exp: Experiment, cells: list[Cell], *, command: str = "") -> E
     out = exp.output_dir
     out.mkdir(parents=True, exist_ok=True)
     grid = read_grid(cells)
-    write_csv(grid.rows, out / "results.csv")
+    write_csv(grid.rows, out / RESULTS_CSV)
     plots = make_plots(grid.finished, grid.rows, list(exp.tasks), list(exp.variants),
-                       out / "plots")
-    write_report(exp, cells, grid.rows, out / "report.md", command=command, plots=plots,
+                       out / PLOTS_DIR)
+    write_report(exp, cells, grid.rows, out / REPORT_MD, command=command, plots=plots,
                  left_out=grid.left_out)
-    files = [out / "plots" / name for names in plots.values() for name in names]
-    return ExperimentResult(out, out / "report.md", out / "results.csv", files,
+    files = [out / PLOTS_DIR / name for names in plots.values() for name in names]
+    return ExperimentResult(out, out / REPORT_MD, out / RESULTS_CSV, files,
                             left_out=dict(grid.left_out))
+
+
+def refuse_experiment_links(exp: Experiment, cells: list[Cell]) -> None:
+    """:class:`emdlm._files.FolderEntryError` naming the first symbolic link where the
+    experiment would write: its report files and plots, the folders from its output_dir down to
+    each of ``cells`` (``<task>/<variant>/seed<k>``), and anything inside those cells (every
+    entry of a cell is the runner's). Reads only; the output_dir itself may be a link."""
+    out = exp.output_dir
+    for name in (RESULTS_CSV, REPORT_MD, PLOTS_DIR):
+        refuse_links(out / name)
+    if (out / PLOTS_DIR).is_dir():
+        refuse_links_below(out / PLOTS_DIR)
+    for cell in cells:
+        refuse_links(cell.folder, within=out)
+        if cell.folder.is_dir():
+            refuse_links_below(cell.folder)
 
 
 def run_experiment(
@@ -66,6 +86,7 @@ def run_experiment(
     exp = load_experiment(config, overrides)
     cells = expand_grid(exp)
     to_run = select_cells(cells, only) if only else cells
+    refuse_experiment_links(exp, [] if report_only else to_run)  # before the first write
     outcomes: list[CellOutcome] = []
     if not report_only:
         workers = exp.workers or default_workers()

@@ -47,6 +47,7 @@ from multiprocessing import active_children, get_context
 from pathlib import Path
 from typing import Any
 
+from emdlm.config import ConfigError
 from emdlm.experiments.cell_folder import (
     CELL_DONE,
     ERROR_FILE,
@@ -189,7 +190,7 @@ def run_cell(cell: Cell) -> CellOutcome:
         try:
             cell.folder.mkdir(parents=True, exist_ok=True)
             held.enter_context(hold_cell(cell.folder))
-        except CellInUseError as err:
+        except (CellInUseError, ConfigError) as err:  # held, or its lock file not a plain file
             return CellOutcome(cell.key, "failed", error=str(err))
         except OSError as err:  # no folder: nowhere to write error.txt either
             return CellOutcome(cell.key, "failed", 0.0, f"cannot create {cell.folder}: {err}")

@@ -104,8 +104,9 @@ class MiniLMFeaturizer:
         from transformers import AutoModel, AutoTokenizer
 
         path = self.model_path()
-        self._tokenizer = AutoTokenizer.from_pretrained(path)
-        self._model = AutoModel.from_pretrained(path).to(self.device).eval()
+        self._tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        self._model = AutoModel.from_pretrained(path, trust_remote_code=False).to(
+            self.device).eval()
 
     def __call__(self, texts: Sequence[str]) -> np.ndarray:
         import torch

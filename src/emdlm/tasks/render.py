@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from emdlm._files import atomic_write, exclusive_lock
+from emdlm._files import atomic_write, exclusive_lock, open_lock_file
 
 RGB = tuple[int, int, int]
 
@@ -274,8 +274,9 @@ def _render_missing(
 @contextlib.contextmanager
 def _folder_lock(folder: Path) -> Iterator[None]:
     """An exclusive lock on ``folder/.lock`` (``flock``; ``msvcrt.locking`` on Windows), waited
-    for: one process renders a cache while the others wait and then reuse it."""
-    with (folder / _LOCK).open("a") as fh, exclusive_lock(fh, blocking=True):
+    for: one process renders a cache while the others wait and then reuse it. The lock file is
+    never opened through a link (:func:`emdlm._files.open_lock_file`)."""
+    with open_lock_file(folder / _LOCK) as fh, exclusive_lock(fh, blocking=True):
         yield
 
 

@@ -1,7 +1,8 @@
 """Checkpoints of a run folder: which are complete, and which one a resume starts from.
 
 A checkpoint is complete when its trainer state, model weights, optimizer and scheduler state
-are present and readable (safetensors headers and extents, torch zip archives, JSON), checked
+are present and readable (safetensors headers and extents, torch zip archives, JSON) and no
+pickle among them would run code (torch's ``weights_only`` unpickler refuses none), checked
 without loading the tensors (:func:`checkpoint_problem`). ``tmp-checkpoint-<step>`` folders are
 saves in progress (or killed, :mod:`emdlm.training.saving`) and are never resumed from.
 """
@@ -9,6 +10,7 @@ saves in progress (or killed, :mod:`emdlm.training.saving`) and are never resume
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -80,11 +82,13 @@ def _file_problem(path: Path) -> str | None:
     return None
 
 
-def _unpickle_problem(path: Path) -> str | None:
-    """For pickled weights (``pytorch_model.bin``): the one-line refusal when torch's
-    ``weights_only`` unpickler (the one transformers loads weights with) refuses ``path``, a
-    pickle that would run code; it is never unpickled otherwise. Tensors are memory-mapped,
-    not read."""
+def _unpickle_problem(path: Path, *, numpy_allowed: bool = False) -> str | None:
+    """For pickled files (``pytorch_model.bin``, ``optimizer.pt``, ``scheduler.pt``,
+    ``rng_state.pth``): the one-line refusal naming ``path`` when torch's ``weights_only``
+    unpickler (the one transformers loads them with) refuses it, a pickle that would run code;
+    it is never unpickled otherwise. Tensors are memory-mapped, not read. ``numpy_allowed``:
+    also admit the numpy array and dtype classes that transformers' Trainer allows when it
+    loads ``rng_state.pth`` (``transformers.trainer_pt_utils.safe_globals``)."""
     if path.suffix not in (".bin", ".pt", ".pth"):
         return None
     import pickle
@@ -93,8 +97,14 @@ def _unpickle_problem(path: Path) -> str | None:
 
     from emdlm.weights import weights_only_refusal
 
+    allowed = contextlib.nullcontext()
+    if numpy_allowed:
+        from transformers.trainer_pt_utils import safe_globals
+
+        allowed = safe_globals()
     try:
-        torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        with allowed:
+            torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as err:
         return weights_only_refusal(err, path)
     except Exception:  # another problem: the loader reports it
@@ -145,11 +155,11 @@ def checkpoint_problem(ckpt: Path) -> str | None:
         if not present and not any(ckpt.glob(f"{stem}_*")):  # FSDP: optimizer_0/ ...
             return f"{files[0]} is missing"
         for path in present:
-            problem = _file_problem(path)
+            problem = _file_problem(path) or _unpickle_problem(path)
             if problem:
                 return problem
     for rng in sorted(ckpt.glob("rng_state*.pth")):
-        problem = _file_problem(rng)
+        problem = _file_problem(rng) or _unpickle_problem(rng, numpy_allowed=True)
         if problem:
             return problem
     return None

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from emdlm._files import atomic_write, read_appended_jsonl
+from emdlm._files import atomic_write, read_appended_jsonl, refuse_links
 from emdlm.config import load_config
 from emdlm.training.evaluate import evaluate_run
 from emdlm.training.train import run_training
@@ -85,6 +85,8 @@ def run_demo(
         obj: load_config(f"{task}_{obj}", [*(overrides or []), f"output_dir={out / obj}"])
         for obj in objectives
     }
+    for name in (*objectives, "demo_results.md", "demo_metrics.json"):  # before any training
+        refuse_links(out / name)
     rows: dict[str, dict[str, Any]] = {}
     for obj, cfg in configs.items():
         echo(f"== {obj}: training {cfg.model.name} on {cfg.data.train.describe()} "  # type: ignore[union-attr]

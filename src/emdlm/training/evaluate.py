@@ -68,7 +68,7 @@ def evaluate_run(
     (or another ``emdlm eval``) is reported at once (RunFolderBusy, naming the holder) instead
     of after the evaluation.
     """
-    from emdlm.eval_outputs import write_eval_outputs
+    from emdlm.eval_outputs import refuse_eval_links, write_eval_outputs
     from emdlm.training.run_folder import (
         enclosing_run_folder,
         hold_run_folder,
@@ -82,11 +82,14 @@ def evaluate_run(
         raise ConfigError("no test set: set data.eval.path or data.eval.task (e.g. --task)")
     target = Path(out_dir) if out_dir is not None else Path(run_dir) / "eval"
     run_folder = enclosing_run_folder(target)
+    # links below the folder the user named are refused (the default eval/ is inside run_dir)
+    within = Path(run_dir) if out_dir is None else (run_folder or target)
+    refuse_eval_links(target, within=within)
     with (contextlib.nullcontext() if run_folder is None else hold_run_folder(
             run_folder, "emdlm eval", hint="wait for it to finish, or write the evaluation "
             "elsewhere with --out")):
         metrics, predictions, pictures = _evaluate(Path(run_dir), cfg, target)
-        write_eval_outputs(target, metrics, predictions)
+        write_eval_outputs(target, metrics, predictions, within=within)
         if out_dir is None and is_run_folder(Path(run_dir)):  # --overwrite may remove it later
             record_outputs(Path(run_dir), ["eval"])
     return {

@@ -11,6 +11,9 @@
   into the folder; a second process is refused at once, naming the holder's pid. The OS drops
   the lock when its holder ends, however it ends. The lock file is emdlm's (a known name) but
   ``--overwrite`` never removes it: the run that clears the folder holds it.
+* No links (:func:`refuse_linked_entries`): an entry emdlm writes or removes (the lock, the
+  manifest, known names and patterns, ``eval/``) that is a symbolic link is refused in one line
+  naming it, before the first write and again under the lock; a user's own links stay.
 
 Which checkpoints are complete: :mod:`emdlm.training.checkpoints`; saves that a kill or a full
 disk cannot tear: :mod:`emdlm.training.saving`.
@@ -22,12 +25,17 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import json
-import os
 import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from emdlm._files import LockHeldError, check_lock_free, hold_lock_file
+from emdlm._files import (
+    LockHeldError,
+    atomic_write,
+    check_lock_free,
+    hold_lock_file,
+    refuse_links,
+)
 from emdlm.config import ConfigError
 from emdlm.training.checkpoints import TMP_PREFIX
 
@@ -46,6 +54,7 @@ KNOWN_PATTERNS = (
     "checkpoint-[0-9]*", f"{TMP_PREFIX}checkpoint-[0-9]*", "model-*-of-*.safetensors",
     "pytorch_model-*-of-*.bin",
     ".train_summary.json.*.tmp",  # an atomic write of train_summary.json cut by a kill
+    f".{MANIFEST}.*.tmp",  # the same for the manifest
 )
 # emdlm eval's default "eval/": its outputs, and the temporary files of an interrupted
 # atomic write of one of them (emdlm._files.atomic_write: ".<name>.<random>.tmp")
@@ -71,9 +80,8 @@ def record_outputs(folder: Path, names: Iterable[str]) -> None:
     """Add top-level ``names`` to ``folder``'s manifest (created if missing)."""
     entries = read_manifest(folder) | {MANIFEST} | {n for n in names if n}
     payload = {"written_by": "emdlm", "entries": sorted(entries)}
-    tmp = folder / f"{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, folder / MANIFEST)  # never a half-written manifest
+    with atomic_write(folder / MANIFEST) as fh:  # never a half-written manifest
+        fh.write(json.dumps(payload, indent=1) + "\n")
 
 
 def is_run_folder(folder: Path) -> bool:
@@ -91,6 +99,11 @@ def _is_eval_folder(path: Path) -> bool:
     return path.is_dir() and all(_is_eval_file(p.name) for p in path.iterdir())
 
 
+def _is_known_name(name: str, recorded: set[str]) -> bool:
+    return name in recorded or name in KNOWN_FILES or any(
+        fnmatch.fnmatch(name, p) for p in KNOWN_PATTERNS)
+
+
 def emdlm_entries(folder: Path) -> list[Path]:
     """The entries of ``folder`` that emdlm wrote: manifest names, known names and patterns
     (an ``eval/`` folder only when it holds nothing but emdlm eval's files)."""
@@ -98,10 +111,22 @@ def emdlm_entries(folder: Path) -> list[Path]:
     found = []
     for entry in sorted(folder.iterdir()):
         name = entry.name
-        known = name in KNOWN_FILES or any(fnmatch.fnmatch(name, p) for p in KNOWN_PATTERNS)
-        if name in recorded or known or (name == "eval" and _is_eval_folder(entry)):
+        if _is_known_name(name, recorded) or (name == "eval" and _is_eval_folder(entry)):
             found.append(entry)
     return found
+
+
+def refuse_linked_entries(folder: Path) -> None:
+    """:class:`emdlm._files.FolderEntryError` naming the first entry of ``folder`` that emdlm
+    writes, replaces or removes (manifest names, known names and patterns, ``eval``) and that
+    is a symbolic link: writing it would write where the link points (``--overwrite``, a new
+    run's lock, an evaluation). Reads only; a missing folder and a user's other links pass."""
+    if not folder.is_dir():
+        return
+    recorded = read_manifest(folder)
+    for entry in sorted(folder.iterdir()):
+        if _is_known_name(entry.name, recorded) or entry.name == "eval":
+            refuse_links(entry)
 
 
 def clear_run_folder(folder: Path) -> tuple[list[str], list[str]]:
@@ -141,11 +166,14 @@ def _busy(folder: Path, err: LockHeldError, hint: str) -> RunFolderBusy:
 def check_run_folder_free(folder: Path, *, hint: str) -> None:
     """:class:`RunFolderBusy` (naming the holder) when another process holds ``folder``'s lock;
     writes nothing. Called early, so that a second ``emdlm train`` is refused before it loads
-    data and model; the lock itself is taken later by :func:`hold_run_folder`."""
+    data and model; the lock itself is taken later by :func:`hold_run_folder`. A lock file
+    that is a link or not a plain file, or another entry emdlm writes that is a link, is
+    :class:`emdlm._files.FolderEntryError` (:func:`refuse_linked_entries`)."""
     try:
         check_lock_free(folder / RUN_LOCK)
     except LockHeldError as err:
         raise _busy(folder, err, hint) from None
+    refuse_linked_entries(folder)
 
 
 @contextlib.contextmanager
@@ -162,6 +190,7 @@ def hold_run_folder(folder: Path, doing: str, *, hint: str) -> Iterator[None]:
             raise _busy(folder, err, hint) from None
         except OSError as err:
             raise ConfigError(f"cannot write in {folder}: {err.strerror or err}") from err
+        refuse_linked_entries(folder)  # checked again now that no other emdlm process writes
         yield
 
 

@@ -17,6 +17,7 @@ def load_trained(run_dir: str | Path, tokenizer_name: str | None = None) -> tupl
 
     from emdlm.models import check_vocab, load_tokenizer
     from emdlm.training.checkpoints import checkpoint_folders, checkpoint_problem, weights_problem
+    from emdlm.weights import refuse_folder_code
 
     folder = Path(run_dir)
     if not folder.is_dir():
@@ -35,8 +36,9 @@ def load_trained(run_dir: str | Path, tokenizer_name: str | None = None) -> tupl
     problem = weights_problem(folder)
     if problem:  # before transformers, whose error would name no file
         raise ConfigError(f"cannot load the model in {folder}: {problem}")
+    refuse_folder_code(folder)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(folder))
+        model = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=False)
     except (OSError, ValueError, RuntimeError) as err:
         raise ConfigError(f"cannot load the model in {folder}: {err}") from err
     check_vocab(model, tokenizer)

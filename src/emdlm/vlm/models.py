@@ -31,7 +31,7 @@ import torch
 
 from emdlm.config import ConfigError, ModelConfig
 from emdlm.models import VLM_NAMES, check_vocab, model_dtype
-from emdlm.weights import model_load_error
+from emdlm.weights import model_load_error, refuse_folder_code
 
 # model_type -> family; the family decides the prompt template and the image processor
 _FAMILIES = {
@@ -258,6 +258,7 @@ def build_vlm(cfg: ModelConfig, tokenizer: Any) -> BuiltVLM:
         if cfg.params:
             raise ConfigError("model.params only apply to named architectures, not to folders")
         family = family_of(model_type)
+        refuse_folder_code(path)
         processor = load_image_processor(path, model_type)
         try:  # local files only; remote code is never run
             model = AutoModelForImageTextToText.from_pretrained(

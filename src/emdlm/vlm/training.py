@@ -28,7 +28,7 @@ from emdlm.vlm.models import (
     prepare_vlm_tokenizer,
     spec_for,
 )
-from emdlm.weights import weights_only_refusal
+from emdlm.weights import refuse_folder_code, weights_only_refusal
 
 
 @dataclass
@@ -100,6 +100,7 @@ def load_trained_vlm(folder: Path, model_type: str, tokenizer: Any, cfg: RunConf
 
     family = family_of(model_type)
     source = folder if (folder / "preprocessor_config.json").is_file() else folder.parent
+    refuse_folder_code(folder)
     processor = load_image_processor(source, model_type)
     try:  # local files only; remote code is never run
         model = AutoModelForImageTextToText.from_pretrained(str(folder), trust_remote_code=False)
