@@ -228,7 +228,7 @@ class TrainConfig:
     batch_size: int = 8  # per device
     grad_accum: int = 1  # micro-batches per optimizer step (exact: the loss is divided once)
     epochs: float = 1.0
-    max_steps: int = -1  # > 0 overrides epochs
+    max_steps: int = -1  # optimizer steps (>= 1, overrides epochs); -1: train for `epochs`
     seed: int = 0  # model init, data order and generated data (unless a source sets its own)
     logging_steps: int = 1
     save_steps: int = 500
