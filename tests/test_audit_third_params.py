@@ -249,7 +249,7 @@ def test_resume_that_changes_the_training_is_refused_before_writing(
     result = _train(*args, "--resume", *change)
     assert result.exit_code == 2, result.output
     lines = _error_lines(result)
-    assert len(lines) == 1 and "--resume would change what" in lines[0], result.output
+    assert len(lines) == 1 and "would change what it was trained with" in lines[0], result.output
     assert named in lines[0]
     assert "Traceback" not in result.output
     after = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}

@@ -185,9 +185,9 @@ def check_resume_settings(out: Path, cfg: RunConfig) -> None:
             changed.append(f"{key} ({shown[0]} -> {shown[1]})")
     if changed:
         raise ConfigError(
-            f"--resume would change what {out} was trained with: {', '.join(changed)}; a resume "
-            f"may change only {', '.join(RESUME_MAY_CHANGE)}: train with other settings in a "
-            "new run (another output_dir, or --overwrite)"
+            f"resuming {out} would change what it was trained with: {', '.join(changed)}; a "
+            f"resume may change only {', '.join(RESUME_MAY_CHANGE)}: train with other settings "
+            "in a new run (another output_dir, or --overwrite)"
         )
 
 
