@@ -122,7 +122,7 @@ def _small_model_folder(folder):
                 __import__("importlib").util.find_spec("bitsandbytes") is not None,
                 reason="bitsandbytes installed")),
         ("vocab_mismatch", "tokenizer/model vocab mismatch: the tokenizer has 89 tokens"),
-        ("no_digits", "needs digit tokens|has no token that is a run of digits"),
+        ("no_digits", "needs digit tokens: .* none of its 8 tokens is a run of ASCII digits"),
         ("emo_without_cost", "needs a cost embedding"),
         ("bad_cost_file", "cost embedding file or model folder not found"),
         ("missing_tokenizer", "tokenizer folder not found"),

@@ -25,6 +25,7 @@ SRC = Path(os.environ.get("EMDLM_LAYERS_SRC") or ROOT / "src")
 # docs/architecture.md (checked below).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundations", ("emdlm._files", "emdlm._output", "emdlm.yaml_io", "emdlm.json_io",
+                     "emdlm.domains",
                      "emdlm.objective_specs",
                      "emdlm.eval_kinds", "emdlm.config", "emdlm.weights")),
     ("vocabularies", ("emdlm.numbers", "emdlm.tokenizers")),

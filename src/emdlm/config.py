@@ -34,6 +34,15 @@ from typing import Any, get_type_hints
 
 import yaml
 
+from emdlm.domains import (
+    COUNT,
+    NONNEGATIVE,
+    NONNEGATIVE_COUNT,
+    POSITIVE,
+    UNIT,
+    Domain,
+    shown_value,
+)
 from emdlm.eval_kinds import EVAL_KIND_SPECS, EVAL_KINDS  # the one registry of eval kinds
 from emdlm.objective_specs import OBJECTIVE_NAMES, OBJECTIVE_SPECS
 from emdlm.yaml_io import RefusedYAMLError, safe_load_unique
@@ -51,6 +60,43 @@ DECODE_MODES = ("greedy", "mbr")
 #: The largest seed transformers.set_seed accepts: it seeds numpy (np.random.seed), whose seeds
 #: are 0 .. 2**32 - 1; a negative seed fails there, after the run has started.
 MAX_SEED = 2**32 - 1
+#: The legal values of the numeric run settings (emdlm.domains: NaN and ±inf lie in none, an
+#: integer fits in 64 bits), checked by RunConfig.validate before anything is loaded or written
+#: (a setting whose parent section is null is not checked). ``train.max_steps``: the optimizer
+#: steps, >= 1; -1 (the default) leaves the length to ``train.epochs``.
+RUN_SETTING_DOMAINS: dict[str, Domain] = {
+    "optim.lr": POSITIVE,
+    "optim.weight_decay": NONNEGATIVE,  # torch.optim.AdamW refuses < 0
+    "optim.eps": NONNEGATIVE,
+    "optim.max_grad_norm": NONNEGATIVE,  # 0: no clipping (transformers.Trainer)
+    "optim.warmup_steps": NONNEGATIVE_COUNT,
+    "optim.warmup_ratio": UNIT,
+    "train.batch_size": COUNT,
+    "train.grad_accum": COUNT,
+    "train.epochs": NONNEGATIVE,
+    "train.max_steps": COUNT.or_(-1),
+    "train.logging_steps": COUNT,
+    "train.save_steps": COUNT,
+    "train.save_total_limit": NONNEGATIVE_COUNT.or_(None),  # None or 0: keep every checkpoint
+    "train.eval_steps": COUNT.or_(None),
+    "train.num_workers": NONNEGATIVE_COUNT,
+    "train.torch_threads": NONNEGATIVE_COUNT.or_(None),  # None or 0: torch's default
+    "data.max_length": Domain(low=2, integer=True),
+    "data.pad_to_multiple_of": COUNT.or_(None),
+    "data.train.n": COUNT,
+    "data.train.limit": COUNT.or_(None),
+    "data.eval.n": COUNT,
+    "data.eval.limit": COUNT.or_(None),
+    "lora.r": COUNT,
+    "lora.alpha": POSITIVE,
+    "lora.dropout": Domain(low=0.0, high=1.0, high_open=True),
+    "eval.batch_size": COUNT,
+    "eval.max_new_tokens": COUNT,
+    "eval.num_samples": COUNT,
+    "eval.mbr_samples": COUNT,
+}
+#: Adam's β1, β2 (``optim.betas``): each in [0, 1), as torch.optim.AdamW requires.
+ADAM_BETA = Domain(low=0.0, high=1.0, high_open=True)
 
 
 class ConfigError(ValueError):
@@ -186,7 +232,7 @@ class TrainConfig:
     batch_size: int = 8  # per device
     grad_accum: int = 1  # micro-batches per optimizer step (exact: the loss is divided once)
     epochs: float = 1.0
-    max_steps: int = -1  # > 0 overrides epochs
+    max_steps: int = -1  # optimizer steps (>= 1, overrides epochs); -1: train for `epochs`
     seed: int = 0  # model init, data order and generated data (unless a source sets its own)
     logging_steps: int = 1
     save_steps: int = 500
@@ -295,14 +341,10 @@ class RunConfig:
         self._validate_at_end()
         self._validate_teacher()
         self._validate_lam_schedule()
+        self._validate_domains()
         t = self.train
-        for key in ("batch_size", "grad_accum", "logging_steps", "save_steps"):
-            if getattr(t, key) < 1:
-                raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")
-        if t.max_steps <= 0 and t.epochs <= 0:
-            raise ConfigError("set train.max_steps > 0 or train.epochs > 0")
-        if self.data.max_length < 2:
-            raise ConfigError(f"data.max_length must be >= 2, got {self.data.max_length}")
+        if t.max_steps == -1 and t.epochs <= 0:
+            raise ConfigError("set train.max_steps >= 1 or train.epochs > 0")
         self._validate_eval()
         check_choice("data.on_truncate", self.data.on_truncate, ("warn", "error"))
         check_choice("data.on_drop", self.data.on_drop, ("warn", "error"))
@@ -320,10 +362,6 @@ class RunConfig:
         if e.decode == "mbr" and not spec.short_answer:
             raise ConfigError(f"eval.decode=mbr needs a generated short answer; eval.kind="
                               f"{e.kind} has none (use eval.decode=greedy)")
-        for key in ("batch_size", "max_new_tokens", "num_samples", "mbr_samples"):
-            value = getattr(e, key)
-            if value < 1:
-                raise ConfigError(f"eval.{key} must be an integer >= 1, got {value!r}")
         # transformers' samplers refuse these at generation (open-ended kinds always sample)
         if e.do_sample or e.decode == "mbr" or spec.open_ended:
             if not (math.isfinite(e.temperature) and e.temperature > 0):
@@ -331,6 +369,35 @@ class RunConfig:
                                   f"eval.decode=mbr or eval.kind=text), got {e.temperature!r}")
             if not 0 <= e.top_p <= 1:
                 raise ConfigError(f"eval.top_p must be in [0, 1] when sampling, got {e.top_p!r}")
+
+    def _validate_domains(self) -> None:
+        """Every numeric run setting of :data:`RUN_SETTING_DOMAINS`, Adam's betas and the
+        objective's parameters (their domains are the registry's,
+        ``emdlm.objective_specs.ObjectiveSpec.domains``)."""
+        for key, domain in RUN_SETTING_DOMAINS.items():
+            *sections, name = key.split(".")
+            node: Any = self
+            for part in sections:
+                node = getattr(node, part) if node is not None else None
+            if node is None:
+                continue  # a section left out (data.eval)
+            value = getattr(node, name)
+            problem = domain.problem(value)
+            if problem is not None:
+                hint = " (-1, the default, trains for train.epochs)" if key == "train.max_steps" \
+                    else ""
+                raise ConfigError(f"{key} {problem}, got {shown_value(value)}{hint}")
+        betas = self.optim.betas
+        if not (isinstance(betas, list) and len(betas) == 2
+                and all(ADAM_BETA.problem(b) is None for b in betas)):
+            raise ConfigError(f"optim.betas must be Adam's two numbers [β1, β2], each "
+                              f"{ADAM_BETA.describe()}, got {betas!r}")
+        params = self.objective.params
+        if not isinstance(params, dict):
+            raise ConfigError(f"objective.params must be a mapping, got {params!r}")
+        problems = OBJECTIVE_SPECS[self.objective.name].param_problems(params, "objective.params.")
+        if problems:
+            raise ConfigError(f"objective {self.objective.name!r}: {'; '.join(problems)}")
 
     def _validate_at_end(self) -> None:
         if self.eval.at_end and self.data.eval is None:

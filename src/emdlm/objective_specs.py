@@ -7,6 +7,13 @@ names, the teacher and λ-schedule rules and the settable parameters from here, 
 declared, not read from the class; tests/test_objective_registry.py pins it equal to the class
 signature (:func:`emdlm.objectives.settable_parameters`), so it cannot drift.
 
+``domains`` declares the legal values of each numeric parameter (:class:`emdlm.domains.Domain`):
+the one table that both the loss classes (:class:`emdlm.losses.base.EMDLMLoss` checks it before
+``__init__`` runs) and the config (``objective.params``, in :meth:`emdlm.config.RunConfig.validate`,
+before anything is loaded or written) read; tests/test_audit_third_params.py pins that every
+float or int parameter of every class has one and that NaN, ±inf and out-of-domain values are
+refused on both.
+
 | name        | class                                  | built from / needs                     |
 |-------------|----------------------------------------|----------------------------------------|
 | ce          | emdlm.losses.ce.CrossEntropyLoss       | -                                      |
@@ -25,7 +32,19 @@ signature (:func:`emdlm.objectives.settable_parameters`), so it cannot drift.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from emdlm.domains import (
+    COUNT,
+    INTEGER,
+    NONNEGATIVE,
+    POSITIVE,
+    UNIT,
+    Domain,
+    domain_problems,
+)
 
 
 @dataclass(frozen=True)
@@ -42,6 +61,9 @@ class ObjectiveSpec:
     cost_embedding: built from a cost embedding (``objective.cost_embedding``).
     teacher: distils from a teacher (``teacher:``), which it needs; every other objective
         refuses one.
+    domains: the legal values of each numeric parameter of ``params`` (NaN and ±inf are in
+        none); the class's own checks of how parameters combine (e.g. EMO's ``mu`` only with
+        ``mode="static"``) come after.
     """
 
     name: str
@@ -52,6 +74,12 @@ class ObjectiveSpec:
     numeric: bool = False
     cost_embedding: bool = False
     teacher: bool = False
+    domains: Mapping[str, Domain] = field(default_factory=dict, hash=False)
+
+    def param_problems(self, params: Mapping[str, Any], prefix: str = "") -> list[str]:
+        """What is wrong with each value of ``params`` outside its declared domain, in words
+        (``"lam=nan must be a finite number >= 0, got nan"``); empty when all are legal."""
+        return domain_problems(self.domains, params, prefix)
 
     @property
     def path(self) -> str:
@@ -67,6 +95,24 @@ _NUMERIC_PARAMS = (
     "per_number", "magnitude_floor",
 )
 
+_IGNORE = {"ignore_index": INTEGER}
+# NTIL Eq. 4: NTIL = w·(W·EMD) + α·relative + β·magnitude, weighted by λ against CE; every
+# weight >= 0 (a negative one rewards a worse prediction: the loss is unbounded below);
+# σ > -1 keeps the position weight (1+σ)^r positive; τ is the Gumbel-softmax temperature
+_NUMERIC_DOMAINS = {
+    "lam": NONNEGATIVE, "alpha": NONNEGATIVE, "beta": NONNEGATIVE, "emd_weight": NONNEGATIVE,
+    "sigma": Domain(low=-1.0, low_open=True), "tau": POSITIVE, "noise_scale": NONNEGATIVE,
+    "vocab_size": COUNT.or_(None), "chunk_elements": COUNT,
+    "max_ratio": POSITIVE.or_(None, "preset"), "magnitude_floor": NONNEGATIVE.or_(None),
+    **_IGNORE,
+}
+# ntloss: L = CE + λ·NTL
+_NTL_DOMAINS = {"lam": NONNEGATIVE, "vocab_size": COUNT.or_(None), **_IGNORE}
+# EMO Eq. 19 (static mode): L = CE + μ·DEMD
+_EMO_DOMAINS = {
+    "mu": NONNEGATIVE, "chunk_size": COUNT.or_(None), "max_ratio": POSITIVE.or_(None), **_IGNORE,
+}
+
 OBJECTIVE_SPECS: dict[str, ObjectiveSpec] = {
     spec.name: spec
     for spec in (
@@ -74,12 +120,14 @@ OBJECTIVE_SPECS: dict[str, ObjectiveSpec] = {
             "ce", "emdlm.losses.ce", "CrossEntropyLoss",
             "cross-entropy, the baseline (optional label smoothing, z-loss, token accuracy)",
             ("ignore_index", "label_smoothing", "z_loss", "token_accuracy"),
+            domains={"label_smoothing": UNIT, "z_loss": NONNEGATIVE, **_IGNORE},
         ),
         ObjectiveSpec(
             "emd", "emdlm.losses.ntil", "DigitEMDLoss",
             "CE + the position-weighted digit EMD (the NTIL paper's EMD baseline)",
             ("preset", *_NUMERIC_PARAMS),
             numeric=True,
+            domains=_NUMERIC_DOMAINS,
         ),
         ObjectiveSpec(
             "ntil", "emdlm.losses.ntil", "NTILLoss",
@@ -89,27 +137,37 @@ OBJECTIVE_SPECS: dict[str, ObjectiveSpec] = {
              "digits_only", "thousands_separator", "averaging", "smoothing", "implementation",
              "generator", "chunk_elements", "max_ratio", "per_number", "magnitude_floor"),
             numeric=True,
+            domains=_NUMERIC_DOMAINS,
         ),
         ObjectiveSpec(
             "emo", "emdlm.losses.emo", "EMOLoss",
             "EMO: CE mixed with the differentiable EMD under a cost embedding (EMO Eq. 19)",
             ("mode", "mu", "ignore_index", "implementation", "chunk_size", "max_ratio"),
             cost_embedding=True,
+            domains=_EMO_DOMAINS,
         ),
         ObjectiveSpec(
             "tailr", "emdlm.losses.tailr", "TaiLrLoss",
             "TaiLr: CE weighted by the model's own probability of the label",
             ("gamma", "min_weight", "label_smoothing", "preset", "mixing_ratio", "ignore_index"),
+            # TaiLr: w = q / (γ + (1-γ)·q) clipped below at min_weight; γ = 0 is 0/0 at q = 0
+            domains={
+                "gamma": Domain(low=0.0, high=1.0, low_open=True), "min_weight": UNIT,
+                "label_smoothing": Domain(low=0.0, high=1.0, high_open=True),
+                "mixing_ratio": UNIT.or_(None), **_IGNORE,
+            },
         ),
         ObjectiveSpec(
             "mixce", "emdlm.losses.mixce", "MixCELoss",
             "MixCE: forward and reverse cross-entropy mixed by eta",
             ("eta", "ignore_index"),
+            domains={"eta": UNIT, **_IGNORE},  # L = η·forward CE + (1-η)·reverse CE
         ),
         ObjectiveSpec(
             "dft", "emdlm.losses.dft", "DFTLoss",
             "DFT: CE weighted by the model's own probability of the label (TRL loss_type=dft)",
             ("ignore_index",),
+            domains=_IGNORE,
         ),
         ObjectiveSpec(
             "ntl_mse", "emdlm.losses.ntl", "NTLMSELoss",
@@ -117,6 +175,7 @@ OBJECTIVE_SPECS: dict[str, ObjectiveSpec] = {
             ("preset", "lam", "loss", "reweigh", "averaging", "ignore_index", "vocab_size",
              "digits_only"),
             numeric=True,
+            domains=_NTL_DOMAINS,
         ),
         ObjectiveSpec(
             "ntl_was", "emdlm.losses.ntl", "NTLWASLoss",
@@ -124,6 +183,7 @@ OBJECTIVE_SPECS: dict[str, ObjectiveSpec] = {
             ("preset", "lam", "reweigh", "averaging", "ignore_index", "vocab_size",
              "digits_only"),
             numeric=True,
+            domains=_NTL_DOMAINS,
         ),
         ObjectiveSpec(
             "number_level", "emdlm.losses.ntl", "NumberLevelLoss",
@@ -131,6 +191,7 @@ OBJECTIVE_SPECS: dict[str, ObjectiveSpec] = {
             ("preset", "lam", "reweigh", "float_level", "averaging", "ignore_index",
              "vocab_size", "digits_only"),
             numeric=True,
+            domains=_NTL_DOMAINS,
         ),
         ObjectiveSpec(
             "emo_distill", "emdlm.losses.emo_distill", "EMODistillLoss",
@@ -139,15 +200,31 @@ OBJECTIVE_SPECS: dict[str, ObjectiveSpec] = {
              "chunk_size", "max_ratio"),
             cost_embedding=True,
             teacher=True,
+            domains={**_EMO_DOMAINS, "temperature": POSITIVE},
         ),
         ObjectiveSpec(
             "kl_distill", "emdlm.losses.emo_distill", "KLDistillLoss",
             "distillation baseline: CE mixed with KL to the teacher",
             ("alpha", "temperature", "ignore_index"),
             teacher=True,
+            # L = (1-α)·CE + α·T²·KL(teacher_T || student_T)
+            domains={"alpha": UNIT, "temperature": POSITIVE, **_IGNORE},
         ),
     )
 }
+
+_BY_CLASS = {spec.path: spec for spec in OBJECTIVE_SPECS.values()}
+
+
+def spec_of_class(cls: type) -> ObjectiveSpec | None:
+    """The registered objective of loss class ``cls`` or of the nearest registered class it
+    derives from (None: no registered class in its MRO)."""
+    for klass in cls.__mro__:
+        spec = _BY_CLASS.get(f"{klass.__module__}.{klass.__qualname__}")
+        if spec is not None:
+            return spec
+    return None
+
 
 #: The config names, in registry order.
 OBJECTIVE_NAMES: tuple[str, ...] = tuple(OBJECTIVE_SPECS)

@@ -97,6 +97,20 @@ def _loss_hook(compute_loss: ComputeLoss) -> Callable[..., torch.Tensor]:
     return loss_function
 
 
+def require_output_head(model: nn.Module) -> None:
+    """TypeError naming the class unless ``model`` (a Hugging Face model, unwrapped) has an
+    output head: ``get_output_embeddings()`` returns the LM head of a causal LM and None for a
+    backbone (``GPT2Model``, ``LlamaModel``), whose forward takes no labels and computes no loss
+    (transformers' ``PreTrainedModel.get_output_embeddings``)."""
+    getter = getattr(model, "get_output_embeddings", None)
+    if getter is None or getter() is None:
+        raise TypeError(
+            f"emdlm.patch: {type(model).__name__} has no output head (get_output_embeddings() "
+            "is None): a backbone computes no loss from labels; patch the causal LM with its "
+            "head (e.g. AutoModelForCausalLM, GPT2LMHeadModel)"
+        )
+
+
 def patch(
     model: nn.Module, loss_fn: nn.Module, from_hidden: bool = False,
     ignore_index: int = IGNORE_INDEX,
@@ -109,9 +123,14 @@ def patch(
         from_hidden: never build the ``[B, T, V]`` logits (forward wrapper; ``logits=None``
             in the outputs when labels are given).
         ignore_index: label value that is not scored.
+
+    Raises:
+        TypeError: ``model`` has no output head (a backbone such as ``GPT2Model``): its forward
+            never computes a loss from labels, so a patched one would silently train nothing.
     """
     require_sum_reduction(loss_fn, "emdlm.patch")
     hf = unwrap_hf_model(model)
+    require_output_head(hf)
     compute_loss = ComputeLoss(loss_fn, ignore_index=ignore_index, who="emdlm.patch")
     if compute_loss.needs.needs_teacher:
         raise ValueError(

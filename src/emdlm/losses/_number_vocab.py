@@ -13,6 +13,18 @@ from emdlm.losses.base import EMDLMLoss
 from emdlm.numbers import NumberVocab
 
 
+def scored_number_problem(vocab: NumberVocab, digits_only: bool) -> str | None:
+    """Why a numeric loss would score no token of ``vocab`` (None when it scores some; a
+    NumberVocab always has a number token): ``digits_only`` (only the ten tokens '0'..'9' are
+    numbers) and none of those ten. Multi-digit tokens alone ('00'..'99') are scored when
+    ``digits_only`` is off: their classes are the EMD's candidate sets."""
+    if digits_only and bool((vocab.digit_ids < 0).all()):
+        return ("digits_only scores only the single-digit tokens '0'..'9' and the vocabulary has "
+                "none of them (its number tokens have several digits): use digits_only=False "
+                "(a preset that scores multi-digit tokens) or a tokenizer with digit tokens")
+    return None
+
+
 class NumberVocabSource:
     """Where a numeric loss gets its :class:`NumberVocab` for a call's logits.
 
@@ -21,9 +33,17 @@ class NumberVocabSource:
             NumberVocab (used as is: its size is fixed).
         vocab_size: the logits' vocabulary rows, when known up front (a model's head may have
             more rows than the tokenizer has ids); None: taken from each call's logits.
+        digits_only: the loss scores only '0'..'9' (see :func:`scored_number_problem`).
+
+    Raises:
+        ValueError: when the vocabulary is built (here when its size is known, else at the
+            first call), if the loss would score none of its tokens.
     """
 
-    def __init__(self, tokenizer_or_number_vocab: Any, vocab_size: int | None) -> None:
+    def __init__(
+        self, tokenizer_or_number_vocab: Any, vocab_size: int | None, digits_only: bool = False
+    ) -> None:
+        self.digits_only = bool(digits_only)
         if isinstance(tokenizer_or_number_vocab, NumberVocab):
             self.tokenizer = None
             self.vocab: NumberVocab | None = tokenizer_or_number_vocab
@@ -33,6 +53,7 @@ class NumberVocabSource:
                     f"{self.vocab.vocab_size} rows"
                 )
             self.fixed_size = True
+            self._check(self.vocab)
         else:
             self.tokenizer = tokenizer_or_number_vocab
             self.vocab = (
@@ -41,6 +62,14 @@ class NumberVocabSource:
                 else None
             )
             self.fixed_size = vocab_size is not None
+            if self.vocab is not None:
+                self._check(self.vocab)
+
+    def _check(self, vocab: NumberVocab) -> None:
+        problem = scored_number_problem(vocab, self.digits_only)
+        if problem is not None:
+            name = getattr(self.tokenizer, "name_or_path", None)  # None: given a NumberVocab
+            raise ValueError(f"tokenizer {name!r}: {problem}" if name else problem)
 
     def for_logits(self, logits: torch.Tensor) -> NumberVocab:
         """The vocabulary for ``logits`` [..., V] on their device; ValueError when a fixed-size
@@ -49,6 +78,7 @@ class NumberVocabSource:
         if self.vocab is None or (not self.fixed_size and self.vocab.vocab_size != rows):
             # Raises a clear error when the logits have fewer rows than the tokenizer's ids.
             self.vocab = NumberVocab.from_tokenizer(self.tokenizer, rows)
+            self._check(self.vocab)
         if self.vocab.vocab_size != rows:
             raise ValueError(
                 f"logits have {rows} vocabulary rows (shape {tuple(logits.shape)}) but the "

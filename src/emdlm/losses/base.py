@@ -20,7 +20,11 @@ attributes or signatures:
                             (what a framework that divides by the token count needs).
 ==========================  =====================================================================
 
-Every loss returns a :class:`~emdlm._output.LossOutput` (``loss`` and ``components``).
+Every loss returns a :class:`~emdlm._output.LossOutput` (``loss`` and ``components``). The
+numeric parameters of a registered objective are checked against the registry's declared
+domains (``ObjectiveSpec.domains``) when the class is constructed, before its ``__init__``
+runs (:meth:`EMDLMLoss.__new__`): NaN, ±inf and out-of-domain values are a ValueError naming
+the class and the parameter, the same check the config makes of ``objective.params``.
 :mod:`emdlm.objective_specs` registers each objective by name; tests/test_conformance.py runs
 one suite over every registered objective (equal paths, padding, reduction, gradient
 accumulation, compile), so a new objective is tested everywhere by being registered.
@@ -28,12 +32,14 @@ accumulation, compile), so a new objective is tested everywhere by being registe
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 from emdlm._output import LossOutput
+from emdlm.objective_specs import spec_of_class
 
 if TYPE_CHECKING:
     from emdlm.ops.chunked import ChunkObjective
@@ -60,6 +66,12 @@ class EMDLMLoss(nn.Module):
 
     reduction: str
     ignore_index: int
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> EMDLMLoss:
+        """Refuse, before ``__init__`` runs, a parameter outside the domain that the objective
+        registry declares for it (:func:`check_declared_params`)."""
+        check_declared_params(cls, args, kwargs)
+        return super().__new__(cls)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -173,6 +185,31 @@ class EMDLMLoss(nn.Module):
         return out
 
 
+def check_declared_params(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """ValueError naming ``cls`` and each parameter of the call ``cls(*args, **kwargs)`` that
+    lies outside the domain its registered objective declares (``ObjectiveSpec.domains`` of
+    :func:`emdlm.objective_specs.spec_of_class`). Only the values given are checked (the
+    defaults are legal); a call that does not bind to the signature is left to ``__init__``
+    (its own TypeError), as is a class with no registered objective in its MRO."""
+    spec = spec_of_class(cls)
+    if spec is None or not (args or kwargs):
+        return
+    try:
+        bound = inspect.signature(cls.__init__).bind(None, *args, **kwargs)  # None: self
+    except TypeError:
+        return
+    given: dict[str, Any] = {}
+    for name, value in list(bound.arguments.items())[1:]:
+        kind = bound.signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            given.update(value)
+        elif kind is not inspect.Parameter.VAR_POSITIONAL:
+            given[name] = value
+    problems = spec.param_problems(given)
+    if problems:
+        raise ValueError(f"{cls.__name__}: {'; '.join(problems)}")
+
+
 def _refuse_from_hidden(self: EMDLMLoss, *args: Any, **kwargs: Any) -> LossOutput:
     """``from_hidden`` of a loss that declares ``has_from_hidden = False``: refuses by name."""
     raise NotImplementedError(
@@ -181,4 +218,4 @@ def _refuse_from_hidden(self: EMDLMLoss, *args: Any, **kwargs: Any) -> LossOutpu
     )
 
 
-__all__ = ["HIDDEN_TRANSFORMS", "EMDLMLoss"]
+__all__ = ["HIDDEN_TRANSFORMS", "EMDLMLoss", "check_declared_params"]

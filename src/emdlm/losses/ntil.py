@@ -278,7 +278,9 @@ class NTILLoss(NumericLoss):
         self.implementation = implementation
         self.generator = generator
         self.chunk_elements = int(chunk_elements)
-        self._numbers = NumberVocabSource(tokenizer_or_number_vocab, vocab_size)
+        self._numbers = NumberVocabSource(
+            tokenizer_or_number_vocab, vocab_size, self.span_options["digits_only"]
+        )
 
     def chunk_objective(
         self,

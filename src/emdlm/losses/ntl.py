@@ -71,7 +71,9 @@ class _NTLBase(NumericLoss):
             "join_decimal": bool(join_decimal),
             "signed": False,  # the sign cancels in every NTL term
         }
-        self._numbers = NumberVocabSource(tokenizer_or_number_vocab, vocab_size)
+        self._numbers = NumberVocabSource(
+            tokenizer_or_number_vocab, vocab_size, self.span_options["digits_only"]
+        )
 
     def _draft(
         self, logits: torch.Tensor, labels: torch.Tensor, number_mask: torch.Tensor | None

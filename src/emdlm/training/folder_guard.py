@@ -8,6 +8,15 @@ parents or a folder holding the run's inputs, and ``--resume`` finds a complete 
 :meth:`FolderGuard.held` holds the folder's lock (rank 0) while training and makes the same
 check again under it; :meth:`FolderGuard.prepare` is the first write; :meth:`FolderGuard.finish`
 writes ``train_summary.json``, its ``train_loss`` over the whole run after a resume.
+
+A resume continues the run it finds: :func:`check_resume_settings` (in ``prepare_run``, before
+anything is written) refuses one whose config changes what was trained, naming the keys that
+differ from the folder's ``run_config.yaml``. A resume may change only what does not define the
+training (:data:`RESUME_MAY_CHANGE`): how long it runs (``train.max_steps`` / ``train.epochs``:
+transformers then rebuilds the LR schedule for the new length and continues it from the
+checkpoint's step), what it logs and saves, the data loader's workers and threads, gradient
+checkpointing, and evaluation (``eval.*``, ``data.eval``). The model, tokenizer, training data,
+objective, teacher, optimizer and batch, seed, precision and LoRA must stay as they were.
 The folder's files themselves (manifest, checkpoints, locks) are :mod:`emdlm.training.run_folder`.
 """
 
@@ -25,7 +34,7 @@ from typing import Any
 import yaml
 
 from emdlm._files import atomic_write, read_appended_jsonl
-from emdlm.config import ConfigError, RunConfig
+from emdlm.config import ConfigError, RunConfig, read_yaml_file
 from emdlm.integrations.sharding import world_size_from_env
 from emdlm.training.checkpoints import checkpoint_folders, resume_checkpoint
 from emdlm.training.run_folder import (
@@ -120,6 +129,66 @@ def truncate_log(log: Path, step: int) -> None:
     kept = [r for r in read_appended_jsonl(log) if r.get("step", 0) <= step]
     with atomic_write(log) as fh:  # killed mid-write, the old log stays whole
         fh.write("".join(json.dumps(r) + "\n" for r in kept))
+
+
+#: What a resume may change (a dotted key covers everything under it); every other setting
+#: defines what is trained and must equal the run folder's run_config.yaml.
+RESUME_MAY_CHANGE: tuple[str, ...] = (
+    "output_dir", "train.max_steps", "train.epochs", "train.logging_steps", "train.save_steps",
+    "train.save_total_limit", "train.eval_steps", "train.progress_bar", "train.tensorboard",
+    "train.report_to", "train.num_workers", "train.torch_threads", "train.gradient_checkpointing",
+    "data.eval", "eval",
+)
+
+
+def _flat(mapping: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as ``{"a.b.c": leaf}`` (a list is a leaf; an empty mapping has no
+    key, as an absent one)."""
+    if not isinstance(mapping, dict):
+        return {prefix[:-1]: mapping} if prefix else {}
+    flat: dict[str, Any] = {}
+    for key, value in mapping.items():
+        flat.update(_flat(value, f"{prefix}{key}."))
+    return flat
+
+
+def _may_change(key: str) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in RESUME_MAY_CHANGE)
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_resume_settings(out: Path, cfg: RunConfig) -> None:
+    """ConfigError naming every setting of ``cfg`` outside :data:`RESUME_MAY_CHANGE` that
+    differs from what the run in ``out`` was trained with (its ``run_config.yaml``), before
+    anything is written. A key the saved file lacks (written by an older emdlm) counts as its
+    default. Nothing to compare (no run_config.yaml): no check."""
+    saved_path = out / RUN_CONFIG
+    if not saved_path.is_file():
+        return
+    saved = read_yaml_file(saved_path)
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{saved_path}: not a run config (a mapping); cannot check what "
+                          "--resume would change")
+    defaults, before, after = _flat(RunConfig().to_dict()), _flat(saved), _flat(cfg.to_dict())
+    missing = object()
+    changed = []
+    for key in sorted(set(before) | set(after), key=lambda k: (k.count("."), k)):
+        if _may_change(key):
+            continue
+        old, new = before.get(key, defaults.get(key, missing)), after.get(key, missing)
+        if old != new:
+            shown = [("(absent)" if v is missing else _short_repr(v)) for v in (old, new)]
+            changed.append(f"{key} ({shown[0]} -> {shown[1]})")
+    if changed:
+        raise ConfigError(
+            f"resuming {out} would change what it was trained with: {', '.join(changed)}; a "
+            f"resume may change only {', '.join(RESUME_MAY_CHANGE)}: train with other settings "
+            "in a new run (another output_dir, or --overwrite)"
+        )
 
 
 def run_inputs(cfg: RunConfig, config_path: str | Path | None) -> list[str | None]:

@@ -77,6 +77,7 @@ from emdlm.training.folder_guard import (
     RUN_CONFIG,
     TRAIN_LOG,
     FolderGuard,
+    check_resume_settings,
     is_main_process,
     latest_checkpoint,
     run_inputs,
@@ -145,6 +146,8 @@ def prepare_run(
     out = Path(cfg.output_dir)
     # another run in the folder: refused now, not after loading
     folder = FolderGuard.check(out, resume, overwrite, run_inputs(cfg, config_path))
+    if folder.resume_from is not None:  # the same run, continued: not another one
+        check_resume_settings(out, cfg)
     adapter = adapter_for(cfg)  # text, or image+text rows and a VLM (emdlm.vlm)
     tokenizer, model = adapter.build(cfg)
     vocab = model_vocab_size(model)
