@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import math
 import re
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -98,6 +99,11 @@ class SlurmLauncher(Launcher):
 
     def check_installed(self) -> None:
         require("submitit", self.name)
+        missing = [cmd for cmd in ("sbatch", "srun") if shutil.which(cmd) is None]
+        if self.executor == "slurm" and missing:
+            raise ConfigError(f"launcher=slurm: {' and '.join(missing)} not found, so this is "
+                              "no SLURM machine: submit from a login node of the cluster, or "
+                              "set launcher.executor=local to run the jobs here")
 
     def job_folder(self, exp: Experiment) -> Path:
         return Path(self.folder) if self.folder else exp.output_dir / SUBMITIT_FOLDER
