@@ -234,7 +234,7 @@ def test_slurm_time_forms():
     assert [time_minutes(v, "t") for v in (90, "90", "90:30", "2:00:00", "1-0", "1-2:3",
                                            "0-0:0:1")] == [90, 90, 91, 120, 1440, 1563, 1]
     for bad in ("1h", "0", 0, True, "1-", ""):
-        with pytest.raises(ConfigError, match="SLURM time|is zero"):
+        with pytest.raises(ConfigError, match=r"SLURM time|is zero"):
             time_minutes(bad, "experiment.launcher.time")
 
 
@@ -307,3 +307,17 @@ def test_a_missing_cluster_package_says_how_to_install_it(tmp_path, monkeypatch,
     report = CliRunner().invoke(app, ["experiment", "-c", str(path), "--no-progress",
                                       "--report-only", f"launcher={name}"])
     assert report.exit_code == 0, report.output  # the report needs no cluster package
+
+
+def test_a_failed_cell_is_reported_with_its_log(tmp_path):
+    """The command lists each failed cell with its error and where it is told in full (here
+    the local launcher's error.txt; a batch job's log under SLURM, tested above)."""
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump({
+        **GRID, "workers": 1, "output_dir": str(tmp_path / "g"),
+        "variants": {"broken": ["objective.name=ntil", "objective.params.no_such_param=1"]}}))
+    res = CliRunner().invoke(app, ["experiment", "-c", str(path), "--no-progress"])
+    assert res.exit_code == 1
+    error_file = tmp_path / "g" / "default" / "broken" / "seed0" / ERROR_FILE
+    assert "no_such_param" in error_file.read_text()
+    assert f"(log: {error_file})" in res.output

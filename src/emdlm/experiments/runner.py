@@ -11,7 +11,9 @@ Workers: each cell runs in one of ``workers`` spawned processes (fork is unsafe 
 has started its thread pools) with ``torch.set_num_threads(threads_per_worker)``. The default
 is one single-thread worker per CPU core: on the 2-core development machine two 1-thread runs
 side by side finish sooner than the same runs one after the other with 2 threads each (figures
-in docs/experiments.md). ``workers=1`` runs the cells in this process.
+in docs/experiments.md). ``workers=1`` runs the cells in this process. Cluster launchers (Ray
+tasks, SLURM jobs: :mod:`emdlm.experiments.launchers`) run the same :func:`run_cell` in their
+own processes.
 
 Console: each line a cell prints (training log lines, the world-size line, warnings) starts
 with the cell's ``[<task>/<variant>/seed<k>]`` (:func:`cell_console`), as the workers' lines

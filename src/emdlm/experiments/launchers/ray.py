@@ -57,7 +57,9 @@ class RayLauncher(Launcher):
             num_gpus=self.num_gpus, max_retries=self.max_retries, retry_exceptions=False,
         )
         try:
-            return run_cells(cells, workers=1, threads=threads, progress=progress,
+            # workers: what the progress display counts as running (Ray may run fewer)
+            return run_cells(cells, workers=max(1, len(cells)), threads=threads,
+                             progress=progress,
                              dispatch=lambda todo, record: _dispatch(ray, task, todo, threads,
                                                                      record))
         finally:
@@ -68,8 +70,8 @@ class RayLauncher(Launcher):
 def _dispatch(ray: Any, task: Any, cells: list[Cell], threads: int,
               record: Callable[[CellOutcome, int], None]) -> None:
     """Submit every cell, record each outcome as its task ends. Ctrl-C (or SIGTERM to this
-    process) cancels the tasks: Ray raises KeyboardInterrupt in a running one, whose training
-    saves a checkpoint (https://docs.ray.io/en/latest/ray-core/api/doc/ray.cancel.html)."""
+    process) cancels the tasks (https://docs.ray.io/en/latest/ray-core/api/doc/ray.cancel.html):
+    a cancelled cell keeps its newest checkpoint, from which the next invocation resumes it."""
     refs = {task.remote(cell, threads): cell for cell in cells}
     pending = list(refs)
     try:

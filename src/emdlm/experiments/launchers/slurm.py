@@ -154,13 +154,16 @@ class SlurmLauncher(Launcher):
         def dispatch(todo: list[Cell], record: Callable[[CellOutcome, int], None]) -> None:
             self._dispatch(exp, executor, todo, max(1, at_once), record)
 
-        return run_cells(cells, workers=1, threads=exp.threads_per_worker, progress=progress,
-                         dispatch=dispatch)
+        # workers: what the progress display counts as running (SLURM may run fewer)
+        return run_cells(cells, workers=max(1, min(at_once, len(cells))),
+                         threads=exp.threads_per_worker, progress=progress, dispatch=dispatch)
 
     def _dispatch(self, exp: Experiment, executor: Any, cells: list[Cell], at_once: int,
                   record: Callable[[CellOutcome, int], None]) -> None:
         """Submit the cells ``at_once`` at a time (SLURM: all of them, one array), record each
-        outcome as its job ends. Ctrl-C (or SIGTERM to this process) cancels the jobs."""
+        outcome as its job ends. Ctrl-C (or SIGTERM to this process) cancels the jobs
+        (``scancel``; a local job gets SIGINT): a cancelled cell keeps its newest checkpoint,
+        from which the next submission resumes it."""
         queued = list(cells)
         running: dict[Any, Cell] = {}
         try:
