@@ -202,7 +202,8 @@ def test_the_slurm_submission_is_one_array_of_the_cells(tmp_path, fake_sbatch):
     data = {**GRID, "seeds": [0, 1], "output_dir": str(tmp_path / "grid"), "launcher": {
         "name": "slurm", "partition": "gpu", "time": "1-02:30:00", "gpus_per_node": 1,
         "cpus_per_task": 4, "mem_gb": 32, "array_parallelism": 3,
-        "setup": ["module load cuda/12.4"], "sbatch": {"account": "proj7", "qos": "high"}}}
+        "setup": ["module load cuda/12.4"], "sbatch": {"account": "proj7", "qos": "high"},
+        "python": "/shared/venv/bin/python"}}
     path = tmp_path / "exp.yaml"
     path.write_text(yaml.safe_dump(data))
     exp = load_experiment(path)
@@ -221,7 +222,8 @@ def test_the_slurm_submission_is_one_array_of_the_cells(tmp_path, fake_sbatch):
         f"--output={tmp_path / 'grid' / '.submitit'}/%A_%a_0_log.out",
     } <= options, sorted(options)
     assert "module load cuda/12.4" in lines
-    assert any("submitit.core._submit" in line for line in lines)
+    (srun,) = [line for line in lines if line.startswith("srun ")]
+    assert "/shared/venv/bin/python -u -m submitit.core._submit" in srun
 
     assert [job.job_id for job in jobs] == [f"4242_{i}" for i in range(4)]
     submitted = [job.submission() for job in jobs]  # the pickle each array task loads

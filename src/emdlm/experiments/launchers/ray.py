@@ -1,7 +1,8 @@
 """``launcher: ray``: each cell one Ray task (https://docs.ray.io/en/latest/ray-core/tasks.html).
 
-Options: ``address`` (a running cluster, e.g. ``auto`` or ``ray://head:10001``; default: start
-a local one on this machine, or use the one this process already started with ``ray.init``),
+Options: ``address`` (passed to ``ray.init``: ``auto``, ``ray://head:10001``, ``local`` for a new
+local cluster; default Ray's own rule: ``RAY_ADDRESS``, else the cluster last started on this
+machine, else a new local one; a process that already called ``ray.init`` keeps its cluster),
 ``num_cpus`` per cell (default ``threads_per_worker``), ``num_gpus`` per cell (default 0) and
 ``max_retries`` (default 3): how many times Ray runs a cell again whose worker process died
 (a node lost, a process killed); the retry resumes the cell from its newest checkpoint, as

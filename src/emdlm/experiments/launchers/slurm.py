@@ -8,8 +8,9 @@ once: the ``%N`` of ``--array``; default SLURM's queue decides, 256 at most, as 
 sets it; with ``executor: local``, ``workers`` or one per CPU core); ``setup`` (shell lines run
 before the job, e.g. ``module load cuda``); ``sbatch`` (any other ``#SBATCH`` option,
 ``{account: proj, qos: high}``); ``folder`` (submitit's job files and logs; default
-``<output_dir>/.submitit``); ``executor``: ``slurm`` (sbatch) or ``local`` (submitit's
-LocalExecutor: each cell a job process on this machine, no SLURM needed).
+``<output_dir>/.submitit``); ``python`` (the interpreter the jobs run; default this one,
+``sys.executable``, whose path the nodes must have); ``executor``: ``slurm`` (sbatch) or
+``local`` (submitit's LocalExecutor: each cell a job process on this machine, no SLURM needed).
 
 A job that reaches its time limit or is preempted gets SIGUSR2 from SLURM (``--signal``, set by
 submitit); submitit then requeues it (the job is :class:`~submitit.helpers.Checkpointable`),
@@ -96,6 +97,7 @@ class SlurmLauncher(Launcher):
     setup: tuple[str, ...] = option((), text_list)
     sbatch: dict[str, Any] | None = option(None, sbatch_options, optional=True)  # noqa: RUF009
     folder: str | None = option(None, text, optional=True)
+    python: str | None = option(None, text, optional=True)
 
     def check_installed(self) -> None:
         require("submitit", self.name)
@@ -113,13 +115,13 @@ class SlurmLauncher(Launcher):
         submitit = require("submitit", self.name)
         folder = self.job_folder(exp)
         if self.executor == "local":
-            executor = submitit.LocalExecutor(folder)
+            executor = submitit.LocalExecutor(folder, python=self.python)
             params: dict[str, Any] = {"timeout_min": self.time, "setup": list(self.setup)}
             if self.gpus_per_node:
                 params["gpus_per_node"] = self.gpus_per_node
             executor.update_parameters(**params)
             return executor
-        executor = submitit.SlurmExecutor(folder)
+        executor = submitit.SlurmExecutor(folder, python=self.python)
         params = {
             "job_name": f"emdlm-{exp.name}", "time": self.time, "nodes": 1,
             "ntasks_per_node": 1, "cpus_per_task": self.cpus_per_task or exp.threads_per_worker,
