@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import stat
+import subprocess
 import sys
 import threading
 import time
@@ -136,6 +137,38 @@ def test_ray_retries_a_killed_worker_from_its_checkpoint(ray_cluster, local_rows
         ("default/ce/seed0", "done"), ("default/ntil/seed0", "done")]
     _assert_resumed_once(tmp_path / "grid" / KILLED)
     assert _csv_rows(result.results_csv) == local_rows
+
+
+@pytest.mark.slow
+def test_sigterm_cancels_a_ray_grid_that_resumes_where_it_stopped(tmp_path):
+    """`emdlm experiment launcher=ray` starting its own local Ray (address=local): SIGTERM to
+    it mid-cell cancels the task, whose training saves a checkpoint at its stop, and the
+    command exits 130; the same command resumes the cell from that checkpoint."""
+    pytest.importorskip("ray")
+    path = _experiment_file(tmp_path, "grid", {"name": "ray", "address": "local",
+                                               "num_cpus": 1},
+                            variants={"ce": GRID["variants"]["ce"]})
+    command = [sys.executable, "-m", "emdlm.cli", "experiment", "-c", str(path),
+               "--no-progress"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    train = tmp_path / "grid" / KILLED / "train"
+    grid = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        while grid.poll() is None and not (train / "checkpoint-20").is_dir():
+            time.sleep(0.05)
+        grid.send_signal(signal.SIGTERM)
+        out, _ = grid.communicate(timeout=180)
+    finally:
+        grid.kill()
+    assert grid.returncode == 130, out[-3000:]
+    assert "run the same command again to resume" in out
+    assert not (train / "train_summary.json").exists()
+    stop_step = max(int(p.name.split("-")[1]) for p in train.glob("checkpoint-*"))
+    again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    done = json.loads((train.parent / CELL_DONE).read_text())
+    assert done["train_summary"]["resumed_from_step"] == stop_step >= 20
 
 
 # ---------------------------------------------------------------------- submitit LocalExecutor

@@ -16,6 +16,8 @@ outcomes come back to this process, which builds the report from the folders.
 from __future__ import annotations
 
 import dataclasses
+import signal
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -49,30 +51,46 @@ class RayLauncher(Launcher):
 
     def run(self, exp: Experiment, cells: list[Cell], *, progress: bool) -> list[CellOutcome]:
         ray = require("ray", self.name)
-        started = not ray.is_initialized()
-        if started:
-            ray.init(address=self.address, include_dashboard=False)
         threads = exp.threads_per_worker
-        task = ray.remote(run_cell_task).options(
-            num_cpus=threads if self.num_cpus is None else self.num_cpus,
-            num_gpus=self.num_gpus, max_retries=self.max_retries, retry_exceptions=False,
-        )
+        started: list[bool] = []  # whether this call started Ray (and so shuts it down)
+
+        def dispatch(todo: list[Cell], record: Callable[[CellOutcome, int], None]) -> None:
+            if not todo:
+                return  # every cell finished earlier: no cluster needed
+            if not ray.is_initialized():
+                _init_keeping_sigterm(ray, self.address)
+                started.append(True)
+            task = ray.remote(run_cell_task).options(
+                num_cpus=threads if self.num_cpus is None else self.num_cpus,
+                num_gpus=self.num_gpus, max_retries=self.max_retries, retry_exceptions=False,
+            )
+            _dispatch(ray, task, todo, threads, record)
+
         try:
             # workers: what the progress display counts as running (Ray may run fewer)
             return run_cells(cells, workers=max(1, len(cells)), threads=threads,
-                             progress=progress,
-                             dispatch=lambda todo, record: _dispatch(ray, task, todo, threads,
-                                                                     record))
+                             progress=progress, dispatch=dispatch)
         finally:
             if started:
                 ray.shutdown()
+
+
+def _init_keeping_sigterm(ray: Any, address: str | None) -> None:
+    """``ray.init``, then the SIGTERM handler that was in place again: ray.init sets its own
+    (exit at once), and the runner's turns SIGTERM into a Ctrl-C of the grid, which cancels
+    the tasks and shuts the cluster this process started down (``ray.shutdown``)."""
+    previous = signal.getsignal(signal.SIGTERM)
+    ray.init(address=address, include_dashboard=False)
+    if threading.current_thread() is threading.main_thread() and previous is not None:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _dispatch(ray: Any, task: Any, cells: list[Cell], threads: int,
               record: Callable[[CellOutcome, int], None]) -> None:
     """Submit every cell, record each outcome as its task ends. Ctrl-C (or SIGTERM to this
     process) cancels the tasks (https://docs.ray.io/en/latest/ray-core/api/doc/ray.cancel.html):
-    a cancelled cell keeps its newest checkpoint, from which the next invocation resumes it."""
+    Ray raises KeyboardInterrupt in a running one, whose training saves a checkpoint at its
+    stop, from which the next invocation resumes the cell."""
     refs = {task.remote(cell, threads): cell for cell in cells}
     pending = list(refs)
     try:

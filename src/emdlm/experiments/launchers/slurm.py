@@ -148,13 +148,15 @@ class SlurmLauncher(Launcher):
         return list(executor.map_array(CellJob(exp.threads_per_worker), cells))
 
     def run(self, exp: Experiment, cells: list[Cell], *, progress: bool) -> list[CellOutcome]:
-        executor = self.make_executor(exp)
         at_once = len(cells)  # SLURM queues the array and applies its %N itself
         if self.executor == "local":  # each local job is a process started at submission
             at_once = self.array_parallelism or exp.workers or default_workers()
 
         def dispatch(todo: list[Cell], record: Callable[[CellOutcome, int], None]) -> None:
-            self._dispatch(exp, executor, todo, max(1, at_once), record)
+            if not todo:
+                return  # every cell finished earlier: nothing to submit
+            # made here: only a grid with cells to run gets a job folder
+            self._dispatch(exp, self.make_executor(exp), todo, max(1, at_once), record)
 
         # workers: what the progress display counts as running (SLURM may run fewer)
         return run_cells(cells, workers=max(1, min(at_once, len(cells))),
