@@ -15,6 +15,7 @@ outcomes come back to this process, which builds the report from the folders.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import signal
 import threading
@@ -33,6 +34,9 @@ from emdlm.experiments.launchers.base import (
 )
 from emdlm.experiments.launchers.cell_task import run_cell_task
 from emdlm.experiments.runner import CellOutcome, run_cells
+
+#: how long a cancelled grid waits for its running cells to save their checkpoint
+CANCEL_GRACE_S = 120.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +94,7 @@ def _dispatch(ray: Any, task: Any, cells: list[Cell], threads: int,
     """Submit every cell, record each outcome as its task ends. Ctrl-C (or SIGTERM to this
     process) cancels the tasks (https://docs.ray.io/en/latest/ray-core/api/doc/ray.cancel.html):
     Ray raises KeyboardInterrupt in a running one, whose training saves a checkpoint at its
-    stop, from which the next invocation resumes the cell."""
+    stop (waited for up to ``CANCEL_GRACE_S``), from which the next invocation resumes it."""
     refs = {task.remote(cell, threads): cell for cell in cells}
     pending = list(refs)
     try:
@@ -101,6 +105,10 @@ def _dispatch(ray: Any, task: Any, cells: list[Cell], threads: int,
     except BaseException:
         for ref in pending:
             ray.cancel(ref)
+        # let the cancelled cells save their checkpoint before the cluster may be shut down
+        # (a second Ctrl-C ends the wait)
+        with contextlib.suppress(Exception):
+            ray.wait(pending, num_returns=len(pending), timeout=CANCEL_GRACE_S)
         raise
 
 
