@@ -110,14 +110,16 @@ def test_the_windows_lock_sits_past_the_content_and_keeps_the_position(tmp_path:
 def test_a_held_cell_names_its_holder_on_windows_too(tmp_path: Path, monkeypatch):
     """The runner's cell lock through the Windows branch: the second holder gets
     CellInUseError naming the first one's pid, read from the unlocked start of the file."""
-    from emdlm.experiments import cell_folder
+    from emdlm.experiments import cell_folder, cell_lock
 
     monkeypatch.setattr(_files, "fcntl", None)
     monkeypatch.setattr(_files, "msvcrt", FakeMsvcrt())
-    with cell_folder.hold_cell(tmp_path):
-        assert (tmp_path / cell_folder.LOCK_FILE).read_text() == f"{os.getpid()}\n"
-        with (pytest.raises(cell_folder.CellInUseError, match=f"pid {os.getpid()}"),
-              cell_folder.hold_cell(tmp_path)):
+    with cell_lock.hold_cell(tmp_path):
+        assert (tmp_path / cell_folder.LOCK_FILE).read_text() == (
+            f"{os.getpid()} on {cell_lock.this_host()}\n")
+        (tmp_path / cell_lock.HOLDER_FILE).unlink()  # the lock file's own line names the holder
+        with (pytest.raises(cell_lock.CellInUseError, match=f"pid {os.getpid()}"),
+              cell_lock.hold_cell(tmp_path)):
             pass
-    with cell_folder.hold_cell(tmp_path):  # released
+    with cell_lock.hold_cell(tmp_path):  # released
         pass

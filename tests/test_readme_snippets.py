@@ -78,6 +78,15 @@ NOT_RUN.update({
     "reader's grid; --only: tests/test_experiment_runner.py",
     "emdlm experiment -c arithmetic_tokenizers output_dir=<new folder> base.train.max_steps=<2x> "
     "\\": "a template with placeholders for a replication (hours)",
+    "emdlm experiment -c grid_ray.yaml": "a grid (hours) on a Ray cluster of several nodes; the "
+    "Ray launcher runs on a local cluster in tests/test_launchers.py",
+    "emdlm experiment -c grid_ray.yaml launcher.address=local": "the same grid (hours) on a "
+    "local Ray; tests/test_launchers.py runs a tiny one",
+    "emdlm experiment -c grid_slurm.yaml": "needs a SLURM cluster; its submission is checked in "
+    "tests/test_launchers.py with a stand-in sbatch, the jobs run through submitit's local "
+    "executor there",
+    "emdlm experiment -c grid_slurm.yaml --report-only": "needs the SLURM grid above; "
+    "--report-only: tests/test_experiment_report.py",
 })
 BASH_DOCS = (README, *sorted(DOCS.glob("*.md")))
 RUN_WHOLE = {"data.md": "every bash block runs whole in tests/test_data_docs.py"}

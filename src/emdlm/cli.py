@@ -285,8 +285,9 @@ def experiment(
         typer.echo(f"warning: {key} left out of the report: {why}", err=True)
     typer.echo(f"written: {result.report}, {result.results_csv}, {len(result.plots)} plot(s)")
     if result.failed:
-        typer.echo(f"{len(result.failed)} cell(s) failed (see error.txt in their folders): "
-                   + ", ".join(o.key for o in result.failed), err=True)
+        typer.echo(f"{len(result.failed)} cell(s) failed:", err=True)
+        for o in result.failed:  # the log: the cell's error.txt, or its batch job's log
+            typer.echo(f"  {o.key}: {o.error}" + (f" (log: {o.log})" if o.log else ""), err=True)
         raise typer.Exit(1)
 
 

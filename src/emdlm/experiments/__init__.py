@@ -2,8 +2,9 @@
 
 :func:`run_experiment` loads an experiment config (:mod:`emdlm.experiments.grid`), runs its
 cells (:mod:`emdlm.experiments.runner`: ``run_training`` + ``evaluate_run`` per checkpoint,
-worker processes, resumable) and writes ``results.csv``, ``report.md`` and ``plots/*.png``
-(:mod:`emdlm.experiments.report`, :mod:`emdlm.experiments.plots`) into its output folder.
+resumable; in worker processes, Ray tasks or SLURM jobs: :mod:`emdlm.experiments.launchers`)
+and writes ``results.csv``, ``report.md`` and ``plots/*.png`` (:mod:`emdlm.experiments.report`,
+:mod:`emdlm.experiments.plots`) into its output folder.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from pathlib import Path
 
 from emdlm._files import refuse_links, refuse_links_below
 from emdlm.experiments.grid import Cell, Experiment, expand_grid, load_experiment, select_cells
-from emdlm.experiments.runner import CellOutcome, default_workers, run_cells
+from emdlm.experiments.launchers import make_launcher
+from emdlm.experiments.runner import CellOutcome, run_cells
 
 #: What an experiment writes into its output folder besides the cells.
 RESULTS_CSV, REPORT_MD, PLOTS_DIR = "results.csv", "report.md", "plots"
@@ -84,14 +86,14 @@ def run_experiment(
     (:func:`~emdlm.experiments.grid.select_cells`); the report still covers every finished cell.
     """
     exp = load_experiment(config, overrides)
+    launcher = make_launcher(exp.launcher)  # a bad launcher option stops here
     cells = expand_grid(exp)
     to_run = select_cells(cells, only) if only else cells
     refuse_experiment_links(exp, [] if report_only else to_run)  # before the first write
     outcomes: list[CellOutcome] = []
     if not report_only:
-        workers = exp.workers or default_workers()
-        outcomes = run_cells(to_run, workers=workers, threads=exp.threads_per_worker,
-                             progress=progress)
+        launcher.check_installed()
+        outcomes = launcher.run(exp, to_run, progress=progress)
     result = write_outputs(exp, cells, command=command)
     result.outcomes = outcomes
     return result

@@ -16,8 +16,10 @@ Cell folder ``<output_dir>/<task>/<variant>/seed<k>/``:
   ``WALL_HEARTBEAT_S`` seconds while the cell runs, so a killed invocation (a session stop,
   SIGKILL) leaves its time behind, short by at most one heartbeat.
 * ``error.txt``: the traceback of a failed cell (the other cells go on).
-* ``cell.lock``: held (``flock``) by the process working on the cell; a second invocation on
-  the same folder leaves a held cell alone and reports it.
+* ``cell.lock`` and ``cell.holder.json``: the cell's lock and its holder's record (pid, host,
+  heartbeat), held by the process working on the cell, on whichever host
+  (:mod:`emdlm.experiments.cell_lock`); a second invocation leaves a held cell alone and
+  reports it.
 
 Every file the runner writes is written whole (a temporary file renamed into place,
 :func:`emdlm._files.atomic_write`): a killed process leaves the old file or the new one.
@@ -30,11 +32,10 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from emdlm._files import LockHeldError, atomic_write, hold_lock_file
+from emdlm._files import atomic_write
 from emdlm.experiments.grid import Cell
 
 CELL_DONE = "cell_done.json"
@@ -175,27 +176,3 @@ class WallLedger:
         self._thread.join()
         with contextlib.suppress(OSError):
             self.write()
-
-
-class CellInUseError(RuntimeError):
-    """Another process holds the cell's lock (the same grid started twice on one folder)."""
-
-
-@contextlib.contextmanager
-def hold_cell(folder: Path) -> Iterator[None]:
-    """Hold ``<folder>/cell.lock`` while this process works on the cell: an exclusive lock
-    (``flock``; ``msvcrt.locking`` on Windows), which the OS releases when the process ends,
-    however it ends (so a killed run leaves no stale lock). Raises :class:`CellInUseError`
-    naming the holder's pid (the lock and its holder record: :func:`emdlm._files.hold_lock_file`,
-    shared with the run folder's lock)."""
-    with contextlib.ExitStack() as held:
-        try:
-            held.enter_context(hold_lock_file(folder / LOCK_FILE))
-        except LockHeldError as err:
-            raise CellInUseError(
-                f"{folder} is in use by another process ({err.holder}); is the same grid "
-                "running twice on this output_dir? The cell was left alone"
-            ) from None
-        yield
-
-

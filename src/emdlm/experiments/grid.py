@@ -20,6 +20,7 @@ An experiment file (YAML) holds one base run config and what varies around it::
     workers: 2                     # worker processes (default: CPU cores)
     threads_per_worker: 1
     keep_checkpoints: false        # delete checkpoint-* folders once a cell is evaluated
+    launcher: local                # or {name: ray, num_gpus: 1}, {name: slurm, partition: gpu}
     output_dir: runs/experiments/arithmetic_objectives
 
 Every cell is one ``emdlm train`` + ``emdlm eval`` per evaluated checkpoint, in
@@ -33,6 +34,7 @@ a seed are paired.
 from __future__ import annotations
 
 import copy
+import json
 from collections import Counter
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -54,10 +56,11 @@ from emdlm.config import (
 
 EXPERIMENT_KEYS = (
     "name", "base", "base_overrides", "variants", "baseline", "seeds", "tasks", "eval", "workers",
-    "threads_per_worker", "keep_checkpoints", "output_dir",
+    "threads_per_worker", "keep_checkpoints", "output_dir", "launcher",
 )
 EVAL_KEYS = ("checkpoints", "overrides", "extra")
 DEFAULT_TASK = "default"
+DEFAULT_LAUNCHER = "local"
 # keys a variant or task may not change: they would break the pairing of seeds, or the layout
 RESERVED_OVERRIDES = ("train.seed", "output_dir")
 
@@ -95,6 +98,9 @@ class Experiment:
     threads_per_worker: int
     keep_checkpoints: bool
     output_dir: Path
+    #: how the cells run: ``{"name": <launcher>, <option>: <value>, ...}``, checked against
+    #: the launcher registry (:mod:`emdlm.experiments.launchers`) before any cell runs
+    launcher: dict[str, Any] = field(default_factory=lambda: {"name": DEFAULT_LAUNCHER})
 
 
 @dataclass
@@ -189,6 +195,29 @@ def _named_overrides(value: Any, where: str, *, required: bool) -> dict[str, lis
             raise ConfigError(f"{where}: {name!r} is not a usable folder name")
         out[name] = _override_list(items, f"{where}.{name}")
     return out
+
+
+def launcher_mapping(value: Any) -> dict[str, Any]:
+    """experiment.launcher as ``{"name": ..., <options>}``: a launcher name alone (``ray``) or
+    a mapping with a ``name``; missing means the local launcher. Its options are checked by
+    the launcher itself (:func:`emdlm.experiments.launchers.make_launcher`)."""
+    if value is None:
+        return {"name": DEFAULT_LAUNCHER}
+    if isinstance(value, str):
+        return {"name": value}
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        raise ConfigError(f"experiment.launcher must be a launcher name or a mapping with a "
+                          f"'name' and its options, got {value!r}")
+    return dict(value)
+
+
+def _launcher_override(item: str) -> str:
+    """``launcher=ray`` replaces the launcher and its options (``launcher={name: ray}``), so a
+    file's SLURM options do not follow a switch to Ray; ``launcher.<option>=...`` sets one."""
+    path, value = parse_override(item)
+    if path == ["launcher"] and isinstance(value, str):
+        return "launcher=" + json.dumps({"name": value})  # JSON: a YAML flow mapping
+    return item
 
 
 def _positive_int(value: Any, where: str, *, optional: bool = False) -> int | None:
@@ -300,6 +329,7 @@ def parse_experiment(data: dict[str, Any], folder: Path = Path(".")) -> Experime
         ) or 1,
         keep_checkpoints=keep,
         output_dir=Path(output_dir),
+        launcher=launcher_mapping(data.get("launcher")),
     )
 
 
@@ -313,9 +343,10 @@ def load_experiment(path: str | Path, overrides: list[str] | None = None) -> Exp
     command line replaces the file's list).
     """
     data, folder = load_experiment_dict(path)
-    overrides = overrides or []
+    overrides = [_launcher_override(item) for item in overrides or []]
     reaches_base = [item for item in overrides if _reaches_into_base(item)]
-    data = apply_overrides(dict(data), [item for item in overrides if item not in reaches_base])
+    data = {**data, "launcher": launcher_mapping(data.get("launcher"))}
+    data = apply_overrides(data, [item for item in overrides if item not in reaches_base])
     base = apply_overrides(
         _resolve_base(data.get("base"), folder),
         _override_list(data.get("base_overrides"), "experiment.base_overrides"),

@@ -11,7 +11,9 @@ Workers: each cell runs in one of ``workers`` spawned processes (fork is unsafe 
 has started its thread pools) with ``torch.set_num_threads(threads_per_worker)``. The default
 is one single-thread worker per CPU core: on the 2-core development machine two 1-thread runs
 side by side finish sooner than the same runs one after the other with 2 threads each (figures
-in docs/experiments.md). ``workers=1`` runs the cells in this process.
+in docs/experiments.md). ``workers=1`` runs the cells in this process. Cluster launchers (Ray
+tasks, SLURM jobs: :mod:`emdlm.experiments.launchers`) run the same :func:`run_cell` in their
+own processes.
 
 Console: each line a cell prints (training log lines, the world-size line, warnings) starts
 with the cell's ``[<task>/<variant>/seed<k>]`` (:func:`cell_console`), as the workers' lines
@@ -52,14 +54,13 @@ from emdlm.experiments.cell_folder import (
     CELL_DONE,
     ERROR_FILE,
     EVAL_DIR,
-    CellInUseError,
     WallLedger,
     cell_problem,
     eval_dir,
-    hold_cell,
     saved_checkpoints,
     write_whole,
 )
+from emdlm.experiments.cell_lock import CellInUseError, hold_cell
 from emdlm.experiments.console import cell_console, set_hf_progress_bars
 from emdlm.experiments.grid import Cell
 
@@ -72,13 +73,18 @@ _orphaned = threading.Event()  # set in a worker once its runner is gone
 
 @dataclass
 class CellOutcome:
-    """What happened to one cell: "done", "skipped" (done earlier) or "failed"."""
+    """What happened to one cell: "done", "skipped" (done earlier) or "failed"; ``log``: where
+    a failed cell's failure is told in full (its ``error.txt``, or a batch job's log)."""
 
     key: str
     status: str
     wall_s: float = 0.0
     error: str = ""
+    log: str = ""
 
+
+#: runs the unfinished cells, calling ``record(outcome, running)`` once per cell (run_cells)
+Dispatch = Callable[[list[Cell], Callable[[CellOutcome, int], None]], None]
 
 def default_workers() -> int:
     """One single-thread worker per available CPU core."""
@@ -288,6 +294,12 @@ def _init_worker(threads: int) -> None:
     """Pin a worker's intra-op threads before any torch work; watch the runner."""
     threading.Thread(target=_watch_runner, args=(os.getppid(),), daemon=True,
                      name="emdlm-runner-watch").start()
+    prepare_worker(threads)
+
+
+def prepare_worker(threads: int) -> None:
+    """Set up a process that runs cells (a pool worker, a Ray task, a batch job): ``threads``
+    intra-op threads, pinned before any torch work, and no per-shard progress bars."""
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["MKL_NUM_THREADS"] = str(threads)
     import torch
@@ -337,18 +349,27 @@ class _Progress:
 
 def run_cells(
     cells: list[Cell], *, workers: int, threads: int, progress: bool = True,
-    on_outcome: Callable[[CellOutcome], None] | None = None,
+    on_outcome: Callable[[CellOutcome], None] | None = None, dispatch: Dispatch | None = None,
 ) -> list[CellOutcome]:
     """Run every cell (finished ones are skipped) with ``workers`` processes; returns the
     outcomes in the cells' order. Ctrl-C, or SIGTERM to this process, stops the grid with
     KeyboardInterrupt (an interrupted cell keeps its checkpoint and resumes from it on the next
-    invocation)."""
+    invocation).
+
+    ``dispatch(cells, record)``: another way to run the unfinished cells (a cluster launcher,
+    :mod:`emdlm.experiments.launchers`), each through :func:`run_cell`, calling
+    ``record(outcome, running)`` once per cell as it ends."""
     if workers < 1 or threads < 1:
         raise ValueError(f"workers and threads must be >= 1, got {workers}, {threads}")
     display = _Progress(len(cells), progress)
     by_key: dict[str, CellOutcome] = {}
 
+    folders = {cell.key: cell.folder for cell in cells}
+
     def record(outcome: CellOutcome, running: int) -> None:
+        error_file = folders[outcome.key] / ERROR_FILE
+        if outcome.status == "failed" and not outcome.log and error_file.is_file():
+            outcome.log = str(error_file)
         by_key[outcome.key] = outcome
         display.update(running, outcome)
         if on_outcome is not None:
@@ -363,7 +384,9 @@ def run_cells(
     display.update(min(workers, len(todo)))
     try:
         with _sigterm_as_ctrl_c():
-            if workers == 1 or len(todo) <= 1:
+            if dispatch is not None:
+                dispatch(todo, record)
+            elif workers == 1 or len(todo) <= 1:
                 _run_here(todo, threads, record)
             else:
                 _run_pool(todo, min(workers, len(todo)), threads, record)
