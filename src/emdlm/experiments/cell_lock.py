@@ -40,7 +40,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from emdlm._files import LockHeldError, exclusive_lock, lock_holder
+from emdlm._files import LockHeldError, exclusive_lock, lock_holder, open_lock_file
 from emdlm.experiments.cell_folder import LOCK_FILE, write_whole
 
 HOLDER_FILE = "cell.holder.json"
@@ -169,7 +169,8 @@ def hold_cell(folder: Path, *, heartbeat_s: float = HEARTBEAT_S) -> Iterator[Non
     """Hold the cell in ``folder`` while this process works on it (both guards of the module
     note). Raises :class:`CellInUseError` naming the holder (pid and host, and its batch job)
     when another process holds it; writes nothing then."""
-    with open(folder / LOCK_FILE, "a+", encoding="utf-8") as fh, contextlib.ExitStack() as held:
+    # never through a link, and only a plain file (emdlm._files.open_lock_file)
+    with open_lock_file(folder / LOCK_FILE) as fh, contextlib.ExitStack() as held:
         try:
             held.enter_context(exclusive_lock(fh, blocking=False))
         except LockHeldError:
