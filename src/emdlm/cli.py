@@ -277,10 +277,16 @@ def experiment(
         raise typer.Exit(130) from None
     for key, why in result.left_out.items():  # marked done, outputs not whole: never counted
         typer.echo(f"warning: {key} left out of the report: {why}", err=True)
+    for key, why in result.refused.items():  # another definition's work: never counted
+        typer.echo(f"error: {key}: {why}", err=True)
     typer.echo(f"written: {result.report}, {result.results_csv}, {len(result.plots)} plot(s)")
+    if result.refused:
+        typer.echo(f"{len(result.refused)} cell(s) refused: their folders hold another "
+                   "definition's work (see report.md)", err=True)
     if result.failed:
         typer.echo(f"{len(result.failed)} cell(s) failed (see error.txt in their folders): "
                    + ", ".join(o.key for o in result.failed), err=True)
+    if result.failed or result.refused:
         raise typer.Exit(1)
 
 

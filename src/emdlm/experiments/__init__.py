@@ -26,6 +26,8 @@ class ExperimentResult:
     outcomes: list[CellOutcome] = field(default_factory=list)
     #: cells marked done but left out of the report, their outputs not whole: key -> reason
     left_out: dict[str, str] = field(default_factory=dict)
+    #: cells whose folders hold another definition's work, left as they are: key -> what differs
+    refused: dict[str, str] = field(default_factory=dict)
 
     @property
     def failed(self) -> list[CellOutcome]:
@@ -47,10 +49,10 @@ def write_outputs(exp: Experiment, cells: list[Cell], *, command: str = "") -> E
     plots = make_plots(grid.finished, grid.rows, list(exp.tasks), list(exp.variants),
                        out / "plots")
     write_report(exp, cells, grid.rows, out / "report.md", command=command, plots=plots,
-                 left_out=grid.left_out)
+                 left_out=grid.left_out, refused=grid.refused)
     files = [out / "plots" / name for names in plots.values() for name in names]
     return ExperimentResult(out, out / "report.md", out / "results.csv", files,
-                            left_out=dict(grid.left_out))
+                            left_out=dict(grid.left_out), refused=dict(grid.refused))
 
 
 def run_experiment(

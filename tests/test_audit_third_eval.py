@@ -1,0 +1,168 @@
+"""Third fault audit: experiment cells of another definition, and `emdlm eval`'s checks before
+it generates (references that do not parse for the kind, rows longer than the model's context),
+a full disk while it writes, a folder that holds no model."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from _experiment import FAKE_BASE, TINY_BASE
+from emdlm.cli import app
+from emdlm.config import build_config
+from emdlm.eval_outputs import write_eval_outputs
+from emdlm.experiments import expand_grid, run_experiment
+from emdlm.experiments.cell_folder import CELL_DONE, eval_dir
+from emdlm.experiments.grid import load_experiment
+
+runner = CliRunner()
+
+# ------------------------------------------------------------------------------------------------
+# Experiment cells: work of another definition is refused, never reported as the grid's cell
+# ------------------------------------------------------------------------------------------------
+
+VARIANTS = {"ce": ["objective.name=ce"], "ntil": ["objective.name=ntil"]}
+
+
+def _write_exp(tmp_path: Path, variants: dict[str, list[str]] | None = None,
+               **extra: Any) -> Path:
+    data = {"name": "t", "base": FAKE_BASE, "variants": variants or VARIANTS, "seeds": [0],
+            "workers": 1, "eval": {"checkpoints": "final"},
+            "output_dir": str(tmp_path / "grid"), **extra}
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _finish_by_hand(path: Path) -> None:
+    """Every cell of the experiment at ``path`` finished as the runner leaves it, without
+    training: train/run_config.yaml as training writes it (the resolved run config), one whole
+    evaluation of the final step whose abs_error tells the variants apart, cell_done.json."""
+    for cell in expand_grid(load_experiment(path)):
+        cell.train_dir.mkdir(parents=True)
+        config = build_config(cell.config).to_dict()
+        (cell.train_dir / "run_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        error = 1.0 if cell.variant == "ce" else 7.0
+        write_eval_outputs(eval_dir(cell.folder, 20),
+                           {"exact_match": 0.0, "abs_error_mean": error, "n": 1},
+                           [{"prompt": "1+2=", "reference": "3", "prediction": "4",
+                             "correct": False, "abs_error": error}])
+        (cell.folder / CELL_DONE).write_text(json.dumps({"final_step": 20, "wall_s": 1.0}))
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+def _csv_variants(result: Any) -> set[str]:
+    with result.results_csv.open() as fh:
+        return {row["variant"] for row in csv.DictReader(fh)}
+
+
+def test_a_cell_folder_copied_from_another_variant_is_refused(tmp_path):
+    """C1: a cell folder copied from another variant is not counted as done, nor its numbers
+    reported as this variant's; its folder is left as it is."""
+    path = _write_exp(tmp_path)
+    _finish_by_hand(path)
+    ntil = tmp_path / "grid" / "default" / "ntil" / "seed0"
+    shutil.rmtree(ntil)
+    shutil.copytree(tmp_path / "grid" / "default" / "ce" / "seed0", ntil)
+    before = _tree(ntil)
+    result = run_experiment(path, progress=False)
+    status = {o.key: o.status for o in result.outcomes}
+    assert status == {"default/ce/seed0": "skipped", "default/ntil/seed0": "refused"}
+    why = result.refused["default/ntil/seed0"]
+    assert "objective.name 'ce' there, 'ntil' in the grid" in why
+    assert str(ntil / "train" / "run_config.yaml") in why and "\n" not in why
+    assert _csv_variants(result) == {"ce"}  # none of the copied numbers under ntil's name
+    report = result.report.read_text()
+    assert "Cells finished: 1/2" in report and "refused, another definition's work: 1" in report
+    assert "## Cells refused" in report and "`default/ntil/seed0`" in report
+    assert _tree(ntil) == before  # nothing deleted, moved or rewritten
+
+
+def test_cells_of_a_variant_whose_overrides_changed_are_refused(tmp_path):
+    """C2: after a variant's overrides change, its old cells are not reported under the new
+    definition ("2/2 done (2 earlier)"): `emdlm experiment` names the differing key in one line
+    per cell and exits 1; the other variant's cells still count."""
+    path = _write_exp(tmp_path)
+    _finish_by_hand(path)
+    _write_exp(tmp_path, {"ce": ["objective.name=ce"],
+                          "ntil": ["objective.name=ntil", "optim.lr=0.002"]})
+    out = runner.invoke(app, ["experiment", "-c", str(path), "--no-progress"])
+    assert out.exit_code == 1, out.output
+    (line,) = [x for x in out.output.splitlines() if x.startswith("error: default/ntil/seed0")]
+    assert "optim.lr 0.001 there, 0.002 in the grid" in line
+    report = (tmp_path / "grid" / "report.md").read_text()
+    assert "Cells finished: 1/2" in report and "optim.lr 0.001 there, 0.002" in report
+    assert "| ntil | 7" not in report  # the old cell's numbers are not shown as ntil's
+
+
+def test_cells_written_before_the_record_are_accepted_when_they_match(tmp_path):
+    """C3 (compatibility): cells holding only train/run_config.yaml, as every emdlm version
+    writes it, are accepted when it matches the grid's resolved cell config, although keys that
+    define neither weights nor metrics differ (threads) and a setting newer than the cell is
+    missing from it (taken at its default)."""
+    path = _write_exp(tmp_path)
+    _finish_by_hand(path)
+    for cell in expand_grid(load_experiment(path)):
+        config = yaml.safe_load((cell.train_dir / "run_config.yaml").read_text())
+        del config["train"]["fused_linear"]  # as if written before the setting existed
+        (cell.train_dir / "run_config.yaml").write_text(yaml.safe_dump(config))
+    _write_exp(tmp_path, threads_per_worker=2)
+    result = run_experiment(path, progress=False)
+    assert {o.status for o in result.outcomes} == {"skipped"} and not result.refused
+    assert _csv_variants(result) == {"ce", "ntil"}
+
+
+def test_evaluations_under_changed_eval_overrides_are_refused(tmp_path):
+    """C4: cell_definition.json (written by the runner when it starts a cell) records each
+    evaluation's resolved config, which run_config.yaml does not hold: a cell evaluated before
+    experiment.eval.overrides changed is refused, naming the key."""
+    from emdlm.experiments.cell_record import record_definition
+
+    path = _write_exp(tmp_path)
+    _finish_by_hand(path)
+    for cell in expand_grid(load_experiment(path)):
+        record_definition(cell)
+    _write_exp(tmp_path, eval={"checkpoints": "final", "overrides": ["data.eval.n=3"]})
+    result = run_experiment(path, progress=False)
+    assert set(result.refused) == {"default/ce/seed0", "default/ntil/seed0"}
+    assert "evaluated (main)" in result.refused["default/ce/seed0"]
+    assert "data.eval.n 4 there, 3 in the grid" in result.refused["default/ce/seed0"]
+    assert _csv_variants(result) == set()
+
+
+@pytest.mark.slow
+def test_a_trained_cell_matches_its_record_and_is_refused_once_changed(tmp_path):
+    """C1-C3 on a cell that really trained: its run_config.yaml matches the grid (skipped on the
+    next invocation, cell_definition.json written), and once the variant changes it is refused
+    and its folder left as it is."""
+    base = json.loads(json.dumps(TINY_BASE))
+    base["train"].update(max_steps=2, save_steps=2)
+    data = {"name": "t", "base": base, "variants": {"ce": ["objective.name=ce"]}, "seeds": [0],
+            "workers": 1, "eval": {"checkpoints": "final", "overrides": ["data.eval.n=2"]},
+            "output_dir": str(tmp_path / "grid")}
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(data))
+    first = run_experiment(path, progress=False)
+    assert [o.status for o in first.outcomes] == ["done"]
+    cell = tmp_path / "grid" / "default" / "ce" / "seed0"
+    assert (cell / "cell_definition.json").is_file()
+    again = run_experiment(path, progress=False)
+    assert [o.status for o in again.outcomes] == ["skipped"] and not again.refused
+    before = _tree(cell)
+    data["variants"] = {"ce": ["objective.name=ce", "data.add_eos=false"]}
+    path.write_text(yaml.safe_dump(data))
+    changed = run_experiment(path, progress=False)
+    assert [o.status for o in changed.outcomes] == ["refused"]
+    assert "data.add_eos True there, False in the grid" in changed.refused["default/ce/seed0"]
+    assert _tree(cell) == before
