@@ -166,3 +166,176 @@ def test_a_trained_cell_matches_its_record_and_is_refused_once_changed(tmp_path)
     assert [o.status for o in changed.outcomes] == ["refused"]
     assert "data.add_eos True there, False in the grid" in changed.refused["default/ce/seed0"]
     assert _tree(cell) == before
+
+
+# ------------------------------------------------------------------------------------------------
+# `emdlm eval`: what would fail after every answer was generated is checked before generating
+# ------------------------------------------------------------------------------------------------
+
+CONTEXT = 32  # the tiny model's positions
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random GPT-2 (context 32) with the char tokenizer, saved as a trained folder."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from emdlm.tokenizers import load_tokenizer
+
+    tok = load_tokenizer("char")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(
+        vocab_size=len(tok), n_positions=CONTEXT, n_embd=16, n_layer=1, n_head=2,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    ))  # fmt: skip
+    out = tmp_path_factory.mktemp("model") / "run"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def _rows(tmp_path: Path, completions: list[str], prompts: list[str] | None = None) -> Path:
+    path = tmp_path / "test.jsonl"
+    prompts = prompts or ["1+2="] * len(completions)
+    path.write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n"
+                            for p, c in zip(prompts, completions, strict=True)))
+    return path
+
+
+@pytest.fixture
+def generated(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many prompts were handed to generation (each batch of generate_answers)."""
+    import emdlm.evaluation as evaluation
+
+    real = evaluation.generate_answers
+    calls: list[int] = []
+
+    def counting(model: Any, tokenizer: Any, prompts: Any, **kw: Any) -> list[str]:
+        calls.append(len(prompts))
+        return real(model, tokenizer, prompts, **kw)
+
+    monkeypatch.setattr(evaluation, "generate_answers", counting)
+    return calls
+
+
+def _one_error_line(result: Any, code: int = 2) -> str:
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.output
+    return errors[0]
+
+
+@pytest.mark.parametrize(("reference", "shown"), [
+    ("two", "'two'"),
+    ("1e400", "'1e400'"),  # beyond a float
+    ("9" * 400, "(400 characters)"),  # cut in the message
+    ("(10,20),(30,40)", "'(10,20),(30,40)'"),  # box data on a number run
+])
+def test_a_reference_the_kind_cannot_read_fails_before_generating(
+    tmp_path, model_folder, generated, reference, shown
+):
+    """C5: references that do not parse as the run's kind (number) fail in one line, exit 2,
+    naming the row, before any answer is generated and before anything is written."""
+    data = _rows(tmp_path, ["3", "4", reference])
+    out = tmp_path / "eval"
+    result = runner.invoke(app, ["eval", str(model_folder), "--data", str(data), "--out",
+                                 str(out), "eval.batch_size=1", "eval.max_new_tokens=2"])
+    line = _one_error_line(result)
+    assert "row 2: reference is not a valid number" in line and shown in line, line
+    assert "(eval.kind=number)" in line and len(line) < 300
+    assert generated == [] and not out.exists()
+
+
+def test_a_kind_the_references_are_not_fails_before_generating(tmp_path, model_folder,
+                                                               generated):
+    """C6: `--kind clock` on a test set of numbers: one line before generating."""
+    data = _rows(tmp_path, ["3", "4"])
+    result = runner.invoke(app, ["eval", str(model_folder), "--data", str(data), "--kind",
+                                 "clock", "--out", str(tmp_path / "eval")])
+    line = _one_error_line(result)
+    assert "row 0: reference is not a valid clock time (H_MM): '3' (eval.kind=clock)" in line
+    assert generated == []
+
+
+def test_a_prompt_beyond_the_context_fails_before_generating(tmp_path, model_folder,
+                                                             generated):
+    """C7: a test row whose prompt leaves no room for eval.max_new_tokens, after rows that fit:
+    one line before the first batch is generated (not after the batches before it)."""
+    data = _rows(tmp_path, ["3", "4", "5"], ["1+2=", "2+2=", "1+" * 20 + "1="])
+    result = runner.invoke(app, ["eval", str(model_folder), "--data", str(data),
+                                 "eval.batch_size=1", "eval.max_new_tokens=4",
+                                 "--out", str(tmp_path / "eval")])
+    line = _one_error_line(result)
+    assert f"exceeds the model's context length {CONTEXT}" in line
+    assert generated == []
+
+
+def test_a_completion_too_long_for_its_perplexity_fails_before_generating(
+    tmp_path, model_folder, generated
+):
+    """C8: a row whose prompt + completion (+ EOS) exceed the context: its perplexity cannot be
+    computed, which today fails after every answer was generated."""
+    data = _rows(tmp_path, ["3", "1" * 40])
+    result = runner.invoke(app, ["eval", str(model_folder), "--data", str(data),
+                                 "eval.max_new_tokens=2", "--out", str(tmp_path / "eval")])
+    line = _one_error_line(result)
+    assert "row 1: its prompt and completion and EOS are" in line
+    assert f"tokens, beyond the model's context length {CONTEXT}" in line
+    assert generated == []
+
+
+def test_a_test_set_that_fits_is_still_evaluated(tmp_path, model_folder, generated):
+    """The checks pass a test set that can be scored: the evaluation runs as before."""
+    data = _rows(tmp_path, ["3", "4"])
+    result = runner.invoke(app, ["eval", str(model_folder), "--data", str(data),
+                                 "eval.max_new_tokens=2", "--out", str(tmp_path / "eval")])
+    assert result.exit_code == 0, result.output
+    assert generated == [2] and (tmp_path / "eval" / "metrics.json").is_file()
+
+
+def test_a_full_disk_while_eval_writes_is_one_line_and_exit_3(tmp_path, model_folder,
+                                                              monkeypatch):
+    """C9: a full disk while `emdlm eval --out` writes its files: exit 3 and one line (as
+    `emdlm train`'s full disk), no Errno 28 traceback, no metrics.json that reads as
+    finished."""
+    import errno
+
+    import emdlm.eval_outputs as eval_outputs
+
+    real = eval_outputs.atomic_write
+
+    class FullDisk:
+        def __init__(self, fh: Any) -> None:
+            self.fh = fh
+
+        def write(self, text: Any) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    import contextlib
+
+    @contextlib.contextmanager
+    def full(path: Path, **kw: Any) -> Any:
+        with real(path, **kw) as fh:
+            yield FullDisk(fh)
+
+    monkeypatch.setattr(eval_outputs, "atomic_write", full)
+    data = _rows(tmp_path, ["3", "4"])
+    out = tmp_path / "eval"
+    result = runner.invoke(app, ["eval", str(model_folder), "--data", str(data),
+                                 "eval.max_new_tokens=2", "--out", str(out)])
+    line = _one_error_line(result, code=3)
+    assert f"disk full (No space left on device) while saving the evaluation into {out}" in line
+    assert "free some space and run it again" in line
+    assert not (out / "metrics.json").exists()
+
+
+def test_eval_of_a_folder_without_a_model_says_so(tmp_path):
+    """C10: `emdlm eval notarun` (a folder, no model, no run_config.yaml) says it holds no
+    model, not that there is no test set."""
+    folder = tmp_path / "notarun"
+    folder.mkdir()
+    line = _one_error_line(runner.invoke(app, ["eval", str(folder)]))
+    assert line == f"error: {folder} holds no model (config.json missing)"

@@ -8,9 +8,9 @@ Configs are YAML files (or the names of packaged ones, see ``src/emdlm/configs``
 dotted ``key=value`` arguments; a few common keys also have flags.
 
 Exit codes: 2 for a problem with the input, reported in one line before anything is written
-(this includes a run folder another emdlm process is using); 3 when ``train`` stopped on a
-full disk (one line naming what was being saved and the newest checkpoint, which is intact:
-free space, then ``--resume``); 130 after Ctrl-C.
+(this includes a run folder another emdlm process is using); 3 when ``train`` or ``eval``
+stopped on a full disk (one line naming what was being saved; for ``train`` the newest
+checkpoint, which is intact: free space, then ``--resume``); 130 after Ctrl-C.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ ConfigOpt = Annotated[
 ]
 
 
-EXIT_DISK_FULL = 3  # emdlm train stopped on a full disk (the previous checkpoint is intact)
+EXIT_DISK_FULL = 3  # train / eval stopped on a full disk (train: the last checkpoint is intact)
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -134,6 +134,9 @@ def train(
                 _print_eval(evaluate_run(summary["output_dir"], cfg))
             except ConfigError as err:
                 _fail(f"training finished and was saved, but the evaluation failed: {err}")
+            except DiskFullError as err:
+                _fail(f"training finished and was saved, but the evaluation failed: {err}",
+                      code=EXIT_DISK_FULL)
     close_process_group(finished=True)  # under a launcher: ends this process (exit code 0)
 
 
@@ -169,6 +172,7 @@ def eval_cmd(
 ) -> None:
     """Generate answers for a test set and compute metrics (metrics.json, predictions.jsonl)."""
     from emdlm.training.evaluate import evaluate_run, resolve_eval_config
+    from emdlm.training.saving import DiskFullError
 
     items = _eval_data_overrides(data, task, n, split)
     if kind is not None:
@@ -183,6 +187,8 @@ def eval_cmd(
         result = evaluate_run(run_dir, cfg, out_dir=out)
     except ConfigError as err:
         _fail(str(err))
+    except DiskFullError as err:
+        _fail(str(err), code=EXIT_DISK_FULL)
     _print_eval(result)
 
 
