@@ -68,7 +68,7 @@ def _csv_variants(result: Any) -> set[str]:
 
 
 def test_a_cell_folder_copied_from_another_variant_is_refused(tmp_path):
-    """C1: a cell folder copied from another variant is not counted as done, nor its numbers
+    """X1: a cell folder copied from another variant is not counted as done, nor its numbers
     reported as this variant's; its folder is left as it is."""
     path = _write_exp(tmp_path)
     _finish_by_hand(path)
@@ -90,7 +90,7 @@ def test_a_cell_folder_copied_from_another_variant_is_refused(tmp_path):
 
 
 def test_cells_of_a_variant_whose_overrides_changed_are_refused(tmp_path):
-    """C2: after a variant's overrides change, its old cells are not reported under the new
+    """X2: after a variant's overrides change, its old cells are not reported under the new
     definition ("2/2 done (2 earlier)"): `emdlm experiment` names the differing key in one line
     per cell and exits 1; the other variant's cells still count."""
     path = _write_exp(tmp_path)
@@ -107,7 +107,7 @@ def test_cells_of_a_variant_whose_overrides_changed_are_refused(tmp_path):
 
 
 def test_cells_written_before_the_record_are_accepted_when_they_match(tmp_path):
-    """C3 (compatibility): cells holding only train/run_config.yaml, as every emdlm version
+    """X4 (compatibility): cells holding only train/run_config.yaml, as every emdlm version
     writes it, are accepted when it matches the grid's resolved cell config, although keys that
     define neither weights nor metrics differ (threads) and a setting newer than the cell is
     missing from it (taken at its default)."""
@@ -124,7 +124,7 @@ def test_cells_written_before_the_record_are_accepted_when_they_match(tmp_path):
 
 
 def test_evaluations_under_changed_eval_overrides_are_refused(tmp_path):
-    """C4: cell_definition.json (written by the runner when it starts a cell) records each
+    """X3: cell_definition.json (written by the runner when it starts a cell) records each
     evaluation's resolved config, which run_config.yaml does not hold: a cell evaluated before
     experiment.eval.overrides changed is refused, naming the key."""
     from emdlm.experiments.cell_record import record_definition
@@ -143,7 +143,7 @@ def test_evaluations_under_changed_eval_overrides_are_refused(tmp_path):
 
 @pytest.mark.slow
 def test_a_trained_cell_matches_its_record_and_is_refused_once_changed(tmp_path):
-    """C1-C3 on a cell that really trained: its run_config.yaml matches the grid (skipped on the
+    """X2, X4 on a cell that really trained: its run_config.yaml matches the grid (skipped on the
     next invocation, cell_definition.json written), and once the variant changes it is refused
     and its folder left as it is."""
     base = json.loads(json.dumps(TINY_BASE))
@@ -237,7 +237,7 @@ def _one_error_line(result: Any, code: int = 2) -> str:
 def test_a_reference_the_kind_cannot_read_fails_before_generating(
     tmp_path, model_folder, generated, reference, shown
 ):
-    """C5: references that do not parse as the run's kind (number) fail in one line, exit 2,
+    """X5: references that do not parse as the run's kind (number) fail in one line, exit 2,
     naming the row, before any answer is generated and before anything is written."""
     data = _rows(tmp_path, ["3", "4", reference])
     out = tmp_path / "eval"
@@ -251,7 +251,7 @@ def test_a_reference_the_kind_cannot_read_fails_before_generating(
 
 def test_a_kind_the_references_are_not_fails_before_generating(tmp_path, model_folder,
                                                                generated):
-    """C6: `--kind clock` on a test set of numbers: one line before generating."""
+    """X6: `--kind clock` on a test set of numbers: one line before generating."""
     data = _rows(tmp_path, ["3", "4"])
     result = runner.invoke(app, ["eval", str(model_folder), "--data", str(data), "--kind",
                                  "clock", "--out", str(tmp_path / "eval")])
@@ -262,7 +262,7 @@ def test_a_kind_the_references_are_not_fails_before_generating(tmp_path, model_f
 
 def test_a_prompt_beyond_the_context_fails_before_generating(tmp_path, model_folder,
                                                              generated):
-    """C7: a test row whose prompt leaves no room for eval.max_new_tokens, after rows that fit:
+    """X7: a test row whose prompt leaves no room for eval.max_new_tokens, after rows that fit:
     one line before the first batch is generated (not after the batches before it)."""
     data = _rows(tmp_path, ["3", "4", "5"], ["1+2=", "2+2=", "1+" * 20 + "1="])
     result = runner.invoke(app, ["eval", str(model_folder), "--data", str(data),
@@ -276,7 +276,7 @@ def test_a_prompt_beyond_the_context_fails_before_generating(tmp_path, model_fol
 def test_a_completion_too_long_for_its_perplexity_fails_before_generating(
     tmp_path, model_folder, generated
 ):
-    """C8: a row whose prompt + completion (+ EOS) exceed the context: its perplexity cannot be
+    """X8: a row whose prompt + completion (+ EOS) exceed the context: its perplexity cannot be
     computed, which today fails after every answer was generated."""
     data = _rows(tmp_path, ["3", "1" * 40])
     result = runner.invoke(app, ["eval", str(model_folder), "--data", str(data),
@@ -298,7 +298,7 @@ def test_a_test_set_that_fits_is_still_evaluated(tmp_path, model_folder, generat
 
 def test_a_full_disk_while_eval_writes_is_one_line_and_exit_3(tmp_path, model_folder,
                                                               monkeypatch):
-    """C9: a full disk while `emdlm eval --out` writes its files: exit 3 and one line (as
+    """X9: a full disk while `emdlm eval --out` writes its files: exit 3 and one line (as
     `emdlm train`'s full disk), no Errno 28 traceback, no metrics.json that reads as
     finished."""
     import errno
@@ -333,7 +333,7 @@ def test_a_full_disk_while_eval_writes_is_one_line_and_exit_3(tmp_path, model_fo
 
 
 def test_eval_of_a_folder_without_a_model_says_so(tmp_path):
-    """C10: `emdlm eval notarun` (a folder, no model, no run_config.yaml) says it holds no
+    """X10: `emdlm eval notarun` (a folder, no model, no run_config.yaml) says it holds no
     model, not that there is no test set."""
     folder = tmp_path / "notarun"
     folder.mkdir()
