@@ -166,6 +166,17 @@ def test_a_trained_cell_matches_its_record_and_is_refused_once_changed(tmp_path)
     assert [o.status for o in changed.outcomes] == ["refused"]
     assert "data.add_eos True there, False in the grid" in changed.refused["default/ce/seed0"]
     assert _tree(cell) == before
+    # asked to, the runner renames the folder beside itself (nothing deleted) and runs the cell
+    said: list[str] = []
+    rerun = run_experiment(path, progress=False, rerun_refused=True, echo=said.append)
+    aside = cell.with_name("seed0.other-definition-1")
+    assert said == [f"default/ce/seed0: its folder held another definition's work, moved to "
+                    f"{aside}; the cell runs again"]
+    assert [o.status for o in rerun.outcomes] == ["done"] and not rerun.refused
+    assert {k: v for k, v in _tree(aside).items() if k != "cell.lock"} == {
+        k: v for k, v in before.items() if k != "cell.lock"}
+    trained = yaml.safe_load((cell / "train" / "run_config.yaml").read_text())
+    assert trained["data"]["add_eos"] is False
 
 
 # ------------------------------------------------------------------------------------------------

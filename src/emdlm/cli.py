@@ -266,6 +266,11 @@ def experiment(
         typer.Option("--only", help="Run only the cells whose task/variant/seed<k> matches this "
                      "shell pattern (repeatable, e.g. '*/ce/seed4'); the report covers all"),
     ] = None,
+    rerun_refused: Annotated[
+        bool, typer.Option("--rerun-refused", help="Move the folder of a cell trained under "
+                           "another definition beside it (renamed, nothing deleted) and run "
+                           "the cell again")
+    ] = False,
 ) -> None:
     """Run a grid of variants x seeds x tasks (train + eval per cell; finished cells are
     skipped) and write report.md, results.csv and plots/ with paired statistics."""
@@ -275,7 +280,8 @@ def experiment(
     command = " ".join(["emdlm", "experiment", "-c", config, *only_flags, *(overrides or [])])
     try:
         result = run_experiment(config, list(overrides or []), progress=progress,
-                                report_only=report_only, command=command, only=only)
+                                report_only=report_only, command=command, only=only,
+                                rerun_refused=rerun_refused, echo=typer.echo)
     except ConfigError as err:
         _fail(str(err))
     except KeyboardInterrupt:

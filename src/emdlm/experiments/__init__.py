@@ -8,6 +8,7 @@ worker processes, resumable) and writes ``results.csv``, ``report.md`` and ``plo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,17 +59,34 @@ def write_outputs(exp: Experiment, cells: list[Cell], *, command: str = "") -> E
 def run_experiment(
     config: str | Path, overrides: list[str] | None = None, *, progress: bool = True,
     report_only: bool = False, command: str = "", only: list[str] | None = None,
+    rerun_refused: bool = False, echo: Callable[[str], None] = print,
 ) -> ExperimentResult:
     """Load, expand (every cell's config is checked first), run the unfinished cells, report.
 
     ``report_only``: skip running and only aggregate what is finished. ``only``: run just the
     cells whose ``task/variant/seed<k>`` key matches one of these shell-style patterns
     (:func:`~emdlm.experiments.grid.select_cells`); the report still covers every finished cell.
+    ``rerun_refused``: a cell to run whose folder holds another definition's work
+    (:func:`~emdlm.experiments.cell_record.refusal`) has its folder renamed beside it
+    (:func:`~emdlm.experiments.cell_record.set_aside`, said through ``echo``) and runs again;
+    otherwise it is refused and reported.
     """
     exp = load_experiment(config, overrides)
     cells = expand_grid(exp)
     to_run = select_cells(cells, only) if only else cells
     outcomes: list[CellOutcome] = []
+    if rerun_refused and not report_only:
+        from emdlm.experiments.cell_folder import CellInUseError
+        from emdlm.experiments.cell_record import refusal, set_aside
+
+        for cell in to_run:
+            if refusal(cell) is None:
+                continue
+            try:
+                echo(f"{cell.key}: its folder held another definition's work, moved to "
+                     f"{set_aside(cell)}; the cell runs again")
+            except (CellInUseError, OSError) as err:  # left as it is, and refused below
+                echo(f"{cell.key}: its folder could not be moved aside: {err}")
     if not report_only:
         workers = exp.workers or default_workers()
         outcomes = run_cells(to_run, workers=workers, threads=exp.threads_per_worker,

@@ -23,9 +23,10 @@ record has and the config no longer knows (a removed setting) is passed over.
 
 A cell whose record differs is refused (:func:`definition_problem`): the runner neither skips
 it as done nor runs it (running would resume or reuse the other definition's training), the
-report leaves its numbers out and names the differing keys. emdlm never deletes or moves its
-folder: the user moves it away to have the cell run again under the grid's definition, or
-restores the overrides it was trained with.
+report leaves its numbers out and names the differing keys. emdlm never deletes its folder:
+the user moves it away to have the cell run again under the grid's definition (or asks the
+runner to, ``emdlm experiment --rerun-refused``: :func:`set_aside` renames it beside itself,
+nothing lost), or restores the overrides it was trained with.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from typing import Any
 import yaml
 
 from emdlm.config import ConfigError, RunConfig, apply_overrides, build_config, read_yaml_file
-from emdlm.experiments.cell_folder import CELL_DONE, EVAL_DIR, write_whole
+from emdlm.experiments.cell_folder import CELL_DONE, EVAL_DIR, hold_cell, write_whole
 from emdlm.experiments.grid import Cell
 
 DEFINITION_FILE = "cell_definition.json"
@@ -177,9 +178,25 @@ def refusal(cell: Cell) -> str | None:
     problem = definition_problem(cell)
     if problem is None:
         return None
-    return (f"{problem}. Refused, its folder left as it is: move {cell.folder} elsewhere to run "
-            "the cell again under the grid's definition, or restore the overrides it was "
-            "trained with")
+    return (f"{problem}. Refused, its folder left as it is: move {cell.folder} elsewhere (or "
+            "pass --rerun-refused) to run the cell again under the grid's definition, or "
+            "restore the overrides it was trained with")
+
+
+SET_ASIDE_SUFFIX = ".other-definition-"
+
+
+def set_aside(cell: Cell) -> Path:
+    """Rename a refused cell's folder to ``<folder>.other-definition-<k>`` (the first free k)
+    beside it, under the cell's lock (:func:`emdlm.experiments.cell_folder.hold_cell`: a
+    process working on it is not disturbed, CellInUseError), so that the cell runs again
+    under the grid's definition; nothing in the folder is deleted. Returns the new path."""
+    k = 1
+    while (target := cell.folder.with_name(f"{cell.folder.name}{SET_ASIDE_SUFFIX}{k}")).exists():
+        k += 1
+    with hold_cell(cell.folder):
+        cell.folder.rename(target)
+    return target
 
 
 def record_definition(cell: Cell) -> None:
