@@ -106,6 +106,25 @@ def test_cells_of_a_variant_whose_overrides_changed_are_refused(tmp_path):
     assert "| ntil | 7" not in report  # the old cell's numbers are not shown as ntil's
 
 
+def test_a_cell_that_failed_before_training_runs_once_its_overrides_are_fixed(tmp_path):
+    """X2: a cell whose training never started (a bad override: its folder holds only
+    cell_definition.json and error.txt) is not refused once the variant is fixed."""
+    from emdlm.experiments.cell_record import record_definition, refusal
+
+    path = _write_exp(tmp_path, {"ce": ["objective.name=ce", "optim.lr=5.0"]})
+    (cell,) = expand_grid(load_experiment(path))
+    cell.folder.mkdir(parents=True)
+    record_definition(cell)
+    (cell.folder / "error.txt").write_text("Traceback ...\nValueError: diverged\n")
+    _write_exp(tmp_path, {"ce": ["objective.name=ce", "optim.lr=0.001"]})
+    (fixed,) = expand_grid(load_experiment(path))
+    assert refusal(fixed) is None
+    (fixed.train_dir).mkdir()  # once its training started, the old definition's work is there
+    config = build_config(cell.config).to_dict()
+    (fixed.train_dir / "run_config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    assert "optim.lr 5.0 there, 0.001 in the grid" in (refusal(fixed) or "")
+
+
 def test_cells_written_before_the_record_are_accepted_when_they_match(tmp_path):
     """X4 (compatibility): cells holding only train/run_config.yaml, as every emdlm version
     writes it, are accepted when it matches the grid's resolved cell config, although keys that

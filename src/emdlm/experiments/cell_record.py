@@ -129,9 +129,11 @@ def _read_record(path: Path) -> Any:
 
 
 def _has_work(cell: Cell) -> bool:
-    """Anything in the folder that a definition produced: a training, evaluations, a record
-    of a finished cell."""
-    return any((cell.folder / name).exists() for name in ("train", EVAL_DIR, CELL_DONE))
+    """Anything in the folder that a definition produced: a training that started (its
+    run_config.yaml), evaluations, a record of a finished cell. A cell that failed before its
+    training started (a bad override, fixed since) has none: it simply runs."""
+    return ((cell.train_dir / RUN_CONFIG).exists()
+            or any((cell.folder / name).exists() for name in (EVAL_DIR, CELL_DONE)))
 
 
 def _evaluated(cell: Cell, name: str) -> bool:
