@@ -369,3 +369,24 @@ def test_eval_of_a_folder_without_a_model_says_so(tmp_path):
     folder.mkdir()
     line = _one_error_line(runner.invoke(app, ["eval", str(folder)]))
     assert line == f"error: {folder} holds no model (config.json missing)"
+
+
+def test_a_cell_whose_test_references_cannot_be_read_fails_before_training(tmp_path):
+    """X11: in a grid, the same reference check runs before training (as the context check
+    does): a test set with a reference its kind cannot read fails the cell at once, naming the
+    row, with no training step run (not after the training and every answer)."""
+    data = _rows(tmp_path, ["3", "two"], ["1+2=", "2+2="])
+    base = json.loads(json.dumps(TINY_BASE))
+    spec = {"name": "t", "base": base, "variants": {"ce": ["objective.name=ce"]}, "seeds": [0],
+            "workers": 1, "eval": {"checkpoints": "final", "overrides": [
+                "data.eval.task=null", f"data.eval.path={data}", "data.eval.split=null"]},
+            "output_dir": str(tmp_path / "grid")}
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    result = run_experiment(path, progress=False)
+    assert [o.status for o in result.outcomes] == ["failed"]
+    cell = tmp_path / "grid" / "default" / "ce" / "seed0"
+    assert "row 1: reference is not a valid number: 'two' (eval.kind=number)" in (
+        cell / "error.txt").read_text()
+    assert not (cell / "train" / "train_summary.json").exists()
+    assert not list((cell / "train").glob("checkpoint-*"))
