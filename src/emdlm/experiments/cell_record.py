@@ -47,7 +47,7 @@ from emdlm.experiments.grid import Cell
 DEFINITION_FILE = "cell_definition.json"
 RUN_CONFIG = "run_config.yaml"  # in the cell's train/ folder, written by training
 #: Keys that define neither the weights nor the metrics: a cell that differs only there is the
-#: same cell (the runner sets the first three; the rest are logging and batching).
+#: same cell (the runner sets the first four; the rest are logging and batching).
 NOT_DEFINING = (
     "output_dir", "train.save_total_limit", "train.progress_bar", "train.torch_threads",
     "train.tensorboard", "train.report_to", "train.logging_steps", "eval.batch_size",
