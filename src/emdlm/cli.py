@@ -8,9 +8,9 @@ Configs are YAML files (or the names of packaged ones, see ``src/emdlm/configs``
 dotted ``key=value`` arguments; a few common keys also have flags.
 
 Exit codes: 2 for a problem with the input, reported in one line before anything is written
-(this includes a run folder another emdlm process is using); 3 when ``train`` stopped on a
-full disk (one line naming what was being saved and the newest checkpoint, which is intact:
-free space, then ``--resume``); 130 after Ctrl-C.
+(this includes a run folder another emdlm process is using); 3 when ``train`` or ``eval``
+stopped on a full disk (one line naming what was being saved; for ``train`` the newest
+checkpoint, which is intact: free space, then ``--resume``); 130 after Ctrl-C.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ ConfigOpt = Annotated[
 ]
 
 
-EXIT_DISK_FULL = 3  # emdlm train stopped on a full disk (the previous checkpoint is intact)
+EXIT_DISK_FULL = 3  # train / eval stopped on a full disk (train: the last checkpoint is intact)
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -134,6 +134,9 @@ def train(
                 _print_eval(evaluate_run(summary["output_dir"], cfg))
             except ConfigError as err:
                 _fail(f"training finished and was saved, but the evaluation failed: {err}")
+            except DiskFullError as err:
+                _fail(f"training finished and was saved, but the evaluation failed: {err}",
+                      code=EXIT_DISK_FULL)
     close_process_group(finished=True)  # under a launcher: ends this process (exit code 0)
 
 
@@ -173,6 +176,7 @@ def eval_cmd(
 ) -> None:
     """Generate answers for a test set and compute metrics (metrics.json, predictions.jsonl)."""
     from emdlm.training.evaluate import evaluate_run, resolve_eval_config
+    from emdlm.training.saving import DiskFullError
 
     items = _eval_data_overrides(data, task, n, split)
     if kind is not None:
@@ -189,6 +193,8 @@ def eval_cmd(
         result = evaluate_run(run_dir, cfg, out_dir=out)
     except ConfigError as err:
         _fail(str(err))
+    except DiskFullError as err:
+        _fail(str(err), code=EXIT_DISK_FULL)
     _print_eval(result)
 
 
@@ -266,6 +272,11 @@ def experiment(
         typer.Option("--only", help="Run only the cells whose task/variant/seed<k> matches this "
                      "shell pattern (repeatable, e.g. '*/ce/seed4'); the report covers all"),
     ] = None,
+    rerun_refused: Annotated[
+        bool, typer.Option("--rerun-refused", help="Move the folder of a cell trained under "
+                           "another definition beside it (renamed, nothing deleted) and run "
+                           "the cell again")
+    ] = False,
 ) -> None:
     """Run a grid of variants x seeds x tasks (train + eval per cell; finished cells are
     skipped) and write report.md, results.csv and plots/ with paired statistics."""
@@ -275,7 +286,8 @@ def experiment(
     command = " ".join(["emdlm", "experiment", "-c", config, *only_flags, *(overrides or [])])
     try:
         result = run_experiment(config, list(overrides or []), progress=progress,
-                                report_only=report_only, command=command, only=only)
+                                report_only=report_only, command=command, only=only,
+                                rerun_refused=rerun_refused, echo=typer.echo)
     except ConfigError as err:
         _fail(str(err))
     except KeyboardInterrupt:
@@ -283,11 +295,17 @@ def experiment(
         raise typer.Exit(130) from None
     for key, why in result.left_out.items():  # marked done, outputs not whole: never counted
         typer.echo(f"warning: {key} left out of the report: {why}", err=True)
+    for key, why in result.refused.items():  # another definition's work: never counted
+        typer.echo(f"error: {key}: {why}", err=True)
     typer.echo(f"written: {result.report}, {result.results_csv}, {len(result.plots)} plot(s)")
+    if result.refused:
+        typer.echo(f"{len(result.refused)} cell(s) refused: their folders hold another "
+                   "definition's work (see report.md)", err=True)
     if result.failed:
         typer.echo(f"{len(result.failed)} cell(s) failed:", err=True)
         for o in result.failed:  # the log: the cell's error.txt, or its batch job's log
             typer.echo(f"  {o.key}: {o.error}" + (f" (log: {o.log})" if o.log else ""), err=True)
+    if result.failed or result.refused:
         raise typer.Exit(1)
 
 

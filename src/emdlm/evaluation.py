@@ -19,6 +19,8 @@ from typing import Any
 from emdlm.decoding import check_decode, mbr_decode, mbr_distance
 from emdlm.eval_kinds import eval_kind
 from emdlm.generation import (
+    check_generation_fits,
+    check_scored_fit,
     cut_at_stop,
     generate_answers,
     sequence_nll,
@@ -28,6 +30,7 @@ from emdlm.generation import (
 from emdlm.math_answers import item_from_row, score_answer
 from emdlm.metrics import (
     TaskKind,
+    check_references,
     choice_metrics,
     clock_time_gap,
     compute_task_metrics,
@@ -98,6 +101,33 @@ def per_example_fields(
     return ROW_FIELDS[kind](pred, ref, row)
 
 
+class EvalInputError(ValueError):
+    """A test set that cannot be scored as asked, found before any answer is generated: a
+    reference the kind cannot read, a row beyond the model's context."""
+
+
+def check_before_generating(
+    model: Any, tokenizer: Any, examples: Sequence[Mapping[str, Any]], references: Sequence[str],
+    *, kind: TaskKind, max_new_tokens: int, perplexity_eos: bool | None,
+) -> None:
+    """:class:`EvalInputError` for what :func:`evaluate_examples` would otherwise find only
+    after generating every answer: a reference the kind's metrics cannot read
+    (:func:`emdlm.metrics.check_references`), a prompt that leaves no room for
+    ``max_new_tokens`` in the model's context (:func:`emdlm.generation.check_generation_fits`),
+    a row too long for its perplexity to be computed (``perplexity_eos`` not None: scored with
+    or without EOS, :func:`emdlm.generation.check_scored_fit`)."""
+    try:
+        check_references(references, kind, rows=examples)
+        check_generation_fits(model, tokenizer, [ex["prompt"] for ex in examples],
+                              max_new_tokens)
+        if perplexity_eos is not None:
+            check_scored_fit(model, tokenizer,
+                             [(ex["prompt"], ex["completion"]) for ex in examples],
+                             add_eos=perplexity_eos)
+    except ValueError as err:
+        raise EvalInputError(str(err)) from err
+
+
 def evaluate_examples(
     model: Any,
     tokenizer: Any,
@@ -124,6 +154,9 @@ def evaluate_examples(
     completion cut at the first stop string and stripped (so a training completion "42\\n" is the
     answer "42"); predictions are stripped.
 
+    Before any answer is generated, :func:`check_before_generating` raises
+    :class:`EvalInputError` for a reference the kind cannot read or a row beyond the context.
+
     Returns ``(metrics, predictions)``: metrics from
     :func:`emdlm.metrics.compute_task_metrics` plus ``perplexity`` of the full reference
     completions (and the EOS after them, as in training) given the prompts when
@@ -146,6 +179,11 @@ def evaluate_examples(
         stop_at = spec.stop_at
     prompts = [ex["prompt"] for ex in examples]
     references = [cut_at_stop(ex["completion"], stop_at).strip() for ex in examples]
+    # scored like the training loss: completion tokens and the EOS that ends them
+    has_eos = isinstance(getattr(tokenizer, "eos_token_id", None), int)
+    check_before_generating(model, tokenizer, examples, references, kind=kind,
+                            max_new_tokens=max_new_tokens,
+                            perplexity_eos=has_eos if with_perplexity else None)
     decoded = None
     if decode == "mbr":
         decoded = mbr_decode(
@@ -174,8 +212,6 @@ def evaluate_examples(
     metrics.update(decoded.metrics if decoded is not None else {"decode": "greedy"})
     if with_perplexity and examples:
         pairs = [(ex["prompt"], ex["completion"]) for ex in examples]
-        # scored like the training loss: completion tokens and the EOS that ends them
-        has_eos = isinstance(getattr(tokenizer, "eos_token_id", None), int)
         metrics["perplexity"] = sequence_perplexity(
             model, tokenizer, pairs, batch_size=batch_size, add_eos=has_eos
         )

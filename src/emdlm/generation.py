@@ -58,6 +58,27 @@ def check_generation_fits(
         )
 
 
+def check_scored_fit(
+    model: Any, tokenizer: Any, pairs: Sequence[tuple[str, str]], *, add_eos: bool = False
+) -> None:
+    """ValueError naming the first ``(prompt, completion)`` pair whose tokens (and the EOS with
+    ``add_eos``), as :func:`sequence_nlls` scores them, exceed the model's context: what it
+    would raise later, e.g. after every answer of an evaluation was generated."""
+    limit = _max_positions(model)
+    if limit is None:
+        return
+    eos = 1 if add_eos else 0
+    for i, (prompt, completion) in enumerate(pairs):
+        length = (len(_encode(tokenizer, prompt, special=True))
+                  + len(_encode(tokenizer, completion, special=False)) + eos)
+        if length > limit:
+            raise ValueError(
+                f"row {i}: its prompt and completion{' and EOS' if eos else ''} are {length} "
+                f"tokens, beyond the model's context length {limit}, so the completion's "
+                "perplexity cannot be computed: shorten the row or leave it out"
+            )
+
+
 def _pad_id(tokenizer: Any) -> int:
     """The id used for padding: pad, else eos, else 0 (padding is masked out anyway)."""
     for name in ("pad_token_id", "eos_token_id"):

@@ -9,6 +9,7 @@ and writes ``results.csv``, ``report.md`` and ``plots/*.png`` (:mod:`emdlm.exper
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +33,8 @@ class ExperimentResult:
     outcomes: list[CellOutcome] = field(default_factory=list)
     #: cells marked done but left out of the report, their outputs not whole: key -> reason
     left_out: dict[str, str] = field(default_factory=dict)
+    #: cells whose folders hold another definition's work, left as they are: key -> what differs
+    refused: dict[str, str] = field(default_factory=dict)
 
     @property
     def failed(self) -> list[CellOutcome]:
@@ -53,10 +56,10 @@ def write_outputs(exp: Experiment, cells: list[Cell], *, command: str = "") -> E
     plots = make_plots(grid.finished, grid.rows, list(exp.tasks), list(exp.variants),
                        out / PLOTS_DIR)
     write_report(exp, cells, grid.rows, out / REPORT_MD, command=command, plots=plots,
-                 left_out=grid.left_out)
+                 left_out=grid.left_out, refused=grid.refused)
     files = [out / PLOTS_DIR / name for names in plots.values() for name in names]
     return ExperimentResult(out, out / REPORT_MD, out / RESULTS_CSV, files,
-                            left_out=dict(grid.left_out))
+                            left_out=dict(grid.left_out), refused=dict(grid.refused))
 
 
 def refuse_experiment_links(exp: Experiment, cells: list[Cell]) -> None:
@@ -78,12 +81,17 @@ def refuse_experiment_links(exp: Experiment, cells: list[Cell]) -> None:
 def run_experiment(
     config: str | Path, overrides: list[str] | None = None, *, progress: bool = True,
     report_only: bool = False, command: str = "", only: list[str] | None = None,
+    rerun_refused: bool = False, echo: Callable[[str], None] = print,
 ) -> ExperimentResult:
     """Load, expand (every cell's config is checked first), run the unfinished cells, report.
 
     ``report_only``: skip running and only aggregate what is finished. ``only``: run just the
     cells whose ``task/variant/seed<k>`` key matches one of these shell-style patterns
     (:func:`~emdlm.experiments.grid.select_cells`); the report still covers every finished cell.
+    ``rerun_refused``: a cell to run whose folder holds another definition's work
+    (:func:`~emdlm.experiments.cell_record.refusal`) has its folder renamed beside it
+    (:func:`~emdlm.experiments.cell_record.set_aside`, said through ``echo``) and runs again;
+    otherwise it is refused and reported.
     """
     exp = load_experiment(config, overrides)
     launcher = make_launcher(exp.launcher)  # a bad launcher option stops here
@@ -91,6 +99,18 @@ def run_experiment(
     to_run = select_cells(cells, only) if only else cells
     refuse_experiment_links(exp, [] if report_only else to_run)  # before the first write
     outcomes: list[CellOutcome] = []
+    if rerun_refused and not report_only:
+        from emdlm.experiments.cell_folder import CellInUseError
+        from emdlm.experiments.cell_record import refusal, set_aside
+
+        for cell in to_run:
+            if refusal(cell) is None:
+                continue
+            try:
+                echo(f"{cell.key}: its folder held another definition's work, moved to "
+                     f"{set_aside(cell)}; the cell runs again")
+            except (CellInUseError, OSError) as err:  # left as it is, and refused below
+                echo(f"{cell.key}: its folder could not be moved aside: {err}")
     if not report_only:
         launcher.check_installed()
         outcomes = launcher.run(exp, to_run, progress=progress)

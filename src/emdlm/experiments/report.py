@@ -28,6 +28,7 @@ import numpy as np
 from emdlm._files import atomic_write
 from emdlm.eval_outputs import read_predictions
 from emdlm.experiments.cell_folder import CELL_DONE, ERROR_FILE, cell_problem, read_cell_record
+from emdlm.experiments.cell_record import refusal
 from emdlm.experiments.components import component_lines
 from emdlm.experiments.digits import place_accuracy_lines
 from emdlm.experiments.floor import TaskFloor, task_floor
@@ -249,14 +250,19 @@ def _metrics_note(metrics: set[str]) -> str:
 
 def write_report(exp: Experiment, cells: Sequence[Cell], rows: Sequence[Row], path: Path,
                  *, command: str = "", plots: dict[str, list[str]] | None = None,
-                 left_out: dict[str, str] | None = None) -> None:
+                 left_out: dict[str, str] | None = None,
+                 refused: dict[str, str] | None = None) -> None:
     """report.md (written whole): header (command, grid, cost), one section per task, the
     cells left out (``left_out``: key -> reason, from :func:`read_grid`; found here when not
-    given) and the failed cells."""
+    given), the cells refused as another definition's work (``refused``, likewise) and the
+    failed cells."""
+    if refused is None:
+        refused = {c.key: why for c in cells if (why := refusal(c)) is not None}
     if left_out is None:
         left_out = {c.key: p for c in cells
                     if (c.folder / CELL_DONE).exists() and (p := cell_problem(c)) is not None}
-    done = [c for c in cells if c.key not in left_out and read_cell_record(c.folder) is not None]
+    done = [c for c in cells if c.key not in left_out and c.key not in refused
+            and read_cell_record(c.folder) is not None]
     failed = [c for c in cells if (c.folder / ERROR_FILE).is_file()]
     records = [record for c in done if (record := read_cell_record(c.folder)) is not None]
     wall = sum(r.get("wall_s", 0.0) for r in records)
@@ -285,6 +291,7 @@ def write_report(exp: Experiment, cells: Sequence[Cell], rows: Sequence[Row], pa
         f"{', '.join(map(str, exp.seeds))}; tasks: {', '.join(exp.tasks)}.",
         f"Cells finished: {len(done)}/{len(cells)}; failed: {len(failed)}"
         + (f"; left out, outputs not whole: {len(left_out)}" if left_out else "")
+        + (f"; refused, another definition's work: {len(refused)}" if refused else "")
         + ". Sum of the finished "
         f"cells' wall times: {wall:.0f} s at {exp.threads_per_worker} thread(s) each "
         f"(CPU time ≈ {wall * exp.threads_per_worker:.0f} s).{resumed_note}",
@@ -305,6 +312,14 @@ def write_report(exp: Experiment, cells: Sequence[Cell], rows: Sequence[Row], pa
                   "metrics.json, so none of their numbers are used. Run the same command again "
                   "to evaluate them again.", ""]
         lines += [f"- `{key}`: {why}" for key, why in left_out.items()]
+        lines.append("")
+    if refused:
+        lines += ["## Cells refused (their folders hold another definition's work)", "",
+                  "Trained or evaluated under another definition than this grid gives the cell "
+                  "(a folder copied from another cell, or overrides changed since), so none of "
+                  "their numbers are used; emdlm leaves their folders as they are. Move a folder "
+                  "elsewhere to run its cell again under this definition.", ""]
+        lines += [f"- `{key}`: {why}" for key, why in refused.items()]
         lines.append("")
     if failed:
         lines += ["## Failed cells", ""]

@@ -31,6 +31,7 @@ import numpy as np
 from emdlm._files import atomic_write
 from emdlm.eval_outputs import EvalOutputError, read_eval_outputs
 from emdlm.experiments.cell_folder import CELL_DONE, EVAL_DIR, cell_problem, read_cell_record
+from emdlm.experiments.cell_record import refusal
 from emdlm.experiments.digits import digit_accuracies, parsed_answers
 from emdlm.experiments.grid import Cell
 from emdlm.experiments.stats import (
@@ -203,19 +204,26 @@ def cell_rows(cell: Cell) -> list[Row]:
 class GridRead:
     """What the report may use of a grid: the rows of the finished cells, those cells, and
     the cells marked done (``cell_done.json``) that were left out: cell key -> the reason,
-    one line naming the file (a cut-off or torn output)."""
+    one line naming the file (a cut-off or torn output); and the cells whose folder holds work
+    of another definition (:func:`emdlm.experiments.cell_record.refusal`): key -> what differs."""
 
     rows: list[Row] = field(default_factory=list)
     finished: list[Cell] = field(default_factory=list)
     left_out: dict[str, str] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
 
 
 def read_grid(cells: Iterable[Cell]) -> GridRead:
     """Read every finished cell whole (:func:`emdlm.experiments.cell_folder.cell_problem`, then
     :func:`cell_rows`); a cell marked done whose outputs are not whole goes to ``left_out``
-    with its reason instead of into the statistics. Unfinished cells are passed over."""
+    with its reason instead of into the statistics, a cell holding another definition's work
+    to ``refused``. Unfinished cells are passed over."""
     out = GridRead()
     for cell in cells:
+        refused = refusal(cell)
+        if refused is not None:  # done or not: none of its numbers are this cell's
+            out.refused[cell.key] = refused
+            continue
         if not (cell.folder / CELL_DONE).exists():
             continue  # not finished: counted as such by the report, nothing to warn about
         problem = cell_problem(cell)

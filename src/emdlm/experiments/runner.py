@@ -61,6 +61,7 @@ from emdlm.experiments.cell_folder import (
     write_whole,
 )
 from emdlm.experiments.cell_lock import CellInUseError, hold_cell
+from emdlm.experiments.cell_record import record_definition, refusal
 from emdlm.experiments.console import cell_console, set_hf_progress_bars
 from emdlm.experiments.grid import Cell
 
@@ -73,8 +74,10 @@ _orphaned = threading.Event()  # set in a worker once its runner is gone
 
 @dataclass
 class CellOutcome:
-    """What happened to one cell: "done", "skipped" (done earlier) or "failed"; ``log``: where
-    a failed cell's failure is told in full (its ``error.txt``, or a batch job's log)."""
+    """What happened to one cell: "done", "skipped" (done earlier), "failed", or "refused" (its
+    folder holds work of another definition, :func:`emdlm.experiments.cell_record.refusal`:
+    left as it is); ``log``: where a failed cell's failure is told in full (its ``error.txt``,
+    or a batch job's log)."""
 
     key: str
     status: str
@@ -210,12 +213,16 @@ def run_cell(cell: Cell) -> CellOutcome:
 
 def _run_cell(cell: Cell) -> CellOutcome:
     done = cell.folder / CELL_DONE
+    refused = refusal(cell)  # work of another definition: neither done nor resumed
+    if refused is not None:
+        return CellOutcome(cell.key, "refused", error=refused)
     if cell_problem(cell) is None:  # under the lock: another invocation may have just finished
         return CellOutcome(cell.key, "skipped")
     resumed = cell.train_dir.exists()  # an earlier invocation did part of the work
     try:
         done.unlink(missing_ok=True)  # a record of outputs that are not whole: the cell reruns
         (cell.folder / ERROR_FILE).unlink(missing_ok=True)
+        record_definition(cell)  # what this cell's work is done under
         ledger = WallLedger(cell.folder, resumed=resumed)
         ledger.write()  # the first write fails here, not in the heartbeat thread
     except OSError as err:  # no folder: nowhere to write error.txt either
@@ -313,7 +320,7 @@ class _Progress:
 
     def __init__(self, total: int, enabled: bool) -> None:
         self.total = total
-        self.counts = {"done": 0, "skipped": 0, "failed": 0}
+        self.counts = {"done": 0, "skipped": 0, "failed": 0, "refused": 0}
         self.running = 0
         self.start = time.perf_counter()
         self._bar: Any = None
@@ -330,7 +337,9 @@ class _Progress:
     def _text(self) -> str:
         c = self.counts
         return (f"{c['done'] + c['skipped']}/{self.total} done ({c['skipped']} earlier), "
-                f"{c['failed']} failed, {self.running} running")
+                f"{c['failed']} failed, "
+                + (f"{c['refused']} refused (another definition), " if c["refused"] else "")
+                + f"{self.running} running")
 
     def update(self, running: int, outcome: CellOutcome | None = None) -> None:
         self.running = running
@@ -339,8 +348,9 @@ class _Progress:
         if self._bar is not None:
             finished = sum(self.counts.values())
             self._bar.update(self._task, completed=finished, description=self._text())
-            if outcome is not None and outcome.status == "failed":
-                self._bar.console.print(f"[red]failed[/red] {outcome.key}: {outcome.error}")
+            if outcome is not None and outcome.status in ("failed", "refused"):
+                self._bar.console.print(f"[red]{outcome.status}[/red] {outcome.key}: "
+                                        f"{outcome.error}")
 
     def close(self) -> None:
         if self._bar is not None:
@@ -376,8 +386,11 @@ def run_cells(
             on_outcome(outcome)
 
     todo = []
-    for cell in cells:  # finished cells never reach a worker
-        if cell_problem(cell) is None:
+    for cell in cells:  # finished cells never reach a worker, nor cells of another definition
+        refused = refusal(cell)
+        if refused is not None:
+            record(CellOutcome(cell.key, "refused", error=refused), 0)
+        elif cell_problem(cell) is None:
             record(CellOutcome(cell.key, "skipped"), 0)
         else:
             todo.append(cell)

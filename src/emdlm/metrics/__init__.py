@@ -67,6 +67,7 @@ __all__ = [
     "TaskKind",
     "acc_at_iou",
     "box_iou",
+    "check_references",
     "choice_metrics",
     "clock_metrics",
     "clock_time_gap",
@@ -299,3 +300,36 @@ def compute_task_metrics(
         raise ValueError(f"{len(rows)} rows for {len(predictions)} predictions")
     return metrics(predictions, references, mauve=mauve, featurizer=featurizer, rel_eps=rel_eps,
                    rows=rows)
+
+
+def _shortened(text: str, limit: int = 60) -> str:
+    """``repr(text)``, cut to about ``limit`` characters with the length said."""
+    shown = repr(text)
+    return shown if len(shown) <= limit else f"{shown[:limit]}... ({len(text)} characters)"
+
+
+def check_references(
+    references: Sequence[str], kind: TaskKind, rows: Sequence[Mapping[str, Any]] | None = None
+) -> None:
+    """ValueError naming the first reference that ``kind``'s metrics cannot read ("two" or
+    "1e400" for a number, a box for a clock), before any answer is generated.
+
+    The check is the kind's own metric function (:data:`TASK_METRICS`) run on the references
+    as their own predictions: every reference is read exactly as the scoring will read it, by
+    the same parser, so the check cannot drift from the scoring. ``rows``: the test rows (the
+    kinds reading per-row metadata need them). Only on a failure are the references tried one
+    by one, to name the row."""
+    try:
+        compute_task_metrics(references, references, kind, rows=rows)
+    except ValueError:
+        pass
+    else:
+        return
+    for i, ref in enumerate(references):
+        try:
+            compute_task_metrics([ref], [ref], kind, rows=None if rows is None else [rows[i]])
+        except ValueError as err:
+            reason = str(err).replace(repr(ref), _shortened(ref)).replace("reference 0 ",
+                                                                          "reference ")
+            raise ValueError(f"row {i}: {reason} (eval.kind={kind})") from err
+    compute_task_metrics(references, references, kind, rows=rows)  # raises as it did above

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from emdlm.config import ConfigError, RunConfig
 from emdlm.data import DataCollator, TokenizedDataset, build_dataset, load_examples
-from emdlm.eval_kinds import GENERATION_KINDS  # their prompts should fit the model's context
+from emdlm.eval_kinds import GENERATION_KINDS, eval_kind  # generated kinds: prompts must fit
 from emdlm.models import build_model, load_tokenizer
 from emdlm.vlm.models import folder_model_type, is_vlm
 from emdlm.vlm.training import ImageTextAdapter
@@ -134,12 +134,19 @@ def _generation_problem(
     eval_cfg: RunConfig, model: Any, tokenizer: Any, rows: list[dict[str, Any]]
 ) -> str | None:
     """Why ``emdlm eval`` with ``eval_cfg`` could not generate with this model (its longest
-    prompt + ``eval.max_new_tokens`` exceed the model's context), or None."""
-    from emdlm.generation import check_generation_fits
+    prompt + ``eval.max_new_tokens`` exceed the model's context) or score the answers (a
+    reference its kind cannot read, :func:`emdlm.metrics.check_references`), or None."""
+    from emdlm.generation import check_generation_fits, cut_at_stop
+    from emdlm.metrics import check_references
 
     prompts = [str(r["prompt"]) for r in rows if "prompt" in r]
+    kind = eval_kind(eval_cfg.eval.kind)
+    scored = [r for r in rows if "completion" in r]
     try:
         check_generation_fits(model, tokenizer, prompts, eval_cfg.eval.max_new_tokens)
+        if kind.short_answer and len(scored) == len(rows):
+            check_references([cut_at_stop(str(r["completion"]), kind.stop_at).strip()
+                              for r in scored], eval_cfg.eval.kind, rows=scored)
     except ValueError as err:
         where = eval_cfg.data.eval.describe() if eval_cfg.data.eval is not None else "eval"
         return f"{where}: {err}"

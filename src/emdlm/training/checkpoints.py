@@ -136,6 +136,18 @@ def weights_problem(folder: Path) -> str | None:
     return f"{folder / 'model.safetensors'} is missing (no model weights in {folder})"
 
 
+def check_holds_model(folder: Path) -> None:
+    """ConfigError when ``folder`` is not a model folder (no config.json), naming a complete
+    checkpoint inside it to evaluate instead, when there is one (a run stopped before its
+    final save)."""
+    if not folder.is_dir():
+        raise ConfigError(f"model folder not found: {folder}")
+    if not (folder / "config.json").exists():
+        complete = [c for c in checkpoint_folders(folder) if checkpoint_problem(c) is None]
+        hint = f"; evaluate a checkpoint instead: emdlm eval {complete[0]}" if complete else ""
+        raise ConfigError(f"{folder} holds no model (config.json missing){hint}")
+
+
 def checkpoint_problem(ckpt: Path) -> str | None:
     """None if ``ckpt`` holds everything ``Trainer.train(resume_from_checkpoint=...)`` loads, all
     readable; else the first problem, naming the file."""

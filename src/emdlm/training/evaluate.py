@@ -20,6 +20,8 @@ from emdlm.config import (
 from emdlm.training.text_eval import load_trained as load_trained  # re-exported (sample, training)
 
 RUN_CONFIG = "run_config.yaml"
+EVAL_DISK_FULL_ADVICE = ("the folder holds no finished evaluation (metrics.json is written "
+                         "last, beside whole predictions): free some space and run it again")
 
 
 def resolve_eval_config(
@@ -69,15 +71,16 @@ def evaluate_run(
     of after the evaluation.
     """
     from emdlm.eval_outputs import refuse_eval_links, write_eval_outputs
+    from emdlm.training.checkpoints import check_holds_model
     from emdlm.training.run_folder import (
         enclosing_run_folder,
         hold_run_folder,
         is_run_folder,
         record_outputs,
     )
+    from emdlm.training.saving import full_disk_in_one_line
 
-    if not Path(run_dir).is_dir():
-        raise ConfigError(f"model folder not found: {run_dir}")
+    check_holds_model(Path(run_dir))  # before the test set: a folder without a model says so
     if cfg.data.eval is None:
         raise ConfigError("no test set: set data.eval.path or data.eval.task (e.g. --task)")
     target = Path(out_dir) if out_dir is not None else Path(run_dir) / "eval"
@@ -87,7 +90,8 @@ def evaluate_run(
     refuse_eval_links(target, within=within)
     with (contextlib.nullcontext() if run_folder is None else hold_run_folder(
             run_folder, "emdlm eval", hint="wait for it to finish, or write the evaluation "
-            "elsewhere with --out")):
+            "elsewhere with --out")), full_disk_in_one_line(  # one line, as training's saves
+                target, f"the evaluation into {target}", advice=EVAL_DISK_FULL_ADVICE):
         metrics, predictions, pictures = _evaluate(Path(run_dir), cfg, target)
         write_eval_outputs(target, metrics, predictions, within=within)
         if out_dir is None and is_run_folder(Path(run_dir)):  # --overwrite may remove it later

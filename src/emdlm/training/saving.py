@@ -116,32 +116,34 @@ def _intact_checkpoint(folder: Path, trained_step: int | None) -> str:
 
 
 def disk_full_error(
-    err: BaseException, folder: Path, saving: str, *, trained_step: int | None = None
+    err: BaseException, folder: Path, saving: str, *, trained_step: int | None = None,
+    advice: str | None = None,
 ) -> DiskFullError | None:
     """A one-line :class:`DiskFullError` for ``err`` when it is a full disk (see
     :func:`_disk_full_reason`), else None. ``folder``: the run folder; ``saving``: what was
     being saved and where, e.g. "checkpoint-20 into <run>/tmp-checkpoint-20"; ``trained_step``:
-    the last step of a finished training (the final model's save failed)."""
+    the last step of a finished training (the final model's save failed); ``advice``: what the
+    message ends with instead of the run's intact checkpoint (a save that is no checkpoint,
+    e.g. an evaluation's files)."""
     if isinstance(err, DiskFullError):
         return err
     reason = _disk_full_reason(err, folder)
     if reason is None:
         return None
-    return DiskFullError(
-        f"disk full ({reason}) while saving {saving}; {_intact_checkpoint(folder, trained_step)}"
-    )
+    tail = advice if advice is not None else _intact_checkpoint(folder, trained_step)
+    return DiskFullError(f"disk full ({reason}) while saving {saving}; {tail}")
 
 
 @contextlib.contextmanager
 def full_disk_in_one_line(
-    folder: Path, saving: str, *, trained_step: int | None = None
+    folder: Path, saving: str, *, trained_step: int | None = None, advice: str | None = None
 ) -> Iterator[None]:
     """Raise :func:`disk_full_error`'s one-line :class:`DiskFullError` (from the original) when
     the ``with`` block fails on a full disk; any other error propagates unchanged."""
     try:
         yield
     except Exception as err:
-        full = disk_full_error(err, folder, saving, trained_step=trained_step)
+        full = disk_full_error(err, folder, saving, trained_step=trained_step, advice=advice)
         if full is None or full is err:
             raise
         raise full from err

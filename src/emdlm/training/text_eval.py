@@ -16,16 +16,11 @@ def load_trained(run_dir: str | Path, tokenizer_name: str | None = None) -> tupl
     from transformers import AutoModelForCausalLM
 
     from emdlm.models import check_vocab, load_tokenizer
-    from emdlm.training.checkpoints import checkpoint_folders, checkpoint_problem, weights_problem
+    from emdlm.training.checkpoints import check_holds_model, weights_problem
     from emdlm.weights import refuse_folder_code
 
     folder = Path(run_dir)
-    if not folder.is_dir():
-        raise ConfigError(f"model folder not found: {folder}")
-    if not (folder / "config.json").exists():
-        complete = [c for c in checkpoint_folders(folder) if checkpoint_problem(c) is None]
-        hint = f"; evaluate a checkpoint instead: emdlm eval {complete[0]}" if complete else ""
-        raise ConfigError(f"{folder} holds no model (config.json missing){hint}")
+    check_holds_model(folder)
     has_tok = (folder / "tokenizer_config.json").exists() or (folder / "tokenizer.json").exists()
     if has_tok:
         tokenizer = load_tokenizer(str(folder))
@@ -75,11 +70,16 @@ def evaluate_text_folder(
         except ValueError as err:  # e.g. k-shot prompts longer than the model's context
             raise ConfigError(f"choice evaluation: {err}") from err
     else:
-        metrics, predictions = evaluate_examples(
-            model, tokenizer, examples, kind=e.kind, max_new_tokens=e.max_new_tokens,
-            batch_size=e.batch_size, do_sample=e.do_sample, temperature=e.temperature,
-            top_p=e.top_p, seed=e.seed, decode=e.decode, mbr_samples=e.mbr_samples,
-        )
+        from emdlm.evaluation import EvalInputError
+
+        try:
+            metrics, predictions = evaluate_examples(
+                model, tokenizer, examples, kind=e.kind, max_new_tokens=e.max_new_tokens,
+                batch_size=e.batch_size, do_sample=e.do_sample, temperature=e.temperature,
+                top_p=e.top_p, seed=e.seed, decode=e.decode, mbr_samples=e.mbr_samples,
+            )
+        except EvalInputError as err:  # found before any answer was generated
+            raise ConfigError(f"{cfg.data.eval.describe()}: {err}") from err
     return metrics, predictions
 
 

@@ -132,7 +132,7 @@ def evaluate_vlm(
     Returns (metrics, one prediction row per example)."""
     from emdlm.evaluation import per_example_fields
     from emdlm.generation import cut_at_stop
-    from emdlm.metrics import compute_task_metrics
+    from emdlm.metrics import check_references, compute_task_metrics
     from emdlm.models import load_tokenizer as load_tok
     from emdlm.vlm.generate import generate_vlm_answers, other_images, vlm_perplexity
 
@@ -148,15 +148,19 @@ def evaluate_vlm(
                                images_root=cfg.data.images_root)
     has_tok = (run_dir / "tokenizer_config.json").exists() or (run_dir / "tokenizer.json").exists()
     tokenizer = load_tok(str(run_dir) if has_tok else cfg.tokenizer)
-    model, collator = load_trained_vlm(run_dir, model_type, tokenizer, cfg)
     stop_at = ("\n",)
+    refs = [cut_at_stop(r["completion"], stop_at).strip() for r in rows]
+    try:  # before the model is loaded and any answer generated
+        check_references(refs, e.kind, rows=rows)
+    except ValueError as err:
+        raise ConfigError(f"{cfg.data.eval.describe()}: {err}") from err
+    model, collator = load_trained_vlm(run_dir, model_type, tokenizer, cfg)
     preds = generate_vlm_answers(
         model, collator, rows, max_new_tokens=e.max_new_tokens, batch_size=e.batch_size,
         do_sample=e.do_sample, temperature=e.temperature, top_p=e.top_p, seed=e.seed,
         stop_at=stop_at,
     )
     preds = [p.strip() for p in preds]
-    refs = [cut_at_stop(r["completion"], stop_at).strip() for r in rows]
     metrics: dict[str, Any] = compute_task_metrics(preds, refs, e.kind, rows=rows)
     key = cfg.data.image_key
     metrics["perplexity"] = vlm_perplexity(model, collator, rows, batch_size=e.batch_size)
