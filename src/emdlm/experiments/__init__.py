@@ -100,7 +100,7 @@ def run_experiment(
     refuse_experiment_links(exp, [] if report_only else to_run)  # before the first write
     outcomes: list[CellOutcome] = []
     if rerun_refused and not report_only:
-        from emdlm.experiments.cell_folder import CellInUseError
+        from emdlm.experiments.cell_lock import CellInUseError
         from emdlm.experiments.cell_record import refusal, set_aside
 
         for cell in to_run:

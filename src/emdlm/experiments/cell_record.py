@@ -41,7 +41,8 @@ from typing import Any
 import yaml
 
 from emdlm.config import ConfigError, RunConfig, apply_overrides, build_config, read_yaml_file
-from emdlm.experiments.cell_folder import CELL_DONE, EVAL_DIR, hold_cell, write_whole
+from emdlm.experiments.cell_folder import CELL_DONE, EVAL_DIR, write_whole
+from emdlm.experiments.cell_lock import hold_cell
 from emdlm.experiments.grid import Cell
 
 DEFINITION_FILE = "cell_definition.json"
@@ -190,7 +191,7 @@ SET_ASIDE_SUFFIX = ".other-definition-"
 
 def set_aside(cell: Cell) -> Path:
     """Rename a refused cell's folder to ``<folder>.other-definition-<k>`` (the first free k)
-    beside it, under the cell's lock (:func:`emdlm.experiments.cell_folder.hold_cell`: a
+    beside it, under the cell's lock (:func:`emdlm.experiments.cell_lock.hold_cell`: a
     process working on it is not disturbed, CellInUseError), so that the cell runs again
     under the grid's definition; nothing in the folder is deleted. Returns the new path."""
     k = 1
