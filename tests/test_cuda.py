@@ -513,7 +513,32 @@ def test_gpu_suite_quick_writes_its_table(tmp_path: Path) -> None:
     for method in ("transformers loss", "emdlm CE (from hidden)", "emdlm CE + NTIL (from hidden)",
                    "emdlm EMO (from hidden)"):
         assert re.search(rf"^\| {re.escape(method)} \|", text, flags=re.M), method
-    assert "Liger" in text and "Cut Cross-Entropy" in text  # a row or a note
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from gpu_peers import GPU_ONLY, PEERS
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    notes = [line for line in text.splitlines() if line.startswith("- ")]
+    for peer in PEERS:  # every peer: a row on each eager shape, or a note saying why not
+        rows = {(rn, rv) for (rn, rv, m, md) in loss_rows if m == peer and md == "eager"}
+        noted = [line for line in notes if line.startswith(f"- {peer}: ")]
+        assert rows == {("64", "256"), ("64", "512")} or noted, peer
+        if peer in GPU_ONLY:  # the dry run is on the CPU
+            assert noted and "skipped on cpu" in noted[0], (peer, noted)
+    # the floor (one matmul per shape) and the roofline column, and the goals in its terms
+    assert len(re.findall(r"^\| 64 \| (256|512) \| matmul N x H x V [^|]*\| floor \| [0-9.]+ \|",
+                          text, flags=re.M)) == 2
+    header = next(line for line in text.splitlines() if line.startswith("| N | V | method"))
+    assert "roofline" in header and "TFLOP/s" in header
+    assert "| from-hidden CE time <= 1.5x the three-GEMM floor |" in text
+    ce_row = re.search(r"^\| 64 \| 256 \| emdlm CE \| eager \| ([0-9.]+) \| [0-9.e+-]+ \| "
+                       r"([0-9.]+) \|", text, flags=re.M)
+    floor_row = re.search(r"^\| 64 \| 256 \| matmul[^|]*\| floor \| ([0-9.]+) \|", text,
+                          flags=re.M)
+    assert ce_row and floor_row
+    ms, roofline, floor_ms = float(ce_row[1]), float(ce_row[2]), float(floor_row[1])
+    # roofline = 3 x floor / time (times printed to 4 significant digits, the ratio to 0.01)
+    assert roofline == pytest.approx(3 * floor_ms / ms, rel=0.01, abs=0.006)
     assert "error" not in "".join(
         line for line in text.splitlines() if line.startswith("| ") and "emdlm" in line
     ).lower()
