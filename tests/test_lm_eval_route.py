@@ -106,6 +106,10 @@ def _lm_eval_logliks(sample: dict) -> list[float]:
     return [float(resp[0]) for resp in sample["filtered_resps"]]
 
 
+def _argmax(values: list[float]) -> int:
+    return max(range(len(values)), key=values.__getitem__)
+
+
 def test_same_length_choices_give_the_same_accuracy(run_and_tasks: dict, tmp_path: Path) -> None:
     task = "emdlm_arith_choice"
     metrics, rows = _emdlm_choice(run_and_tasks["run"], run_and_tasks["jsonl"][task], tmp_path)
@@ -113,7 +117,7 @@ def test_same_length_choices_give_the_same_accuracy(run_and_tasks: dict, tmp_pat
     samples = run_and_tasks["samples"][task]
     assert len(samples) == len(rows) == metrics["n"] == 60
     # per example: emdlm's pick (lowest mean NLL) is lm-eval's (highest log-likelihood)
-    lm_picks = [max(range(len(ll)), key=ll.__getitem__) for ll in map(_lm_eval_logliks, samples)]
+    lm_picks = [_argmax(_lm_eval_logliks(s)) for s in samples]
     assert [r["prediction"] for r in rows] == lm_picks
     assert [s["acc"] for s in samples] == [float(r["correct"]) for r in rows]
     assert metrics["accuracy"] == pytest.approx(lm["acc,none"], abs=1e-12)
@@ -153,7 +157,7 @@ def test_mixed_lengths_decompose_into_lm_evals_log_likelihoods(
     # acc_norm (per character) picks emdlm's completion-scored candidate (mean NLL per token)
     assert norm_picks == [min(range(len(c)), key=c.__getitem__) for c in completion]
     labels = [ex["label"] for ex in examples]
-    sum_picks = [max(range(len(ll)), key=ll.__getitem__) for ll in map(_lm_eval_logliks, lm_samples)]
+    sum_picks = [_argmax(_lm_eval_logliks(s)) for s in lm_samples]
     assert lm["acc,none"] == pytest.approx(_hit_rate(sum_picks, labels), abs=1e-12)
     assert lm["acc_norm,none"] == pytest.approx(_hit_rate(norm_picks, labels), abs=1e-12)
     assert metrics["accuracy"] == pytest.approx(
