@@ -112,3 +112,17 @@ def test_from_hidden_equals_the_logits_path(tok, tmp_path) -> None:
     want = _swift_call(plain, plain_trainer, ids, labels)
     assert first.item() == pytest.approx(want.item(), rel=1e-6)
     assert second.item() == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_registered_in_swifts_own_loss_map_where_installed(tok, tmp_path) -> None:
+    swift_loss = pytest.importorskip("swift.loss")  # make integrations: ms-swift's venv
+    added = route.register_losses()
+    assert swift_loss.loss_map["emdlm_ntil"] is added["emdlm_ntil"]
+    assert issubclass(added["emdlm_ntil"], swift_loss.BaseLoss)
+    trainer = _trainer(tok, tmp_path)
+    ids, labels = _batch(tok)
+    got = _swift_call(added["emdlm_ce"](trainer.args, trainer), trainer, ids, labels)
+    want = make_compute_loss_func(emdlm.CrossEntropyLoss(reduction="sum"))(
+        trainer.model(input_ids=ids), labels
+    )
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
