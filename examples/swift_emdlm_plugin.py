@@ -1,7 +1,7 @@
 """ms-swift ``--external_plugins`` file: registers the emdlm losses as ``--loss_type`` names.
 
-    swift sft --model <folder> --dataset <data.jsonl> --external_plugins examples/swift_emdlm_plugin.py \
-        --loss_type emdlm_ntil ...
+    swift sft --model <folder> --dataset <data.jsonl> \
+        --external_plugins examples/swift_emdlm_plugin.py --loss_type emdlm_ntil ...
 
 Every registered objective becomes ``emdlm_<name>`` with its defaults; add named variants with
 their own parameters (the ``objective:`` section of an ``emdlm train`` config) below.
