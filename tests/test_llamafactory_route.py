@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 import types
-from typing import Any
 
 import pytest
 import torch
@@ -26,7 +25,8 @@ EMDLM = {"objective": {"name": "ntil", "params": {"preset": "stable"}}}
 @pytest.mark.parametrize(("cfg", "message"), [
     ({"emdlm": EMDLM, "enable_liger_kernel": True}, "enable_liger_kernel: false"),
     ({"emdlm": EMDLM, "use_dft_loss": True}, "use_dft_loss"),
-    ({"emdlm": EMDLM, "use_asft_loss": True, "use_eaft_loss": True}, "use_asft_loss: false and use_eaft_loss: false"),
+    ({"emdlm": EMDLM, "use_asft_loss": True, "use_eaft_loss": True},
+     "use_asft_loss: false and use_eaft_loss: false"),
     ({"emdlm": EMDLM, "stage": "dpo"}, "stage 'dpo'"),
     ({"emdlm": {**EMDLM, "number_scope": "regex:\\d+"}}, "number_mask"),
     ({"emdlm": {"objective": {"name": "ntil", "params": {"alpha2": 1}}}}, "takes no"),
