@@ -45,7 +45,7 @@ def make_tiny_model(folder: Path) -> Path:
     tok = load_tokenizer("char")
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
     ))  # fmt: skip
     model.save_pretrained(folder)
@@ -67,9 +67,12 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
     return path
 
 
-def run_logged(cmd: list[str], log: Path, cwd: Path, timeout: int = 1200) -> int:
+def run_logged(
+    cmd: list[str], log: Path, cwd: Path, timeout: int = 1200, extra_env: dict | None = None,
+) -> int:
     """Run ``cmd`` offline (no telemetry), stdout and stderr to ``log``; its exit code."""
-    env = {**os.environ, **OFFLINE, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env = {**os.environ, **OFFLINE, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           **(extra_env or {})}  # fmt: skip
     with log.open("w") as out:
         try:
             return subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, env=env,
