@@ -16,17 +16,17 @@ from tiny import (
     BATCH_SIZE,
     MAX_STEPS,
     OBJECTIVES,
+    ROOT,
     arithmetic_rows,
     check_history,
     environment,
     make_tiny_model,
     run_hook_tests,
     run_logged,
+    shown,
     write_jsonl,
     write_result,
 )
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def config(model: Path, data: Path, out: Path, objective: dict) -> dict:
@@ -47,7 +47,7 @@ def config(model: Path, data: Path, out: Path, objective: dict) -> dict:
 
 
 def main() -> None:
-    work, result_path = Path(sys.argv[1]), Path(sys.argv[2])
+    work, result_path = Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve()
     model = make_tiny_model(work / "model")
     data = write_jsonl(work / "data.jsonl",
                        [{"text": r["prompt"] + r["completion"]} for r in arithmetic_rows()])
@@ -59,7 +59,7 @@ def main() -> None:
         cfg_path.write_text(yaml.safe_dump(config(model, data, out, objective)))
         code = run_logged([sys.executable, "-m", "axolotl.cli.train", str(cfg_path)],
                           work / f"{name}.log", work)  # fmt: skip
-        run = {"exit_code": code, "log": str(work / f"{name}.log")}
+        run = {"exit_code": code, "log": shown(work / f"{name}.log")}
         states = sorted(out.glob("checkpoint-*/trainer_state.json"))
         if states:
             history = json.loads(states[-1].read_text())["log_history"]

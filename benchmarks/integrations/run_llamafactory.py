@@ -17,17 +17,18 @@ from tiny import (
     BATCH_SIZE,
     MAX_STEPS,
     OBJECTIVES,
+    ROOT,
     arithmetic_rows,
     check_history,
     environment,
     make_tiny_model,
     run_hook_tests,
     run_logged,
+    shown,
     write_jsonl,
     write_result,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 # LLaMA-Factory 0.9.5 imports torchaudio when it starts (data/mm_plugin.py), and no torchaudio
 # build loads beside torch 2.13 (the newest, 2.11.1, fails to load its library): the run puts
 # this empty stand-in first on the path. Text SFT never calls it; any use raises.
@@ -61,7 +62,7 @@ def config(model: Path, data_dir: Path, out: Path, objective: dict) -> dict:
 
 
 def main() -> None:
-    work, result_path = Path(sys.argv[1]), Path(sys.argv[2])
+    work, result_path = Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve()
     model = make_tiny_model(work / "model")
     write_jsonl(work / "data" / "arith.jsonl",
                 [{"instruction": r["prompt"], "input": "", "output": r["completion"]}
@@ -81,7 +82,7 @@ def main() -> None:
         code = run_logged([sys.executable, "-m", "emdlm.integrations.llamafactory",
                            str(cfg_path)], work / f"{name}.log", work,
                           extra_env={"PYTHONPATH": str(stand_in_path(work))})  # fmt: skip
-        run = {"exit_code": code, "log": str(work / f"{name}.log")}
+        run = {"exit_code": code, "log": shown(work / f"{name}.log")}
         states = sorted(out.rglob("trainer_state.json"))
         if states:
             run.update(check_history(json.loads(states[-1].read_text())["log_history"], name))

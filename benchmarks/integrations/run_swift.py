@@ -15,17 +15,18 @@ from pathlib import Path
 from tiny import (
     BATCH_SIZE,
     MAX_STEPS,
+    ROOT,
     arithmetic_rows,
     check_history,
     environment,
     make_tiny_model,
     run_hook_tests,
     run_logged,
+    shown,
     write_jsonl,
     write_result,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 LOSS_TYPES = {"ce": "emdlm_ce", "ntil": "emdlm_ntil_stable"}
 
 
@@ -46,7 +47,7 @@ def command(model: Path, data: Path, out: Path, loss_type: str) -> list[str]:
 
 
 def main() -> None:
-    work, result_path = Path(sys.argv[1]), Path(sys.argv[2])
+    work, result_path = Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve()
     model = make_tiny_model(work / "model")
     data = write_jsonl(work / "data.jsonl", [
         {"messages": [{"role": "user", "content": r["prompt"]},
@@ -62,7 +63,7 @@ def main() -> None:
     for name, loss_type in LOSS_TYPES.items():
         out = work / f"out_{name}"
         code = run_logged(command(model, data, out, loss_type), work / f"{name}.log", work)
-        run = {"exit_code": code, "loss_type": loss_type, "log": str(work / f"{name}.log")}
+        run = {"exit_code": code, "loss_type": loss_type, "log": shown(work / f"{name}.log")}
         states = sorted(out.rglob("checkpoint-*/trainer_state.json"))
         if states:
             run.update(check_history(json.loads(states[-1].read_text())["log_history"], name))

@@ -25,6 +25,7 @@ OFFLINE = {
 }  # fmt: skip
 OBJECTIVES = {"ce": {"name": "ce"}, "ntil": {"name": "ntil", "params": {"preset": "stable"}}}
 MAX_STEPS = 3
+ROOT = Path(__file__).resolve().parents[2]
 # one micro-batch per optimizer step: the trainer's logged loss is then the optimised value of
 # that batch, which emdlm's record must equal (with accumulation, Axolotl 0.19 averages the
 # micro-batches' means instead of dividing by the accumulated token count: see the report)
@@ -59,6 +60,12 @@ def arithmetic_rows(n: int = 128) -> list[dict[str, str]]:
 
     return generate_task("arithmetic", n=n, split="train", seed=0, min_digits=1,
                          max_digits=3, ops="+-")  # fmt: skip
+
+
+def shown(path: Path) -> str:
+    """``path`` relative to the repository root where it lies inside it (for the report)."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
