@@ -17,7 +17,7 @@ FILES = {"axolotl": "axolotl.json", "ms-swift": "swift.json", "llamafactory": "l
 
 HEADER = """# Integrations: Axolotl, ms-swift, LLaMA-Factory (the output of `make integrations`)
 
-[README](../../README.md) · [all docs](../index.md) · [integrations](../integrations.md)
+[all docs](../index.md) · [integrations](../integrations.md)
 
 Written by `make integrations` on {when} ({machine}); each framework in its own venv
 (`benchmarks/integrations/build_venvs.sh`: the framework's own resolved dependencies, torch
