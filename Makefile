@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test docs lint bench gpu-suite-quick clean-venv
+.PHONY: demo test docs lint bench gpu-suite-quick integrations clean-venv
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,22 @@ bench: $(STAMP)
 # CPU dry run of the GPU suite (tiny shapes; docs/gpu.md has the real run on a GPU machine)
 gpu-suite-quick: $(STAMP)
 	$(BIN)/python benchmarks/gpu_suite.py --quick --out runs/gpu_suite_quick.md
+
+# Axolotl, ms-swift and LLaMA-Factory for real: one venv per framework under $(INTEGRATIONS)
+# (git-ignored; the first build takes a long time), a tiny CPU training through each one's own
+# entry point with CE and NTIL, the route's unit tests in its venv, then
+# docs/results/integrations.md. Not part of `make test` (slow).
+INTEGRATIONS ?= .integrations
+INTEGRATION_RUNS := axolotl swift llamafactory
+integrations:
+	bash benchmarks/integrations/build_venvs.sh $(INTEGRATIONS) $(INTEGRATION_RUNS)
+	rm -rf $(INTEGRATIONS)/work $(INTEGRATIONS)/results
+	for fw in $(INTEGRATION_RUNS); do \
+	  (cd benchmarks/integrations && ../../$(INTEGRATIONS)/$$fw/bin/python run_$$fw.py \
+	    ../../$(INTEGRATIONS)/work/$$fw ../../$(INTEGRATIONS)/results/$$fw.json) \
+	    || echo "$$fw: the run failed (see $(INTEGRATIONS)/work/$$fw)"; \
+	done
+	$(PYTHON) benchmarks/integrations/report.py $(INTEGRATIONS)/results docs/results/integrations.md
 
 clean-venv:
 	rm -rf $(VENV)

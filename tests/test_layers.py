@@ -46,6 +46,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
               "emdlm.vision.contact_sheet")),
     ("models", ("emdlm.models", "emdlm.vlm.models", "emdlm.vlm.collator",
                 "emdlm.vlm.generate")),
+    # the framework plugins (Axolotl, ms-swift, LLaMA-Factory) read number scopes (data)
+    ("frameworks", ("emdlm.integrations.framework_objective", "emdlm.integrations.axolotl",
+                    "emdlm.integrations.swift", "emdlm.integrations.llamafactory")),
     ("training", ("emdlm.training.*", "emdlm.vlm.training")),
     ("experiments", ("emdlm.experiments.*",)),
     ("cli", ("emdlm.cli",)),

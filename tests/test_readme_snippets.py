@@ -87,6 +87,10 @@ NOT_RUN.update({
     "executor there",
     "emdlm experiment -c grid_slurm.yaml --report-only": "needs the SLURM grid above; "
     "--report-only: tests/test_experiment_report.py",
+    "emdlm train -c arithmetic_ntil train.max_steps=200 output_dir=runs/arith": "the lm-eval "
+    "block's run (minutes); tests/test_lm_eval_route.py runs the block with a 2-step model",
+    "emdlm eval runs/arith --data tasks/arith_choice.jsonl --kind choice": "needs the run above; "
+    "tests/test_lm_eval_route.py runs it on the 2-step model",
 })
 BASH_DOCS = (README, *sorted(DOCS.glob("*.md")))
 RUN_WHOLE = {"data.md": "every bash block runs whole in tests/test_data_docs.py"}

@@ -47,6 +47,8 @@ class HiddenOutput(ModelOutput):
 
     emdlm_hidden: torch.Tensor | None = None
     past_key_values: Any = None
+    # always None: frameworks that test ``outputs.logits`` (ms-swift's token accuracy) skip
+    logits: torch.Tensor | None = None
 
 
 def unwrap_hf_model(model: nn.Module) -> nn.Module:
