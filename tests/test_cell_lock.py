@@ -55,7 +55,9 @@ def test_a_record_left_on_this_host_is_taken_over_at_once(tmp_path):
 def test_a_live_job_on_another_host_keeps_the_cell(tmp_path):
     """Where the OS lock is node-local (this process gets it although node7 holds the cell),
     a record from another host whose heartbeat goes on means the cell is held."""
-    record = _leave_record(tmp_path)
+    # the confirmation waits 2.5 heartbeats: 1 s, so that node7's 20 ms beats land in it even
+    # on busy cores (at 0.05 s a starved beat thread made the cell look abandoned)
+    record = _leave_record(tmp_path, heartbeat_s=0.4)
     stop = threading.Event()
 
     def beat() -> None:  # node7's heartbeat

@@ -42,7 +42,7 @@ import yaml
 
 from emdlm.config import ConfigError, RunConfig, apply_overrides, build_config, read_yaml_file
 from emdlm.experiments.cell_folder import CELL_DONE, EVAL_DIR, write_whole
-from emdlm.experiments.cell_lock import hold_cell
+from emdlm.experiments.cell_lock import HOLDER_FILE, hold_cell
 from emdlm.experiments.grid import Cell
 
 DEFINITION_FILE = "cell_definition.json"
@@ -199,6 +199,9 @@ def set_aside(cell: Cell) -> Path:
         k += 1
     with hold_cell(cell.folder):
         cell.folder.rename(target)
+    # the holder record our hold wrote moved with the folder; the hold released it, so it is
+    # ours and stale (the cell lock deletes its record only where the folder was)
+    (target / HOLDER_FILE).unlink(missing_ok=True)
     return target
 
 
