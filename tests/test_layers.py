@@ -24,7 +24,8 @@ SRC = Path(os.environ.get("EMDLM_LAYERS_SRC") or ROOT / "src")
 # below it, never above. "pkg.*" is the package and every module in it. Keep in step with
 # docs/architecture.md (checked below).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundations", ("emdlm._files", "emdlm._output", "emdlm.yaml_io", "emdlm.objective_specs",
+    ("foundations", ("emdlm._files", "emdlm._output", "emdlm._extras", "emdlm.yaml_io",
+                     "emdlm.objective_specs",
                      "emdlm.eval_kinds", "emdlm.config", "emdlm.weights")),
     ("vocabularies", ("emdlm.numbers", "emdlm.tokenizers")),
     ("functional", ("emdlm.functional.*",)),

@@ -299,8 +299,15 @@ def config_path(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point (``emdlm = emdlm.cli:main``)."""
-    app(args=argv if argv is not None else sys.argv[1:], prog_name="emdlm")
+    """Console entry point (``emdlm = emdlm.cli:main``); a missing optional package ends in
+    one line naming the extra to install (exit 2), not a traceback."""
+    from emdlm._extras import MissingExtraError
+
+    try:
+        app(args=argv if argv is not None else sys.argv[1:], prog_name="emdlm")
+    except MissingExtraError as err:
+        typer.echo(f"error: {err}", err=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
