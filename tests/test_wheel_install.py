@@ -156,10 +156,12 @@ def test_wheel_with_all_runs_the_readme_from_an_empty_folder(install_dir: Path) 
 
     # 3c. a packaged config for a few steps, and its evaluation
     emdlm = str(venv / "bin" / "emdlm")
-    _run([emdlm, "train", "-c", "arithmetic_ntil", "train.max_steps=6", "train.logging_steps=2",
-          "train.save_steps=6", "data.train.n=400", "output_dir=runs/ntil"], env=env, cwd=work)
+    proc = _run([emdlm, "train", "-c", "arithmetic_ntil", "train.max_steps=6",
+                 "train.logging_steps=2", "train.save_steps=6", "data.train.n=400",
+                 "output_dir=runs/ntil"], env=env, cwd=work)
     run = work / "runs" / "ntil"
     assert (run / "tb").is_dir(), "TensorBoard is on by default and [train] installs it"
+    assert f"loss curves: tensorboard --logdir runs/ntil{os.sep}tb" in proc.stdout, proc.stdout
     assert len((run / "train_log.jsonl").read_text().splitlines()) == 6
     proc = _run([emdlm, "eval", "runs/ntil", "--task", "arithmetic", "--n", "20"], env=env,
                 cwd=work)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -123,9 +124,11 @@ def train(
         if not finished:  # an error on this rank: end the group, let the error propagate
             close_process_group(finished=False)
     if int(os.environ.get("RANK", "0")) == 0:  # one line, not one per process
+        tb = Path(summary["output_dir"]) / "tb"
+        curves = f"; loss curves: tensorboard --logdir {tb}" if tb.is_dir() else ""
         typer.echo(
             f"saved: {summary['output_dir']} (train loss {summary['train_loss']:.4f} over "
-            f"{summary['global_step']} steps)"
+            f"{summary['global_step']} steps{curves})"
         )
         if cfg.eval.at_end:  # rank 0 only; the other ranks wait at close_process_group
             from emdlm.training.evaluate import evaluate_run
