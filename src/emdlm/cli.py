@@ -8,7 +8,8 @@ Configs are YAML files (or the names of packaged ones, see ``src/emdlm/configs``
 dotted ``key=value`` arguments; a few common keys also have flags.
 
 Exit codes: 2 for a problem with the input, reported in one line before anything is written
-(this includes a run folder another emdlm process is using); 3 when ``train`` stopped on a
+(this includes a run folder another emdlm process is using), or for a missing optional package
+(one line naming the pip extra that installs it); 3 when ``train`` stopped on a
 full disk (one line naming what was being saved and the newest checkpoint, which is intact:
 free space, then ``--resume``); 130 after Ctrl-C.
 """
