@@ -9,8 +9,9 @@ What it runs, in order (each step's output is shown when it fails):
 2. ``python -m venv`` and ``pip install "<wheel>[all]" torch==2.13.0``, the README's install
    command (torch pinned so pip takes the CPU wheel), with pip's own cache reused so that a
    machine that ran it once installs from disk;
-3. from an empty folder, with HOME pointing at an empty folder: the README's Python blocks and
-   its ``emdlm train`` on your own JSONL block; ``load_tokenizer("gpt2")`` and
+3. from an empty folder, with HOME pointing at an empty folder: the README's Python blocks,
+   the TRL block of docs/integrations.md and the README's ``emdlm train`` on your own JSONL
+   block; ``load_tokenizer("gpt2")`` and
    ``load_tokenizer("qwen")`` (the latter built into the fresh cache, saying so);
    ``import emdlm.integrations.trl``; ``emdlm train -c arithmetic_ntil`` for a few steps and
    ``emdlm eval`` on it.
@@ -27,6 +28,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -50,8 +52,11 @@ def _blocks(text: str, lang: str) -> list[str]:
 
 def _run(cmd: list[str], *, env: dict[str, str], cwd: Path, timeout: int = RUN_TIMEOUT_S,
          check: bool = True) -> subprocess.CompletedProcess[str]:
+    start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
+    # the duration of each step, printed (pytest -s, or with a failure) to size CI
+    print(f"{time.perf_counter() - start:7.1f} s  {' '.join(Path(c).name for c in cmd[:4])}")
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n"
                     f"{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}")
@@ -126,15 +131,18 @@ def test_wheel_with_all_runs_the_readme_from_an_empty_folder(install_dir: Path) 
     where = _run([python, "-c", "import emdlm; print(emdlm.__file__)"], env=env, cwd=work)
     assert str(venv) in where.stdout, f"emdlm imported from {where.stdout}, not the venv"
 
-    # 3a. the README's Python blocks and its JSONL block, each from an empty folder
+    # 3a. the README's Python blocks, the TRL block of docs/integrations.md and the README's
+    # JSONL block, each from an empty folder
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     python_blocks = _blocks(readme, "python")
     assert python_blocks, "README.md has no python block"
-    for index, block in enumerate(python_blocks):
+    integrations = (ROOT / "docs" / "integrations.md").read_text(encoding="utf-8")
+    (trl_block,) = [b for b in _blocks(integrations, "python") if "EMDLMSFTTrainer(" in b]
+    for index, block in enumerate([*python_blocks, trl_block]):
         folder = work / f"readme_python_{index}"
         folder.mkdir()
         (folder / "snippet.py").write_text(block, encoding="utf-8")
-        _run([python, "snippet.py"], env=env, cwd=folder)
+        _run([python, "snippet.py", str(index)], env=env, cwd=folder)
     (jsonl_block,) = [b for b in _blocks(readme, "bash") if README_RUN_MARKER in b]
     folder = work / "readme_jsonl"
     folder.mkdir()
