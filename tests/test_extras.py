@@ -220,3 +220,21 @@ def test_the_losses_need_no_extra() -> None:
     proc = subprocess.run([sys.executable, "-c", CORE_ONLY_SCRIPT.format(blocked=blocked)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "core ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_the_emdlm_command_without_train_is_one_line() -> None:
+    """The console script without the [train] extra (typer, pyyaml): one line, exit 2."""
+    import subprocess
+
+    script = ("import sys\nsys.modules['typer'] = None\nsys.argv = ['emdlm', '--help']\n"
+              "from emdlm._console import main\nmain()\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line == ("error: the emdlm command needs the package 'typer', which is not "
+                    "installed: pip install 'emdlm[train]'")
+
+
+def test_the_console_script_is_the_one_line_wrapper() -> None:
+    assert PROJECT["scripts"]["emdlm"] == "emdlm._console:main"

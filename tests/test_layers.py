@@ -47,7 +47,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                 "emdlm.vlm.generate")),
     ("training", ("emdlm.training.*", "emdlm.vlm.training")),
     ("experiments", ("emdlm.experiments.*",)),
-    ("cli", ("emdlm.cli",)),
+    ("cli", ("emdlm.cli", "emdlm._console")),
     ("package", ("emdlm",)),
 ]
 
