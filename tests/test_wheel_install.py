@@ -56,7 +56,7 @@ def _run(cmd: list[str], *, env: dict[str, str], cwd: Path, timeout: int = RUN_T
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
     # the duration of each step, printed (pytest -s, or with a failure) to size CI
-    label = " ".join(Path(c.splitlines()[0][:40]).name for c in cmd[:4])
+    label = " ".join(Path(c.splitlines()[0]).name[:40] for c in cmd[:4])
     print(f"{time.perf_counter() - start:7.1f} s  {label}")
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n"
