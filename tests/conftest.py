@@ -87,10 +87,17 @@ def real_tokenizer(request: pytest.FixtureRequest) -> tuple[str, Any, NumberVoca
     )
 
 
+#: tests that take minutes: collected first, so that under ``pytest -n 2`` one worker starts
+#: them at once instead of finishing the suite with them
+LONGEST_FIRST = ("test_wheel_install.py",)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``cuda`` tests run on ``EMDLM_TEST_DEVICE`` when set (tests/test_cuda.py's ``device``
-    fixture); a forced device that this machine lacks skips them with the reason, instead of
-    failing every test on the first tensor moved there."""
+    """The tests of :data:`LONGEST_FIRST` go first. ``cuda`` tests run on
+    ``EMDLM_TEST_DEVICE`` when set (tests/test_cuda.py's ``device`` fixture); a forced device
+    that this machine lacks skips them with the reason, instead of failing every test on the
+    first tensor moved there."""
+    items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)  # stable: order kept
     forced = os.environ.get("EMDLM_TEST_DEVICE")
     if not forced:
         return

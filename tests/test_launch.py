@@ -156,6 +156,17 @@ def test_demo_console_is_clean_and_says_what_reproduces(tmp_path, capsys):
     assert "torch threads" in saved and "same thread count" in saved
 
 
+def test_reproducibility_note_says_thread_or_threads(monkeypatch):
+    import torch
+
+    from emdlm.training.demo import reproducibility_note
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert reproducibility_note().startswith("Made with 1 torch thread, torch ")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert reproducibility_note().startswith("Made with 2 torch threads, torch ")
+
+
 _CLOSE_SCRIPT = """
 import sys, torch.distributed as dist
 from emdlm.training.launch import close_process_group

@@ -24,8 +24,8 @@ SRC = Path(os.environ.get("EMDLM_LAYERS_SRC") or ROOT / "src")
 # below it, never above. "pkg.*" is the package and every module in it. Keep in step with
 # docs/architecture.md (checked below).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundations", ("emdlm._files", "emdlm._output", "emdlm.yaml_io", "emdlm.json_io",
-                     "emdlm.domains",
+    ("foundations", ("emdlm._files", "emdlm._output", "emdlm._extras", "emdlm.yaml_io",
+                     "emdlm.json_io", "emdlm.domains",
                      "emdlm.objective_specs",
                      "emdlm.eval_kinds", "emdlm.config", "emdlm.weights")),
     ("vocabularies", ("emdlm.numbers", "emdlm.tokenizers")),
@@ -51,7 +51,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                     "emdlm.integrations.swift", "emdlm.integrations.llamafactory")),
     ("training", ("emdlm.training.*", "emdlm.vlm.training")),
     ("experiments", ("emdlm.experiments.*",)),
-    ("cli", ("emdlm.cli",)),
+    ("cli", ("emdlm.cli", "emdlm._console")),
     ("package", ("emdlm",)),
 ]
 

@@ -1034,3 +1034,21 @@ def test_fused_equals_reference_with_the_stabilisers_active(mode: str) -> None:
             assert float(ref_c["relative"]) > 0
         else:  # only the right number 42: the cap binds
             assert float(ref_c["mix_coef"]) == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("preset", ["stable", "paper"])
+def test_dynamic_mix_loss_is_one_plus_lambda_times_ce_and_says_so(preset: str) -> None:
+    """CE + λ·sg(CE/X)·X is (1 + λ)·CE in value (X > 0, ratio under the cap): the note that
+    `emdlm train` prints says so with the loss's own λ; the static mix has no note."""
+    labels = labels_of(["1", "2", "=", "3", "4"], ["Ġ123", "Ġ45", "a", "9", "<pad>"])
+    x = torch.randn(2, 5, V)
+    fn = loss_fn(preset=preset)
+    out = fn(x, labels)
+    ratio = float(out.components["mix_coef"]) / fn.settings.lam  # sg(CE/X), under the cap
+    assert float(out.components["ntil"]) > 0 and ratio < (fn.settings.max_ratio or math.inf)
+    lam = fn.settings.lam
+    assert out.loss.item() == pytest.approx((1 + lam) * float(out.components["ce"]), rel=1e-5)
+    note = fn.logged_loss_note()
+    assert note is not None and f"equals {1 + lam:g}*ce in value" in note
+    assert ("cap" in note) == (fn.settings.max_ratio is not None)
+    assert loss_fn(preset=preset, mix="static").logged_loss_note() is None

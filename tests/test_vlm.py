@@ -243,10 +243,15 @@ def test_max_length_errors_say_the_measured_need(tmp_path: Path, capsys: Any) ->
     (p0, a0), (p1, a1) = lengths
     assert p1 == p0 + 1 and a1 == a0 + 5  # one more prompt character, five more answer digits
     need = p1 + a1
+    capsys.readouterr()
     with pytest.raises(ConfigError, match=rf"no example leaves room.*data\.max_length={need} "
                        rf"keeps every row whole.*{p1} prompt tokens, image tokens included, "
-                       rf"\+ {a1} answer tokens"):
+                       rf"\+ {a1} answer tokens") as info:
         cut_image_rows(rows, lengths, source="s", max_length=p0)
+    # the measurement once: no warning and note before the error, no "longest prompt alone"
+    # when the longest row has the longest prompt
+    assert capsys.readouterr().err == ""
+    assert "longest prompt alone" not in str(info.value)
     with pytest.raises(ConfigError, match=rf"data\.on_truncate=error.*max_length={need} keeps"):
         cut_image_rows(rows, lengths, source="s", max_length=p1 + 2, on_truncate="error")
     capsys.readouterr()

@@ -8,15 +8,17 @@ Configs are YAML files (or the names of packaged ones, see ``src/emdlm/configs``
 dotted ``key=value`` arguments; a few common keys also have flags.
 
 Exit codes: 2 for a problem with the input, reported in one line before anything is written
-(this includes a run folder another emdlm process is using); 3 when ``train`` or ``eval``
-stopped on a full disk (one line naming what was being saved; for ``train`` the newest
-checkpoint, which is intact: free space, then ``--resume``); 130 after Ctrl-C.
+(this includes a run folder another emdlm process is using), or for a missing optional package
+(one line naming the pip extra that installs it); 3 when ``train`` or ``eval`` stopped on a full
+disk (one line naming what was being saved; for ``train`` the newest checkpoint, which is
+intact: free space, then ``--resume``); 130 after Ctrl-C.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -123,9 +125,11 @@ def train(
         if not finished:  # an error on this rank: end the group, let the error propagate
             close_process_group(finished=False)
     if int(os.environ.get("RANK", "0")) == 0:  # one line, not one per process
+        tb = Path(summary["output_dir"]) / "tb"
+        curves = f"; loss curves: tensorboard --logdir {tb}" if tb.is_dir() else ""
         typer.echo(
             f"saved: {summary['output_dir']} (train loss {summary['train_loss']:.4f} over "
-            f"{summary['global_step']} steps)"
+            f"{summary['global_step']} steps{curves})"
         )
         if cfg.eval.at_end:  # rank 0 only; the other ranks wait at close_process_group
             from emdlm.training.evaluate import evaluate_run
@@ -324,8 +328,15 @@ def config_path(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point (``emdlm = emdlm.cli:main``)."""
-    app(args=argv if argv is not None else sys.argv[1:], prog_name="emdlm")
+    """Console entry point (``emdlm = emdlm.cli:main``); a missing optional package ends in
+    one line naming the extra to install (exit 2), not a traceback."""
+    from emdlm._extras import MissingExtraError
+
+    try:
+        app(args=argv if argv is not None else sys.argv[1:], prog_name="emdlm")
+    except MissingExtraError as err:
+        typer.echo(f"error: {err}", err=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

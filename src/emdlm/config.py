@@ -323,7 +323,7 @@ class RunConfig:
         if self.objective.name not in OBJECTIVES:
             raise ConfigError(
                 f"objective.name must be one of {', '.join(OBJECTIVES)}, "
-                f"got {self.objective.name!r}"
+                f"got {self.objective.name!r}{did_you_mean(self.objective.name, OBJECTIVES)}"
             )
         for name, src in (("data.train", self.data.train), ("data.eval", self.data.eval)):
             if src is None:

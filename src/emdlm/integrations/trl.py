@@ -44,7 +44,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from trl import SFTConfig, SFTTrainer
+
+from emdlm._extras import missing_extra
+
+try:
+    from trl import SFTConfig, SFTTrainer
+except ModuleNotFoundError as err:  # the [trl] extra is not installed
+    raise missing_extra(err, "emdlm.integrations.trl") from None
 
 from emdlm._output import LossOutput
 from emdlm.functional._common import IGNORE_INDEX

@@ -81,6 +81,12 @@ class EMDLMLoss(nn.Module):
     def forward(self, logits: Any, labels: Any, *args: Any, **kwargs: Any) -> LossOutput:
         raise NotImplementedError(f"{type(self).__name__} implements no forward")
 
+    def logged_loss_note(self) -> str | None:
+        """One line saying how the logged ``loss`` relates to ``ce`` when a stop-gradient mix
+        makes its value something other than what its name suggests (``emdlm train`` prints
+        it once at the start), or None."""
+        return None
+
     def chunk_objective(
         self, logits: torch.Tensor, labels: torch.Tensor, **options: Any
     ) -> tuple[ChunkObjective, torch.Tensor]:

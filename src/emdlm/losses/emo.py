@@ -127,6 +127,13 @@ class EMOLoss(EMDLMLoss):
             "cost_embedding_normalized", normalize_cost_embedding(cost_embedding), persistent=False
         )
 
+    def logged_loss_note(self) -> str | None:
+        if self.mode != "emo1":
+            return None
+        return ("EMO mode emo1: the logged loss equals ce in value (EMO Eq. 19: "
+                "0.5*(CE + sg(CE/DEMD)*DEMD)); half of its gradient comes from DEMD, logged as "
+                "demd (docs/objectives.md)")
+
     @classmethod
     def from_model(cls, model: nn.Module, **kwargs: Any) -> EMOLoss:
         """Build the loss from a frozen copy of ``model``'s output embedding."""

@@ -282,6 +282,18 @@ class NTILLoss(NumericLoss):
             tokenizer_or_number_vocab, vocab_size, self.span_options["digits_only"]
         )
 
+    def logged_loss_note(self) -> str | None:
+        """The dynamic mix CE + λ·sg(CE/X)·X equals (1 + λ)·CE in value (X the numeric term),
+        wherever X > 0 and the ratio is under its cap."""
+        s = self.settings
+        if s.mix != "dynamic":
+            return None
+        cap = (f", while the ratio CE/X stays under its cap {s.max_ratio:g}"
+               if s.max_ratio is not None else "")
+        return (f"{type(self).__name__}'s dynamic mix: the logged loss CE + {s.lam:g}*sg(CE/X)*X "
+                f"equals {1 + s.lam:g}*ce in value on batches with numbers{cap}; compare "
+                "objectives by ce and the evaluation")
+
     def chunk_objective(
         self,
         logits: torch.Tensor,

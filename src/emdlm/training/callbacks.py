@@ -15,9 +15,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from emdlm._extras import install_hint
 from emdlm.integrations.transformers import ComputeLoss
 from emdlm.training.folder_guard import TRAIN_LOG
 from emdlm.training.saving import full_disk_in_one_line
+
+TENSORBOARD_MISSING = (
+    "train.tensorboard is on (the default) but the package 'tensorboard' is not installed: "
+    f"losses go to train_log.jsonl only ({install_hint('tensorboard')}, or set "
+    "train.tensorboard=false)"
+)
 
 
 def finished_checkpoint_step(checkpoint: str | None, max_steps: int) -> int | None:
@@ -64,8 +71,9 @@ def step_logger(compute_loss: ComputeLoss, out: Path, tensorboard: bool) -> Any:
                     from torch.utils.tensorboard import SummaryWriter
 
                     self.tb = SummaryWriter(str(out / "tb"))
-                except ImportError:  # tensorboard not installed: JSONL only
+                except ImportError:  # tensorboard not installed: JSONL only, said once
                     self.tb = None
+                    print(f"warning: {TENSORBOARD_MISSING}", file=sys.stderr, flush=True)
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             comps = compute_loss.pop_components(all_reduce=True)  # collective: every rank

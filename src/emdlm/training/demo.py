@@ -146,9 +146,11 @@ def reproducibility_note() -> str:
     """What the table reproduces under, with this machine's thread count and versions."""
     import transformers
 
+    threads = torch.get_num_threads()
     return (
-        f"Made with {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
-        f"transformers {transformers.__version__}, Python {platform.python_version()} on "
+        f"Made with {threads} torch thread{'' if threads == 1 else 's'}, "
+        f"torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"Python {platform.python_version()} on "
         f"{platform.machine()}. Reproducible on the same machine with the same thread count "
         "and versions; another CPU, thread count or version changes the low bits of every "
         "step, and training amplifies them into a different table."

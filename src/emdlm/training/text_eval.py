@@ -9,6 +9,7 @@ from typing import Any
 from emdlm.config import ConfigError, RunConfig
 from emdlm.data import load_examples
 from emdlm.eval_kinds import eval_kind
+from emdlm.metrics.text import check_text_metric_packages
 
 
 def load_trained(run_dir: str | Path, tokenizer_name: str | None = None) -> tuple[Any, Any]:
@@ -56,6 +57,8 @@ def evaluate_text_folder(
     if not kind.generates and any("choices" not in ex or "label" not in ex for ex in examples):
         raise ConfigError(f"{cfg.data.eval.describe()}: eval.kind=choice needs 'choices' and "
                           "'label' in every example (e.g. --task polarity_choice)")
+    if kind.open_ended:
+        check_text_metric_packages(mauve=e.mauve)
     oracle = load_trained(e.oracle, cfg.tokenizer) if kind.open_ended and e.oracle else None
     model, tokenizer = load_trained(run_dir, cfg.tokenizer)
     if kind.open_ended:

@@ -218,12 +218,6 @@ def _check_fsdp_run(cfg: RunConfig, resume: bool | str) -> None:
         raise ConfigError("train.fsdp=true with lora.enabled is not supported")
 
 
-EMO1_NOTE = (
-    "emdlm: EMO mode emo1: the logged loss equals ce in value (Eq. 19: 0.5*(CE + sg(CE/DEMD)*DEMD)"
-    "); half of its gradient comes from DEMD, logged as demd (docs/objectives.md)"
-)
-
-
 def train(run: PreparedRun, callbacks: list[Any] | None = None) -> dict[str, Any]:
     """Train a prepared run; returns the summary also written to train_summary.json.
 
@@ -284,8 +278,9 @@ def _train_in_folder(run: PreparedRun, callbacks: list[Any] | None) -> dict[str,
     notes = ([from_hidden_message(cfg.objective.name, run.loss_fn, run.model)]
              if cfg.train.fused_linear else [])
     start_run_console(trainer, notes)  # world size + launcher check (rank 0), tidy console
-    if main and getattr(run.loss_fn, "mode", None) == "emo1":
-        print(EMO1_NOTE, file=sys.stderr, flush=True)
+    note = run.loss_fn.logged_loss_note() if hasattr(run.loss_fn, "logged_loss_note") else None
+    if main and note:
+        print(f"emdlm: {note}", file=sys.stderr, flush=True)
     resume = str(run.resume_from) if run.resume_from is not None else None
     result = stopper.train(trainer, out, resume, logger)  # Ctrl-C: TrainingInterrupted
     trained_step = int(result.global_step)

@@ -153,15 +153,15 @@ def cut_image_rows(
     cuts = CutCounts(source, len(rows), truncated, len(rows) - len(kept), max_length,
                      *character_cuts)
     need = measured_need(lengths)
+    if not kept:  # the error alone: no warning and note saying the same first
+        raise ConfigError(f"{source}: no example leaves room for an answer within "
+                          f"data.max_length={max_length}; {need}")
     try:
         report_cuts(cuts, on_truncate, on_drop)
     except ConfigError as err:
         raise ConfigError(f"{err}; {need}") from err
     if (truncated or len(kept) < len(rows)) and int(os.environ.get("RANK", "0")) == 0:
         print(f"note: {need}", file=sys.stderr, flush=True)
-    if not kept:
-        raise ConfigError(f"{source}: no example leaves room for an answer within "
-                          f"data.max_length={max_length}; {need}")
     return ImageRowsDataset(kept, cuts)
 
 
@@ -171,8 +171,9 @@ def measured_need(lengths: list[tuple[int, int]]) -> str:
     ``lengths``: (prompt, answer-with-EOS) token counts per row."""
     prompt, answer = max(lengths, key=lambda pa: pa[0] + pa[1])
     longest_prompt = max(p for p, _ in lengths)
+    other = f"; the longest prompt alone is {longest_prompt}" if longest_prompt != prompt else ""
     return (
         f"data.max_length={prompt + answer} keeps every row whole (measured: the longest row is "
-        f"{prompt} prompt tokens, image tokens included, + {answer} answer tokens with EOS; the "
-        f"longest prompt alone is {longest_prompt})"
+        f"{prompt} prompt tokens, image tokens included, + {answer} answer tokens with EOS"
+        f"{other})"
     )
