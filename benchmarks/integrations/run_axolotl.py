@@ -7,7 +7,6 @@ with CE and once with NTIL, then the plugin's unit tests against Axolotl's real 
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -18,9 +17,9 @@ from tiny import (
     OBJECTIVES,
     ROOT,
     arithmetic_rows,
-    check_history,
     environment,
     make_tiny_model,
+    run_history,
     run_hook_tests,
     run_logged,
     shown,
@@ -60,12 +59,7 @@ def main() -> None:
         code = run_logged([sys.executable, "-m", "axolotl.cli.train", str(cfg_path)],
                           work / f"{name}.log", work)  # fmt: skip
         run = {"exit_code": code, "log": shown(work / f"{name}.log")}
-        states = sorted(out.glob("checkpoint-*/trainer_state.json"))
-        if states:
-            history = json.loads(states[-1].read_text())["log_history"]
-            run.update(check_history(history, name))
-        else:
-            run["problems"] = ["no trainer_state.json (the run did not reach its checkpoint)"]
+        run.update(run_history(out, "checkpoint-*/trainer_state.json", name))
         result["runs"][name] = run
     result["hook_tests"] = run_hook_tests(ROOT / "tests" / "test_axolotl_plugin.py",
                                           work / "hook_tests.log", ROOT)  # fmt: skip

@@ -19,9 +19,9 @@ from tiny import (
     OBJECTIVES,
     ROOT,
     arithmetic_rows,
-    check_history,
     environment,
     make_tiny_model,
+    run_history,
     run_hook_tests,
     run_logged,
     shown,
@@ -83,11 +83,7 @@ def main() -> None:
                            str(cfg_path)], work / f"{name}.log", work,
                           extra_env={"PYTHONPATH": str(stand_in_path(work))})  # fmt: skip
         run = {"exit_code": code, "log": shown(work / f"{name}.log")}
-        states = sorted(out.rglob("trainer_state.json"))
-        if states:
-            run.update(check_history(json.loads(states[-1].read_text())["log_history"], name))
-        else:
-            run["problems"] = ["no trainer_state.json (the run did not reach its checkpoint)"]
+        run.update(run_history(out, "trainer_state.json", name))
         result["runs"][name] = run
     result["hook_tests"] = run_hook_tests(ROOT / "tests" / "test_llamafactory_route.py",
                                           work / "hook_tests.log", ROOT)  # fmt: skip

@@ -8,7 +8,6 @@ against ms-swift's real ``BaseLoss``.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -17,9 +16,9 @@ from tiny import (
     MAX_STEPS,
     ROOT,
     arithmetic_rows,
-    check_history,
     environment,
     make_tiny_model,
+    run_history,
     run_hook_tests,
     run_logged,
     shown,
@@ -64,11 +63,7 @@ def main() -> None:
         out = work / f"out_{name}"
         code = run_logged(command(model, data, out, loss_type), work / f"{name}.log", work)
         run = {"exit_code": code, "loss_type": loss_type, "log": shown(work / f"{name}.log")}
-        states = sorted(out.rglob("checkpoint-*/trainer_state.json"))
-        if states:
-            run.update(check_history(json.loads(states[-1].read_text())["log_history"], name))
-        else:
-            run["problems"] = ["no trainer_state.json (the run did not reach its checkpoint)"]
+        run.update(run_history(out, "checkpoint-*/trainer_state.json", name))
         result["runs"][name] = run
     result["hook_tests"] = run_hook_tests(ROOT / "tests" / "test_swift_loss.py",
                                           work / "hook_tests.log", ROOT)  # fmt: skip

@@ -89,6 +89,15 @@ def run_logged(
             return 124
 
 
+def run_history(out: Path, pattern: str, objective: str) -> dict[str, Any]:
+    """:func:`check_history` of the newest ``trainer_state.json`` under ``out`` (``pattern``:
+    where the framework writes it, for ``Path.rglob``), or the problem when there is none."""
+    states = sorted(out.rglob(pattern), key=lambda p: p.stat().st_mtime)
+    if not states:
+        return {"problems": ["no trainer_state.json (the run did not reach its checkpoint)"]}
+    return check_history(json.loads(states[-1].read_text())["log_history"], objective)
+
+
 def check_history(history: list[dict[str, Any]], objective: str) -> dict[str, Any]:
     """The checks on a run's training records (``trainer_state.json``'s ``log_history``):
     every step logged ``emdlm/loss`` equal to the trainer's ``loss`` (the value it optimised;
