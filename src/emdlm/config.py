@@ -94,6 +94,7 @@ RUN_SETTING_DOMAINS: dict[str, Domain] = {
     "eval.max_new_tokens": COUNT,
     "eval.num_samples": COUNT,
     "eval.mbr_samples": COUNT,
+    "eval.rows_during_training": NONNEGATIVE_COUNT,
 }
 #: Adam's β1, β2 (``optim.betas``): each in [0, 1), as torch.optim.AdamW requires.
 ADAM_BETA = Domain(low=0.0, high=1.0, high_open=True)
@@ -298,6 +299,10 @@ class EvalConfig:
     # evaluate the final model on data.eval when `emdlm train` ends (as `emdlm train --eval`),
     # writing <output_dir>/eval/ as `emdlm eval <output_dir>` would
     at_end: bool = False
+    # train.eval_steps with data.eval: at each evaluation also generate answers for the first
+    # rows_during_training test rows and log the kind's metrics (eval_exact_match, ...) beside
+    # eval_loss (kinds with a short answer; emdlm.training.generation_eval); 0: eval_loss only
+    rows_during_training: int = 64
 
 
 @dataclass

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from emdlm.config import ConfigError, RunConfig
-from emdlm.data import TokenizedDataset
+from emdlm.data import TokenizedDataset, load_examples
 from emdlm.integrations.sharding import (
     check_fsdp_config,
     local_fraction,
@@ -111,6 +111,8 @@ class PreparedRun:
     adapter: ModelAdapter | None = None  # text or image-text (emdlm.training.adapters); None: text
     resume: bool | str = False  # as asked (``--resume`` / a checkpoint path): checked again
     inputs: tuple[str | None, ...] = ()  # the run's input files, kept out of --overwrite
+    # test rows generated at each evaluation (emdlm.training.generation_eval), or None
+    generation_eval_rows: list[dict[str, Any]] | None = None
 
     @property
     def model_adapter(self) -> ModelAdapter:
@@ -177,7 +179,28 @@ def prepare_run(
     return PreparedRun(
         cfg, tokenizer, model, loss_fn, train_ds, eval_ds, out, folder.resume_from, overwrite,
         args, teacher, adapter, resume, folder.inputs,
+        generation_eval_rows(cfg, adapter.family, eval_ds is not None),
     )
+
+
+def generation_eval_rows(
+    cfg: RunConfig, family: str, has_eval: bool
+) -> list[dict[str, Any]] | None:
+    """The first ``eval.rows_during_training`` rows of ``data.eval`` to generate answers for
+    at each ``train.eval_steps`` evaluation, or None: no evaluation during training, the switch
+    at 0, a kind without a short answer (text, choice), an image-text run or a sharded one."""
+    from emdlm.eval_kinds import eval_kind
+
+    spec = eval_kind(cfg.eval.kind)
+    if (not has_eval or cfg.data.eval is None or cfg.train.eval_steps is None
+            or cfg.eval.rows_during_training < 1 or family != "text" or cfg.train.fsdp
+            or not spec.generates or spec.open_ended):
+        return None
+    rows = load_examples(cfg.data.eval, seed=cfg.train.seed)[: cfg.eval.rows_during_training]
+    if any("prompt" not in ex or "completion" not in ex for ex in rows):
+        raise ConfigError(f"{cfg.data.eval.describe()}: eval.rows_during_training needs "
+                          "prompt/completion rows (or set it to 0)")
+    return rows
 
 
 def training_arguments(cfg: RunConfig, out: Path, has_eval: bool) -> Any:
@@ -275,6 +298,15 @@ def _train_in_folder(run: PreparedRun, callbacks: list[Any] | None) -> dict[str,
         compute_loss_func=compute_loss,
         callbacks=[*schedule, logger, stopper.callback, *(callbacks or [])],
     )
+    if run.generation_eval_rows:
+        from emdlm.training.generation_eval import generation_eval
+
+        e = cfg.eval
+        trainer.add_callback(generation_eval(
+            trainer, run.generation_eval_rows, tokenizer=run.tokenizer, kind=e.kind,
+            rows=len(run.generation_eval_rows), max_new_tokens=e.max_new_tokens,
+            batch_size=e.batch_size,
+        ))
     notes = ([from_hidden_message(cfg.objective.name, run.loss_fn, run.model)]
              if cfg.train.fused_linear else [])
     start_run_console(trainer, notes)  # world size + launcher check (rank 0), tidy console
