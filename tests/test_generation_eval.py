@@ -35,6 +35,10 @@ def _history(out, last):
     return state["log_history"]
 
 
+def _log(out):
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
 def test_logged_task_metrics_equal_evaluate_examples_at_each_eval_step(tmp_path):
     out = tmp_path / "run"
     cfg = _cfg(out)
@@ -60,13 +64,17 @@ def test_logged_task_metrics_equal_evaluate_examples_at_each_eval_step(tmp_path)
     assert finite >= 1  # the errors of parsed answers were compared, not only NaN
 
 
-def test_switched_off_logs_eval_loss_only(tmp_path):
-    out = tmp_path / "run"
-    run_training(_cfg(out, "eval.rows_during_training=0", "train.max_steps=4",
-                      "train.eval_steps=2", "train.save_steps=2"))
-    history = _history(out, 4)
+def test_switched_off_logs_eval_loss_only_and_generating_leaves_training_alone(tmp_path):
+    short = ("train.max_steps=4", "train.eval_steps=2", "train.save_steps=2")
+    off, on = tmp_path / "off", tmp_path / "on"
+    run_training(_cfg(off, "eval.rows_during_training=0", *short))
+    history = _history(off, 4)
     assert {r["step"] for r in history if "eval_loss" in r} == {2, 4}
     assert not any("eval_exact_match" in r for r in history)
+    run_training(_cfg(on, *short))
+    assert any("eval_exact_match" in r for r in _history(on, 4))
+    losses = [[r["loss"] for r in _log(folder)] for folder in (off, on)]
+    assert len(losses[0]) == 4 and losses[0] == losses[1]  # greedy: the RNG is not touched
 
 
 def test_kinds_without_a_short_answer_are_not_generated_during_training(tmp_path):
