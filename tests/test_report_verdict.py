@@ -67,9 +67,12 @@ FINAL = "### Final checkpoint: paired difference against the baseline"
 def test_one_seed_verdict_has_no_paired_statistics(tmp_path):
     report = _grid(tmp_path, {"ce": {10: [6.0], 20: [3.0]}, "ntil": {10: [5.0], 20: [2.0]}})
     verdict = _verdict(report)
-    # right after the title and the produced-by lines
-    assert report.startswith("# Experiment `g`\n\nProduced by:\n\n```\nemdlm experiment -c g\n"
-                             "```\n\n## Verdict: what this grid can and cannot show\n")
+    # right after the title, the bottom line and the produced-by lines
+    assert report.startswith(
+        "# Experiment `g`\n\n**Bottom line:** no variant differs from baseline `ce` on "
+        "abs_error_mean at the final checkpoint by the report's rule (1 paired seed(s): no "
+        "test).\n\nProduced by:\n\n```\nemdlm experiment -c g\n"
+        "```\n\n## Verdict: what this grid can and cannot show\n")
     assert "- Paired seeds: 1," in verdict
     assert "1 seed: no paired statistics at all (no interval, no test, no power figure)" in verdict
     assert "- Tests: none run (a test needs 2 paired seeds)." in verdict
@@ -314,3 +317,47 @@ def test_verdict_when_no_compared_metric_pairs_a_seed_says_so(tmp_path):
             "`ce` and a variant: nothing can be concluded from it; the paired comparison below "
             "uses exact_match.") in verdict
     assert "- Paired seeds: 2," in verdict
+
+
+def _bottom_line(report):
+    lines = report.splitlines()
+    assert lines[0].startswith("# Experiment") and lines[1] == ""
+    return lines[2]
+
+
+def test_bottom_line_names_the_variant_that_differs_with_its_paired_p(tmp_path):
+    report = _grid(tmp_path, FIVE)
+    d = np.subtract(FIVE["ntil"][20], FIVE["ce"][20])
+    p_t = stats.ttest_1samp(d, 0.0).pvalue
+    assert _bottom_line(report) == (
+        "**Bottom line:** `ntil` differs from baseline `ce` on abs_error_mean at the final "
+        f"checkpoint (`ntil` Δ {d.mean():.4g}, paired-t p = {p_t:.3g}, Wilcoxon p = 0.0625, "
+        "5 seeds).")
+    # the same numbers as the final-checkpoint table's row
+    assert _row(report, FINAL).startswith(f"| abs_error_mean | ntil | {d.mean():.4g} |")
+
+
+def test_bottom_line_says_no_variant_differs_and_gives_the_closest(tmp_path):
+    report = _grid(tmp_path, TWO)  # paired-t p = 0.0167, but 2 seeds are no evidence
+    assert _bottom_line(report) == (
+        "**Bottom line:** no variant differs from baseline `ce` on abs_error_mean at the final "
+        "checkpoint by the report's rule (closest: `ntil` Δ -133.5, paired-t p = 0.0167, "
+        "Wilcoxon p = 0.5, 2 seeds).")
+
+
+def test_grid_without_tasks_names_its_task_after_the_experiment(tmp_path):
+    report = _grid(tmp_path, TWO, name="arith")
+    assert "`default`" not in report and "tasks: default" not in report
+    assert "## Task `arith`" in report and "**Task `arith`** (baseline `ce`):" in report
+    assert "; seeds: 0, 1.\n" in report  # no task list for the one implicit task
+    assert (tmp_path / "arith" / "default").is_dir()  # the folder layout is unchanged
+
+
+def test_two_task_bottom_line_has_one_clause_per_task(tmp_path):
+    exp = parse_experiment({"name": "two", "base": FAKE_BASE, "seeds": [0, 1],
+                            "variants": {"ce": [], "ntil": ["objective.name=ntil"]},
+                            "tasks": {"a": [], "b": []}, "output_dir": str(tmp_path / "two")})
+    report = write_outputs(exp, expand_grid(exp)).report.read_text()
+    assert _bottom_line(report) == ("**Bottom line:** Task `a`: no finished cell to compare. "
+                                    "Task `b`: no finished cell to compare.")
+

@@ -449,3 +449,9 @@ def check_run_config(raw: dict[str, Any], where: str) -> RunConfig:
         return build_config(raw)
     except ConfigError as err:
         raise ConfigError(f"{where}: {err}") from err
+
+
+def task_title(exp: Experiment, task: str) -> str:
+    """How report prose names ``task``: the experiment's own name for the one task of a grid
+    without ``tasks:`` (its cells stay under ``default/``), else the task's name."""
+    return exp.name if task == DEFAULT_TASK and list(exp.tasks) == [DEFAULT_TASK] else task

@@ -32,7 +32,7 @@ from emdlm.experiments.cell_record import refusal
 from emdlm.experiments.components import component_lines
 from emdlm.experiments.digits import place_accuracy_lines
 from emdlm.experiments.floor import TaskFloor, task_floor
-from emdlm.experiments.grid import Cell, Experiment
+from emdlm.experiments.grid import DEFAULT_TASK, Cell, Experiment, task_title
 from emdlm.experiments.results import Row, better_direction, fmt, fmt_p
 from emdlm.experiments.stats import (
     ALPHA,
@@ -45,7 +45,7 @@ from emdlm.experiments.stats import (
     steps_to_reach,
 )
 from emdlm.experiments.task_stats import Comparison, Plateau, TaskStats, paired_values, task_stats
-from emdlm.experiments.verdict import count_tests, verdict_lines
+from emdlm.experiments.verdict import bottom_line, count_tests, verdict_lines
 
 THRESHOLDS = (0.5, 0.9)
 
@@ -170,7 +170,7 @@ def _task_section(exp: Experiment, task: str, rows: Sequence[Row],
                   components: Sequence[str] = (), stats: TaskStats | None = None) -> list[str]:
     """One task's section; ``stats`` when :func:`task_stats` was computed already."""
     st = stats if stats is not None else task_stats(exp, task, rows)
-    lines = [f"## Task `{task}`", ""]
+    lines = [f"## Task `{task_title(exp, task)}`", ""]
     if st is None:
         return [*lines, "No finished cell.", ""]
     metrics, final, steps, key = st.metrics, st.final, st.steps, st.key
@@ -270,10 +270,10 @@ def write_report(exp: Experiment, cells: Sequence[Cell], rows: Sequence[Row], pa
     resumed_note = (f" {unknown} of them resumed an interrupted run whose time was not recorded: "
                     "their wall times count only the part after the resume, so the sum "
                     "under-counts." if unknown else "")
-    lines = [f"# Experiment `{exp.name}`", ""]
+    stats = {task: task_stats(exp, task, rows) for task in exp.tasks}
+    lines = [f"# Experiment `{exp.name}`", "", bottom_line(exp, stats), ""]
     if command:
         lines += ["Produced by:", "", "```", command, "```", ""]
-    stats = {task: task_stats(exp, task, rows) for task in exp.tasks}
     floors = {task: task_floor(done, task) for task in exp.tasks}
     lines += ["## Verdict: what this grid can and cannot show", ""]
     for task in exp.tasks:
@@ -288,7 +288,8 @@ def write_report(exp: Experiment, cells: Sequence[Cell], rows: Sequence[Row], pa
         "below that, a paired-t interval (docs/experiments.md).", ""]
     lines += [
         f"Variants: {', '.join(exp.variants)} (baseline `{exp.baseline}`); seeds: "
-        f"{', '.join(map(str, exp.seeds))}; tasks: {', '.join(exp.tasks)}.",
+        f"{', '.join(map(str, exp.seeds))}"
+        + ("." if list(exp.tasks) == [DEFAULT_TASK] else f"; tasks: {', '.join(exp.tasks)}."),
         f"Cells finished: {len(done)}/{len(cells)}; failed: {len(failed)}"
         + (f"; left out, outputs not whole: {len(left_out)}" if left_out else "")
         + (f"; refused, another definition's work: {len(refused)}" if refused else "")

@@ -9,8 +9,8 @@ import math
 import numpy as np
 
 from emdlm.experiments.floor import TaskFloor
-from emdlm.experiments.grid import Experiment
-from emdlm.experiments.results import fmt
+from emdlm.experiments.grid import Experiment, task_title
+from emdlm.experiments.results import fmt, fmt_p
 from emdlm.experiments.stats import (
     ALPHA,
     MIN_BOOTSTRAP_SEEDS,
@@ -215,7 +215,7 @@ def verdict_lines(exp: Experiment, task: str, st: TaskStats | None,
                   floor: TaskFloor | None) -> list[str]:
     """One task's verdict: does the baseline beat the constant-answer floor, has it stopped
     improving, how many paired seeds, what they allow to conclude, and how many tests ran."""
-    lines = [f"**Task `{task}`** (baseline `{exp.baseline}`):", ""]
+    lines = [f"**Task `{task_title(exp, task)}`** (baseline `{exp.baseline}`):", ""]
     if st is None:
         return [*lines, "- No finished cell: nothing to conclude.", ""]
     floor_line, beaten = _floor_verdict(exp, floor, st)
@@ -251,3 +251,42 @@ def verdict_lines(exp: Experiment, task: str, st: TaskStats | None,
     return [*lines, ""]
 
 
+
+
+
+def _task_bottom_line(exp: Experiment, st: TaskStats | None) -> str:
+    """One task's bottom line: on its primary metric (the first compared one, in report
+    order), the variants whose final-checkpoint difference meets :func:`is_evidence`, with
+    paired-t and Wilcoxon p; else that none does, with the closest comparison."""
+    if st is None or not st.key:
+        return "no finished cell to compare."
+    metric = st.key[0]
+    compared = [(v, c) for m, v, c in st.final_comparisons if m == metric]
+    if not compared:
+        return f"no variant beside baseline `{exp.baseline}` has results on {metric}."
+
+    def described(variant: str, c: PairedComparison) -> str:
+        return (f"`{variant}` Δ {fmt(c.mean_diff)}, paired-t p = {fmt_p(c.p_ttest)}, "
+                f"Wilcoxon p = {fmt_p(c.p_wilcoxon)}, {c.n} seeds")
+
+    differ = [(v, c) for v, c in compared if is_evidence(c)]
+    if differ:
+        return (f"{' and '.join(f'`{v}`' for v, _ in differ)} "
+                f"{'differs' if len(differ) == 1 else 'differ'} from baseline "
+                f"`{exp.baseline}` on {metric} at the final checkpoint ("
+                + "; ".join(described(v, c) for v, c in differ) + ").")
+    tested = [(v, c) for v, c in compared if math.isfinite(c.p_ttest)]
+    closest = (f" (closest: {described(*min(tested, key=lambda vc: vc[1].p_ttest))})"
+               if tested else f" ({max(c.n for _, c in compared)} paired seed(s): no test)")
+    return (f"no variant differs from baseline `{exp.baseline}` on {metric} at the final "
+            f"checkpoint by the report's rule{closest}.")
+
+
+def bottom_line(exp: Experiment, stats: dict[str, TaskStats | None]) -> str:
+    """report.md's first line under the title: per task, which variant differs from the
+    baseline on the primary metric (see :func:`is_evidence`), or that none does."""
+    if len(stats) == 1:
+        return "**Bottom line:** " + _task_bottom_line(exp, next(iter(stats.values())))
+    return "**Bottom line:** " + " ".join(
+        f"Task `{task_title(exp, task)}`: {_task_bottom_line(exp, st)}"
+        for task, st in stats.items())
