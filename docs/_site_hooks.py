@@ -3,6 +3,9 @@
 - The repository's README becomes the site's ``overview.md`` page, served as the start page
   (``index.html``; the documentation index ``index.md`` moves to ``contents/``): its ``docs/...``
   links are made relative to the site, and the pages' ``../README.md`` links point to it.
+- The API page's docstrings use Sphinx roles (``:class:`X```, ``:func:`~a.b```), which
+  mkdocstrings' Google style leaves as text: they are rendered as the code span alone (``~``
+  keeps the last dotted part, as Sphinx does).
 - ``config.md``, the config reference, is generated from the config dataclasses of
   :mod:`emdlm.config` (every key, its type, its default and the comment written beside it in the
   source), so it cannot drift from the code.
@@ -29,6 +32,8 @@ CONFIG_PAGE = "config.md"
 _README_LINK = re.compile(r"\]\(((?:\.\./)+)README\.md")
 # a link to the docs/results/ folder (a listing on GitHub) -> results.md, which links every report
 _RESULTS_FOLDER_LINK = re.compile(r"\]\(((?:\.\./)*)results/\)")
+# a Sphinx role before the code span it names, as mkdocstrings renders ":class:`~a.B`"
+_SPHINX_ROLE = re.compile(r":(?:class|func|meth|mod|data|attr|exc|obj):<code>(~?)([^<]*)</code>")
 
 
 def on_files(files: Files, config: Any) -> Files:
@@ -55,6 +60,16 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
 
     markdown = _RESULTS_FOLDER_LINK.sub(r"](\1results.md)", markdown)
     return _README_LINK.sub(to_overview, markdown)
+
+
+def on_page_content(html: str, page: Any, config: Any, files: Files) -> str:
+    """Sphinx roles left in rendered docstrings -> the code span alone."""
+
+    def code(match: re.Match[str]) -> str:
+        name = match.group(2).rsplit(".", 1)[-1] if match.group(1) else match.group(2)
+        return f"<code>{name}</code>"
+
+    return _SPHINX_ROLE.sub(code, html)
 
 
 def _field_comments(cls: type) -> dict[str, str]:

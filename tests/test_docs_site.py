@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,8 @@ def test_site_builds_strictly(tmp_path):
     site = tmp_path / "site"
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(site)],
+        # no -q: mkdocs then drops warnings before --strict counts them, and passes
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -43,5 +45,33 @@ def test_site_builds_strictly(tmp_path):
     for cls in (RunConfig, DataConfig):
         for f in dataclasses.fields(cls):
             assert f"<code>{f.name}</code>" in config, f.name
-    # the API reference rendered the loss contract's docstring
-    assert "needs_teacher" in (site / "api" / "index.html").read_text()
+    # the API reference rendered the loss contract's docstring, without raw Sphinx roles
+    api = (site / "api" / "index.html").read_text()
+    assert "needs_teacher" in api
+    assert not re.search(r":(class|func|meth|mod|data|attr|exc):", api)
+    assert "<code>WeightedCEObjective</code>" in api  # ":class:`~emdlm.ops...Objective`"
+
+
+@pytest.mark.slow
+def test_a_broken_anchor_fails_the_strict_build(tmp_path):
+    """mkdocs.yml's validation makes a link to a missing heading a warning, which --strict
+    turns into a failed build (mkdocs' default, info, lets it pass)."""
+    import yaml
+
+    validation = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["validation"]
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "index.md").write_text("# Home\n\n[there](other.md#no-such-heading)\n")
+    (docs / "other.md").write_text("# Other\n\n## A heading\n")
+    config = tmp_path / "mkdocs.yml"
+    config.write_text(yaml.safe_dump({"site_name": "t", "docs_dir": str(docs),
+                                      "validation": validation}))
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config),
+         "-d", str(tmp_path / "site")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "no-such-heading" in proc.stdout + proc.stderr
+

@@ -240,7 +240,8 @@ class NTLWASLoss(_NTLBase):
     NTIL paper's baseline (:class:`emdlm.DigitEMDLoss`); this class adds ntloss's averaging
     (the mean over number tokens) and ``reweigh``.
 
-    Args: as :class:`NTLMSELoss`, without ``loss``. Components: those of :class:`NTLMSELoss`.
+    Takes the arguments of :class:`NTLMSELoss` except ``loss``. Components: those of
+    :class:`NTLMSELoss`.
 
     Example:
         >>> loss_fn = NTLWASLoss(tokenizer, preset="ntloss")        # doctest: +SKIP
@@ -281,7 +282,9 @@ class NumberLevelLoss(_NTLBase):
         ℓ_s ← ℓ_s·μ_first + 1.01·(1 − μ_first)    (reweigh)
         total = CE + λ · Σ_s ℓ_s / D
 
-    Args: as :class:`NTLMSELoss`, without ``loss``, plus
+    Takes the arguments of :class:`NTLMSELoss` except ``loss``, and:
+
+    Args:
         float_level: a bare '.' between two runs joins them into one number (ntloss's
             ``float_level``; :func:`emdlm.numbers.find_number_spans`'s ``join_decimal``).
 
