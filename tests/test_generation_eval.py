@@ -89,3 +89,10 @@ def test_kinds_without_a_short_answer_are_not_generated_during_training(tmp_path
 def test_numeric_log_keeps_numbers_only():
     assert numeric_log({"exact_match": 0.5, "n": 3, "decode": "greedy", "flag": True}) == {
         "eval_exact_match": 0.5, "eval_n": 3.0}
+
+
+def test_a_negative_row_count_is_refused_naming_the_key(tmp_path):
+    from emdlm.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"eval\.rows_during_training"):
+        _cfg(tmp_path, "eval.rows_during_training=-1").validate()
