@@ -266,6 +266,9 @@ def test_demo_runs_both_objectives_and_prints_table(tmp_path):
     header = next(line for line in table.splitlines() if line.startswith("| metric"))
     assert header.split("|")[2].strip() == "ce" and header.split("|")[3].strip() == "ntil"
     assert "one seed" in table
+    # the rows that are not comparable across objectives say so
+    assert "final_train_loss is each run's own objective" in table
+    assert "a cost, not a result" in table
     for name in ("ce", "ntil"):
         assert (tmp_path / "demo" / name / "eval" / "metrics.json").exists()
 

@@ -118,6 +118,11 @@ def run_demo(
             "short training (not plateaued): draw no conclusion from one run. A claim needs "
             "plateaued training, 5+ paired seeds and a significance test."
         )
+    note += (
+        " The last rows are not a comparison: final_train_loss is each run's own objective "
+        "(NTIL's adds its terms to CE, so it is larger by construction), and the seconds are "
+        "one run's wall time on this machine, a cost, not a result."
+    )
     text = (
         f"## emdlm demo: CE vs NTIL on {DEMO_TASKS[task]} (held-out set)\n\n{table}\n\n"
         f"{note}\n\n{_sheets(configs)}"
