@@ -60,11 +60,14 @@ def test_a_live_job_on_another_host_keeps_the_cell(tmp_path):
     record = _leave_record(tmp_path, heartbeat_s=0.4)
     stop = threading.Event()
 
-    def beat() -> None:  # node7's heartbeat
+    def beat() -> None:  # node7's heartbeat, written whole as the real one is (a rename): a
+        # plain write_text truncates first, and a read in between found no record at all
         while not stop.wait(0.02):
             record["beat"] += 1
             record["time"] = time.time()
-            (tmp_path / HOLDER_FILE).write_text(json.dumps(record))
+            part = tmp_path / f"{HOLDER_FILE}.part"
+            part.write_text(json.dumps(record))
+            os.replace(part, tmp_path / HOLDER_FILE)
 
     beating = threading.Thread(target=beat, daemon=True)
     beating.start()
