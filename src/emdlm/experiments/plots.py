@@ -47,6 +47,18 @@ def _save(fig: Any, path: Path) -> None:
 LOG_SCALE_METRICS = ("abs_error_mean", "abs_error_median")
 
 
+def _panels(plt: Any, n: int, *, columns: int, width: float, height: float) -> tuple[Any, list]:
+    """A figure of ``n`` panels at most ``columns`` a row (one long row shrank every panel to
+    unreadable on a page), each ``width`` x ``height`` inches; the unused panels removed."""
+    cols = min(n, columns)
+    rows = -(-n // cols)
+    fig, grid = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    axes = [ax for row in grid for ax in row]
+    for ax in axes[n:]:
+        ax.remove()
+    return fig, axes[:n]
+
+
 def plot_learning_curves(rows: Sequence[Row], task: str, variants: Sequence[str],
                          path: Path) -> bool:
     """Mean over seeds and min-max band per variant for each key metric; False if no data or
@@ -59,8 +71,8 @@ def plot_learning_curves(rows: Sequence[Row], task: str, variants: Sequence[str]
     if not metrics:
         return False
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.4), squeeze=False)
-    for ax, metric in zip(axes[0], metrics, strict=True):
+    fig, axes = _panels(plt, len(metrics), columns=2, width=5.6, height=3.8)
+    for ax, metric in zip(axes, metrics, strict=False):
         for variant in variants:
             by_seed = table[metric].get(variant)
             if not by_seed:
@@ -81,7 +93,7 @@ def plot_learning_curves(rows: Sequence[Row], task: str, variants: Sequence[str]
             ax.set_yscale("symlog", linthresh=1.0)
             ax.set_title(f"{metric} (symlog)")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
+    axes[0].legend(fontsize=8)
     fig.suptitle(f"{task}: mean over seeds, band = min–max")
     fig.tight_layout()
     _save(fig, path)
@@ -98,8 +110,8 @@ def plot_final_values(rows: Sequence[Row], task: str, variants: Sequence[str],
     if not metrics:
         return False
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.4), squeeze=False)
-    for ax, metric in zip(axes[0], metrics, strict=True):
+    fig, axes = _panels(plt, len(metrics), columns=3, width=4.0, height=3.6)
+    for ax, metric in zip(axes, metrics, strict=False):
         for x, variant in enumerate(variants):
             by_seed = table[metric].get(variant, {})
             values = [seed_steps[max(seed_steps)] for seed_steps in by_seed.values()]
