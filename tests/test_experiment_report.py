@@ -325,3 +325,17 @@ def test_report_names_the_evaluation_split(made, tmp_path):
     report = write_outputs(exp, cells).report.read_text()
     assert "Metric values are on task arithmetic (dev) (data.eval)." in report
     assert "test set" not in report
+
+
+def test_plots_of_a_grid_without_tasks_are_titled_after_the_experiment(made, monkeypatch):
+    """The one task of a grid without ``tasks:`` is ``default/`` on disk but named after the
+    experiment in the plots' titles, as in the report's text; file names keep the task."""
+    from emdlm.experiments import plots
+
+    exp, cells, _ = made
+    titles: list[str] = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: titles.append(fig._suptitle.get_text()))
+    result = write_outputs(exp, cells)
+    assert titles and all(t.startswith("fake: ") for t in titles), titles
+    assert {p.name for p in result.plots} <= {"default_curves.png", "default_final.png",
+                                              "default_errors.png"}

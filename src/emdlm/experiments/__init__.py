@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from emdlm._files import refuse_links, refuse_links_below
-from emdlm.experiments.grid import Cell, Experiment, expand_grid, load_experiment, select_cells
+from emdlm.experiments.grid import (
+    Cell,
+    Experiment,
+    expand_grid,
+    load_experiment,
+    select_cells,
+    task_title,
+)
 from emdlm.experiments.launchers import make_launcher
 from emdlm.experiments.runner import CellOutcome, run_cells
 
@@ -54,7 +61,7 @@ def write_outputs(exp: Experiment, cells: list[Cell], *, command: str = "") -> E
     grid = read_grid(cells)
     write_csv(grid.rows, out / RESULTS_CSV)
     plots = make_plots(grid.finished, grid.rows, list(exp.tasks), list(exp.variants),
-                       out / PLOTS_DIR)
+                       out / PLOTS_DIR, titles={t: task_title(exp, t) for t in exp.tasks})
     write_report(exp, cells, grid.rows, out / REPORT_MD, command=command, plots=plots,
                  left_out=grid.left_out, refused=grid.refused)
     files = [out / PLOTS_DIR / name for names in plots.values() for name in names]

@@ -60,7 +60,7 @@ def _panels(plt: Any, n: int, *, columns: int, width: float, height: float) -> t
 
 
 def plot_learning_curves(rows: Sequence[Row], task: str, variants: Sequence[str],
-                         path: Path) -> bool:
+                         path: Path, title: str | None = None) -> bool:
     """Mean over seeds and min-max band per variant for each key metric; False if no data or
     a single evaluated step (no curve to draw)."""
     if len({r.step for r in rows if r.task == task}) < 2:
@@ -94,7 +94,7 @@ def plot_learning_curves(rows: Sequence[Row], task: str, variants: Sequence[str]
             ax.set_title(f"{metric} (symlog)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"{task}: mean over seeds, band = min–max")
+    fig.suptitle(f"{title or task}: mean over seeds, band = min–max")
     fig.tight_layout()
     _save(fig, path)
     plt.close(fig)
@@ -102,7 +102,7 @@ def plot_learning_curves(rows: Sequence[Row], task: str, variants: Sequence[str]
 
 
 def plot_final_values(rows: Sequence[Row], task: str, variants: Sequence[str],
-                      path: Path) -> bool:
+                      path: Path, title: str | None = None) -> bool:
     """Per key metric: each variant's final value per seed (dots) and their mean (bar, with
     the value written on it); False if no data."""
     table = curves(rows, task)
@@ -125,7 +125,7 @@ def plot_final_values(rows: Sequence[Row], task: str, variants: Sequence[str],
         ax.set_xticks(range(len(variants)), list(variants), rotation=45, ha="right", fontsize=8)
         ax.set_title(metric, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"{task}: final models, dots = seeds, bars = mean")
+    fig.suptitle(f"{title or task}: final models, dots = seeds, bars = mean")
     fig.tight_layout()
     _save(fig, path)
     plt.close(fig)
@@ -154,7 +154,7 @@ def final_errors(cell: Cell) -> tuple[np.ndarray, int] | None:
 
 
 def plot_error_distribution(cells: Sequence[Cell], task: str, variants: Sequence[str],
-                            path: Path) -> bool:
+                            path: Path, title: str | None = None) -> bool:
     """CDFs of |error| and log10(1+|error|) per variant (final models, seeds pooled)."""
     pooled: dict[str, tuple[list[np.ndarray], int]] = {}
     for cell in cells:
@@ -186,7 +186,7 @@ def plot_error_distribution(cells: Sequence[Cell], task: str, variants: Sequence
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
     ax_abs.legend(fontsize=8)
-    fig.suptitle(f"{task}: numeric errors of the final models, seeds pooled")
+    fig.suptitle(f"{title or task}: numeric errors of the final models, seeds pooled")
     fig.tight_layout()
     _save(fig, path)
     plt.close(fig)
@@ -194,17 +194,20 @@ def plot_error_distribution(cells: Sequence[Cell], task: str, variants: Sequence
 
 
 def make_plots(cells: Sequence[Cell], rows: Sequence[Row], tasks: Sequence[str],
-               variants: Sequence[str], folder: Path) -> dict[str, list[str]]:
-    """Write every plot into ``folder``; returns task -> file names written."""
+               variants: Sequence[str], folder: Path,
+               titles: dict[str, str] | None = None) -> dict[str, list[str]]:
+    """Write every plot into ``folder``; returns task -> file names written. ``titles``: how a
+    plot names each task (default: the task; files are always named after the task)."""
     folder.mkdir(parents=True, exist_ok=True)
     written: dict[str, list[str]] = {}
     for task in tasks:
         names = []
-        if plot_learning_curves(rows, task, variants, folder / f"{task}_curves.png"):
+        title = (titles or {}).get(task, task)
+        if plot_learning_curves(rows, task, variants, folder / f"{task}_curves.png", title):
             names.append(f"{task}_curves.png")
-        elif plot_final_values(rows, task, variants, folder / f"{task}_final.png"):
+        elif plot_final_values(rows, task, variants, folder / f"{task}_final.png", title):
             names.append(f"{task}_final.png")  # one evaluated step: no curve to draw
-        if plot_error_distribution(cells, task, variants, folder / f"{task}_errors.png"):
+        if plot_error_distribution(cells, task, variants, folder / f"{task}_errors.png", title):
             names.append(f"{task}_errors.png")
         written[task] = names
     return written
