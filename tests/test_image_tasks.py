@@ -13,7 +13,8 @@ import pytest
 import torch
 from PIL import Image
 
-from emdlm.numbers import NumberVocab, find_number_spans
+from emdlm.number_spans import SpanOptions, find_number_spans
+from emdlm.numbers import NumberVocab
 from emdlm.tasks import available_tasks, generate_task
 from emdlm.tasks.clock import hand_angles, render_clock, split_times
 from emdlm.tasks.grounding import SHAPES, SIZES
@@ -416,7 +417,7 @@ def test_find_number_spans_reads_task_answers(name: str, request, tmp_path: Path
     assert _expected("[0.125, 0.5, 0.875, 1.0]") == LITERAL["[0.125, 0.5, 0.875, 1.0]"]
     for text, want in answers.items():
         ids = tok(text, add_special_tokens=False)["input_ids"]
-        spans = find_number_spans(torch.tensor([ids]), vocab, **PAPER)
+        spans = find_number_spans(torch.tensor([ids]), vocab, SpanOptions(**PAPER))
         assert spans.gold_value.tolist() == pytest.approx(want), (name, text)
 
 

@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                      "emdlm.json_io", "emdlm.domains",
                      "emdlm.objective_specs",
                      "emdlm.eval_kinds", "emdlm.config", "emdlm.weights")),
-    ("vocabularies", ("emdlm.numbers", "emdlm.tokenizers")),
+    ("vocabularies", ("emdlm.numbers", "emdlm.number_spans", "emdlm.tokenizers")),
     ("functional", ("emdlm.functional.*",)),
     ("ops", ("emdlm.ops.*",)),
     ("losses", ("emdlm.losses.*",)),

@@ -8,6 +8,7 @@ import torch
 from _number_tokens import TOKENS, VOCAB, V
 from emdlm.functional.ntil import NTILSettings, class_candidates, resolve_spans
 from emdlm.losses.ntil import DigitEMDLoss, NTILLoss
+from emdlm.number_spans import SpanOptions
 from emdlm.numbers import NumberVocab
 from emdlm.ops.ntil_fused import ntil_fused
 
@@ -116,7 +117,7 @@ def test_fused_digit_emd_loss_and_edge_cases(averaging: str | None) -> None:
 def test_fused_gradcheck_float64() -> None:
     labels = random_labels(2, 5, seed=6)
     vocab = VOCAB
-    spans = resolve_spans(labels, vocab, join_decimal=True, signed=True, digits_only=False)
+    spans = resolve_spans(labels, vocab, SpanOptions(join_decimal=True, signed=True))
     cands = class_candidates(vocab, spans)
     assert spans.n_tokens > 0
     for mode, averaging in (("expected", "batch"), ("argmax", "batch"), ("expected", "token")):

@@ -25,7 +25,8 @@ from emdlm.integrations.transformers import (
 from emdlm.losses.ce import CrossEntropyLoss
 from emdlm.losses.ntil import DigitEMDLoss, NTILLoss
 from emdlm.number_scope import in_scope_tokens, scope_pattern
-from emdlm.numbers import NumberVocab, find_number_spans
+from emdlm.number_spans import find_number_spans
+from emdlm.numbers import NumberVocab
 
 ROW_TEXT = "answer: 3, box (12,40),(80,99)"
 BOX_REGEX = r"regex:\(\d+,\d+\),\(\d+,\d+\)"
@@ -179,9 +180,8 @@ def _numbers(tok: Any, rows: list[dict[str, Any]], **kw: Any) -> list[list[float
     batch = DataCollator(pad)(list(ds))
     vocab = NumberVocab.from_tokenizer(tok)
     spans = find_number_spans(
-        batch["labels"], vocab, **NTILLoss(vocab).span_options,
-        number_mask=batch.get("number_mask"),
-    )  # fmt: skip
+        batch["labels"], vocab, NTILLoss(vocab).span_options, number_mask=batch.get("number_mask")
+    )
     out: list[list[float]] = [[] for _ in rows]
     for row, value in zip(spans.number_row.tolist(), spans.gold_value.tolist(), strict=True):
         out[row].append(value)

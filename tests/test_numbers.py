@@ -14,7 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from emdlm.numbers import NumberSpans, NumberVocab, _token_strings, find_number_spans
+from emdlm.number_spans import NumberSpans, SpanOptions, find_number_spans
+from emdlm.numbers import NumberVocab, _token_strings
 
 PAPER = {"join_decimal": True, "signed": True}
 OFFICIAL = {"digits_only": True}
@@ -24,7 +25,7 @@ OFFICIAL = {"digits_only": True}
 def table(tokenizer: Any, vocab: NumberVocab, text: str, **preset: bool) -> list[tuple]:
     """(value, token pieces, digits_right, place) for each number of ``text``."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    spans = find_number_spans(torch.tensor([ids]), vocab, **preset)
+    spans = find_number_spans(torch.tensor([ids]), vocab, SpanOptions(**preset))
     pieces = tokenizer.convert_ids_to_tokens([ids[i] for i in spans.flat_index.tolist()])
     out = []
     for n in range(spans.n_numbers):
@@ -368,7 +369,7 @@ presets = st.sampled_from(
 @settings(max_examples=300, deadline=None)
 @given(rows=batch_st, preset=presets)
 def test_matches_reference(rows: list[list[int]], preset: dict) -> None:
-    spans = find_number_spans(torch.tensor(rows), SYN_VOCAB, **preset)
+    spans = find_number_spans(torch.tensor(rows), SYN_VOCAB, SpanOptions(**preset))
     check_against_reference(rows, spans, **preset)
 
 
@@ -377,9 +378,9 @@ def test_matches_reference(rows: list[list[int]], preset: dict) -> None:
 def test_padding_and_row_permutation(rows: list[list[int]], preset: dict, pad: int, data) -> None:
     labels = torch.tensor(rows)
     B, T = labels.shape
-    base = find_number_spans(labels, SYN_VOCAB, **preset)
+    base = find_number_spans(labels, SYN_VOCAB, SpanOptions(**preset))
     padded = find_number_spans(
-        torch.cat([labels, torch.full((B, pad), -100)], 1), SYN_VOCAB, **preset
+        torch.cat([labels, torch.full((B, pad), -100)], 1), SYN_VOCAB, SpanOptions(**preset)
     )
     # Right padding: same numbers at the same (row, column).
     assert torch.equal(base.flat_index // T, padded.flat_index // (T + pad))
@@ -397,7 +398,7 @@ def test_padding_and_row_permutation(rows: list[list[int]], preset: dict, pad: i
         assert torch.equal(getattr(base, name), getattr(padded, name)), name
     # Row permutation: the per-number results are permuted (numbers never span rows).
     perm = data.draw(st.permutations(list(range(B))))
-    moved = find_number_spans(labels[perm], SYN_VOCAB, **preset)
+    moved = find_number_spans(labels[perm], SYN_VOCAB, SpanOptions(**preset))
     inv = {new: old for new, old in enumerate(perm)}
 
     def per_row(s: NumberSpans, row_map: dict[int, int]) -> list[tuple]:
@@ -419,7 +420,7 @@ def test_decimal_and_sign_rules() -> None:
 
     def run(seq: list[str], **preset: bool) -> list[float]:
         lab = torch.tensor([[ids[t] if t != "PAD" else -100 for t in seq]])
-        return find_number_spans(lab, SYN_VOCAB, **preset).gold_value.tolist()
+        return find_number_spans(lab, SYN_VOCAB, SpanOptions(**preset)).gold_value.tolist()
 
     assert run(["1", ".", "2", ".", "3"], **PAPER) == [1.2, 3.0]
     assert run(["1", ".", "2", ".", "3", ".", "9"], **PAPER) == [1.2, 3.9]
@@ -454,7 +455,7 @@ def test_decimal_and_sign_rules() -> None:
 def test_leading_point_places_and_weights() -> None:
     ids = {t: i for i, t in enumerate(SYN_TOKENS) if t is not None}
     lab = torch.tensor([[ids["."], ids["12"], ids["3"]]])
-    s = find_number_spans(lab, SYN_VOCAB, **PAPER)
+    s = find_number_spans(lab, SYN_VOCAB, SpanOptions(**PAPER))
     assert s.gold_value.tolist() == [pytest.approx(0.123, rel=1e-15)]
     assert s.place.tolist() == [-2, -3]  # '12' ends at 10^-2, '3' at 10^-3
     assert s.digits_right.tolist() == [2, 0]
@@ -467,7 +468,7 @@ SEP_VOCAB = NumberVocab.from_token_strings(SEP_TOKENS)
 
 def _sep_run(seq: list[str], **options: Any) -> list[float]:
     lab = torch.tensor([[SEP_TOKENS.index(t) for t in seq]])
-    return find_number_spans(lab, SEP_VOCAB, **options).gold_value.tolist()
+    return find_number_spans(lab, SEP_VOCAB, SpanOptions(**options)).gold_value.tolist()
 
 
 def test_thousands_separator_is_an_option() -> None:
@@ -496,12 +497,38 @@ def test_thousands_separator_needs_three_digit_groups() -> None:
     s = find_number_spans(
         torch.tensor([[SEP_TOKENS.index(t) for t in ["1", ",", "345"]]]),
         SEP_VOCAB,
-        thousands_separator=",",
+        SpanOptions(thousands_separator=","),
     )
     assert s.place.tolist() == [3, 0] and s.digits_right.tolist() == [3, 2]
     assert s.flat_index.tolist() == [0, 2] and s.num_tokens.tolist() == [2]
     with pytest.raises(ValueError, match="thousands_separator"):
-        find_number_spans(torch.tensor([[0]]), SEP_VOCAB, thousands_separator=" ")
+        SpanOptions(thousands_separator=" ")
+
+
+def test_span_options_are_checked_once_where_they_are_built() -> None:
+    """One SpanOptions holds the reading rules: a flag that is not a bool ("no" would read as
+    True), a separator outside GROUP_SEPARATORS, or options given as a dict are refused in one
+    line; the loss constructors build theirs from their keyword parameters."""
+    from emdlm.losses.ntil import NTILLoss
+    from emdlm.losses.ntl import NTLMSELoss
+
+    with pytest.raises(TypeError, match="join_decimal must be True or False, got 'no'"):
+        SpanOptions(join_decimal="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="signed must be True or False, got 1"):
+        SpanOptions(signed=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="thousands_separator must be None or one of"):
+        SpanOptions(thousands_separator=0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="options must be a SpanOptions, got dict"):
+        find_number_spans(torch.tensor([[0]]), SEP_VOCAB, {"signed": True})  # type: ignore[arg-type]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SpanOptions().signed = True  # type: ignore[misc]
+    with pytest.raises(TypeError, match="digits_only must be True or False"):
+        NTILLoss(SEP_VOCAB, digits_only="yes")
+    assert NTILLoss(SEP_VOCAB, preset="paper", thousands_separator=",").span_options == (
+        SpanOptions(join_decimal=True, signed=True, thousands_separator=",")
+    )
+    assert NTILLoss(SEP_VOCAB, preset="official").span_options == SpanOptions(digits_only=True)
+    assert NTLMSELoss(SEP_VOCAB, preset="ntloss").span_options == SpanOptions(digits_only=True)
 
 
 def test_vocab_warns_about_non_ascii_digit_tokens() -> None:
@@ -527,7 +554,7 @@ def test_empty_and_edge_inputs() -> None:
         torch.zeros((2, 0), dtype=torch.long),
         torch.tensor([[16, 17, 11]]),
     ):
-        s = find_number_spans(lab, SYN_VOCAB, **PAPER)
+        s = find_number_spans(lab, SYN_VOCAB, SpanOptions(**PAPER))
         assert s.n_tokens == 0 and s.n_numbers == 0
         assert s.gold_value.dtype == torch.float64 and s.flat_index.dtype == torch.long
     one_d = find_number_spans(torch.tensor([1, 2, 16, 3]), SYN_VOCAB)
@@ -554,7 +581,7 @@ def test_huge_numbers_stay_finite() -> None:
     # '1' then 399 '0' tokens (0 * 10**400 must not become NaN), and 400 nines with a fraction.
     ones = [1] + [0] * 399
     nines = [4] * 400 + [11] + [4] * 400
-    s = find_number_spans(torch.tensor([[*ones, 16, *nines]]), SYN_VOCAB, **PAPER)
+    s = find_number_spans(torch.tensor([[*ones, 16, *nines]]), SYN_VOCAB, SpanOptions(**PAPER))
     assert s.n_numbers == 2 and bool(torch.isfinite(s.gold_value).all())
     assert bool((s.gold_value > 1e300).all())
     assert s.digits_right[0].item() == 399 and s.place[-1].item() == -400
@@ -618,7 +645,7 @@ def _answer_numbers(tokenizer: Any, rows: list[dict[str, Any]]) -> list[list[flo
     batch = DataCollator(pad)(items)
     vocab = NumberVocab.from_tokenizer(tokenizer)
     options = NTILLoss(vocab).span_options
-    spans = find_number_spans(batch["labels"], vocab, **options)
+    spans = find_number_spans(batch["labels"], vocab, options)
     found: list[list[float]] = [[] for _ in rows]
     for row, value in zip(spans.number_row.tolist(), spans.gold_value.tolist(), strict=True):
         found[row].append(value)
@@ -664,8 +691,10 @@ def test_char_tokenizer_has_no_brackets(char_tokenizer: Any) -> None:
 def test_thousands_separator_misreads_grid_boxes(gpt2_tokenizer: Any, gpt2_vocab: Any) -> None:
     # Why thousands_separator stays off for box answers: "(123,456)" becomes one number.
     ids = torch.tensor([gpt2_tokenizer("(123,456),(7,890)", add_special_tokens=False)["input_ids"]])
-    plain = find_number_spans(ids, gpt2_vocab, **PAPER)
-    joined = find_number_spans(ids, gpt2_vocab, **PAPER, thousands_separator=",")
+    plain = find_number_spans(ids, gpt2_vocab, SpanOptions(**PAPER))
+    joined = find_number_spans(
+        ids, gpt2_vocab, SpanOptions(**PAPER, thousands_separator=",")
+    )
     assert plain.gold_value.tolist() == [123.0, 456.0, 7.0, 890.0]
     assert joined.gold_value.tolist() == [123456.0, 7890.0]
 
@@ -693,7 +722,7 @@ def test_official_preset_on_task_answers(
     answers = ["[0.750, 0.458, 0.875, 0.583]", "(750,458),(875,583)", "2_55"]
     for text, want in zip(answers, expected, strict=True):
         ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
-        got = find_number_spans(ids, vocab, **OFFICIAL).gold_value.tolist()
+        got = find_number_spans(ids, vocab, SpanOptions(**OFFICIAL)).gold_value.tolist()
         assert got == [float(x) for x in want], (tok_name, text)
 
 
@@ -704,15 +733,19 @@ def test_number_mask_drops_whole_numbers(char_tokenizer: Any, char_vocab: Any) -
     mask = torch.ones_like(ids, dtype=torch.bool)
     mask[0, text.index("123") + 1] = False  # the '2' of 123: the whole number goes, not "1","3"
     mask[0, text.index("5")] = False  # the fraction digit of 4.5: 4.5 goes, no "4" is left
-    spans = find_number_spans(ids, char_vocab, **PAPER, number_mask=mask)
+    spans = find_number_spans(ids, char_vocab, SpanOptions(**PAPER), number_mask=mask)
     assert spans.gold_value.tolist() == [67.0]
     assert spans.n_tokens == 2 and spans.place.tolist() == [1, 0]
-    full = find_number_spans(ids, char_vocab, **PAPER)
+    full = find_number_spans(ids, char_vocab, SpanOptions(**PAPER))
     assert full.gold_value.tolist() == [123.0, 4.5, 67.0]
-    all_true = find_number_spans(ids, char_vocab, **PAPER, number_mask=torch.ones_like(mask))
+    all_true = find_number_spans(
+        ids, char_vocab, SpanOptions(**PAPER), number_mask=torch.ones_like(mask)
+    )
     for field in dataclasses.fields(NumberSpans):
         assert torch.equal(getattr(all_true, field.name), getattr(full, field.name)), field.name
-    none = find_number_spans(ids, char_vocab, **PAPER, number_mask=torch.zeros_like(mask))
+    none = find_number_spans(
+        ids, char_vocab, SpanOptions(**PAPER), number_mask=torch.zeros_like(mask)
+    )
     assert none.n_numbers == 0 and none.n_tokens == 0
 
 

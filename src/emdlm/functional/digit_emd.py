@@ -17,7 +17,8 @@ and the same space marker, :attr:`emdlm.numbers.NumberVocab.class_members`):
 
 with v the members' integer values and L the token's digit count, i.e. the distance is counted
 in units of the token's *leading* place. The weight is (1 + σ)^r with r the digits of the whole
-number to the right of the token's leading digit (:attr:`emdlm.numbers.NumberSpans.digits_right`).
+number to the right of the token's leading digit
+(:attr:`emdlm.number_spans.NumberSpans.digits_right`).
 For one-digit tokens (L = 1, members '0'..'9') this is exactly the paper's formula, and a closer
 value always costs less.
 

@@ -93,7 +93,14 @@ from emdlm.functional.number_value import (
     token_values,
     value_place_shift,
 )
-from emdlm.numbers import NumberSpans, NumberVocab, SpanDraft
+from emdlm.number_spans import (
+    NumberSpans,
+    SpanDraft,
+    SpanOptions,
+    check_number_mask,
+    draft_number_spans,
+)
+from emdlm.numbers import NumberVocab
 
 Mix = Literal["dynamic", "static"]
 Averaging = Literal["batch", "row", "token"]
@@ -297,7 +304,7 @@ def ntil_terms(
     Args:
         class_logits: [M, K] logits of the candidates (cast to float64 here).
         candidates: the matching :class:`ClassCandidates`.
-        spans: the batch's :class:`emdlm.numbers.NumberSpans`.
+        spans: the batch's :class:`emdlm.number_spans.NumberSpans`.
         n_rows: B, the number of batch rows (for ``averaging="row"``).
         settings: the knobs.
         noise: [M, K] standard Gumbel samples for ``value_mode="gumbel"``.
@@ -395,18 +402,13 @@ def mix_coefficient(
 def draft_spans(
     labels: torch.Tensor,
     vocab: NumberVocab,
+    options: SpanOptions,
     *,
-    join_decimal: bool,
-    signed: bool,
-    digits_only: bool,
     ignore_index: int = IGNORE_INDEX,
-    thousands_separator: str | None = None,
     number_mask: torch.Tensor | None = None,
 ) -> SpanDraft:
-    """:func:`resolve_spans` before its host sync (:func:`emdlm.numbers.draft_number_spans`):
+    """:func:`resolve_spans` before its host sync (:func:`emdlm.number_spans.draft_number_spans`):
     the chunked NTIL objective reads the sizes with the rest of its call's."""
-    from emdlm.numbers import check_number_mask, draft_number_spans
-
     # Explicit row count: reshape(-1, 0) fails for a time dimension of 0.
     n_rows = math.prod(labels.shape[:-1]) if labels.dim() > 1 else 1
     rows = labels.reshape(n_rows, labels.shape[-1])
@@ -414,44 +416,27 @@ def draft_spans(
         check_number_mask(number_mask, labels)  # before the reshape: the error shows the shapes
         number_mask = number_mask.reshape(rows.shape)
     return draft_number_spans(
-        rows.long(),
-        vocab,
-        join_decimal=join_decimal,
-        signed=signed,
-        digits_only=digits_only,
-        ignore_index=ignore_index,
-        thousands_separator=thousands_separator,
-        number_mask=number_mask,
+        rows.long(), vocab, options, ignore_index=ignore_index, number_mask=number_mask
     )
 
 
 def resolve_spans(
     labels: torch.Tensor,
     vocab: NumberVocab,
+    options: SpanOptions,
     *,
-    join_decimal: bool,
-    signed: bool,
-    digits_only: bool,
     ignore_index: int = IGNORE_INDEX,
-    thousands_separator: str | None = None,
     number_mask: torch.Tensor | None = None,
 ) -> NumberSpans:
     """Find the number spans of labels viewed as [B, T] (1-D labels are one row).
 
     ``number_mask`` (bool, the labels' shape; None = every token): a number is scored only if
     all its tokens are True; tokens outside the mask are non-number tokens to NTIL / digit EMD
-    (:func:`emdlm.numbers.find_number_spans`). CE is not affected: :func:`ntil_loss` scores CE
+    (:func:`emdlm.number_spans.find_number_spans`). CE is not affected: :func:`ntil_loss` scores CE
     on every counted label whatever the spans. One host sync (the sizes and the range check).
     """
     return draft_spans(
-        labels,
-        vocab,
-        join_decimal=join_decimal,
-        signed=signed,
-        digits_only=digits_only,
-        ignore_index=ignore_index,
-        thousands_separator=thousands_separator,
-        number_mask=number_mask,
+        labels, vocab, options, ignore_index=ignore_index, number_mask=number_mask
     ).resolve()
 
 

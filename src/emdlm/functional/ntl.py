@@ -18,7 +18,7 @@ NTL-WAS on the ten digits is the digit EMD of the NTIL paper's baseline (``emdlm
 ntloss averages it over number tokens and adds ``reweigh``.
 
 Number level (``NumberLevelLoss``). For every gold number s (a span of number tokens,
-:func:`emdlm.numbers.find_number_spans`) with its tokens' expected values t_m = Σ_k p_mk·v_k:
+:func:`emdlm.number_spans.find_number_spans`) with its tokens' expected values t_m = Σ_k p_mk·v_k:
 
     Ŷ_s = Σ_{m∈s} t_m · 10^place_m,   Y_s = Σ_{m∈s} v_y(m) · 10^place_m,
     ℓ_s = |Ŷ_s − Y_s| / (|Ŷ_s| + |Y_s| + ε),   ε = 2^-23 (float32's eps, as ntloss's y dtype)
@@ -71,7 +71,8 @@ from emdlm.functional._common import (
 from emdlm.functional.digit_emd import masked_class_softmax
 from emdlm.functional.ntil import ClassCandidates, class_candidates
 from emdlm.functional.number_value import number_values, value_place_shift
-from emdlm.numbers import NumberSpans, NumberVocab, SpanDraft
+from emdlm.number_spans import NumberSpans, SpanDraft
+from emdlm.numbers import NumberVocab
 
 DistanceKind = Literal["mse", "l1", "huber"]
 #: The token-level loss: a distance f of ŷ − u_y ("mse" / "l1" / "huber", NTL-MSE family) or

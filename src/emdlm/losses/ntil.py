@@ -75,7 +75,7 @@ from emdlm.functional.ntil import (
     sample_noise,
 )
 from emdlm.losses._number_vocab import NumberVocabSource, NumericLoss
-from emdlm.numbers import GROUP_SEPARATORS
+from emdlm.number_spans import SpanOptions
 from emdlm.ops.from_hidden import NTILObjective
 from emdlm.ops.ntil_fused import DEFAULT_CHUNK_ELEMENTS, ntil_fused_objective
 
@@ -157,9 +157,9 @@ class NTILLoss(NumericLoss):
         vocab_size: logit rows V when building from a tokenizer (default: taken from the
             logits at the first call; must be ≥ the tokenizer's ids).
         join_decimal, signed, digits_only: span options overriding the preset
-            (:func:`emdlm.numbers.find_number_spans`).
+            (:func:`emdlm.number_spans.find_number_spans`).
         thousands_separator: None (default, every preset) or e.g. "," to read "1,234" as one
-            number (:func:`emdlm.numbers.find_number_spans`).
+            number (:func:`emdlm.number_spans.find_number_spans`).
         averaging: "batch" (stable / paper: means over the batch's number tokens / numbers), "row"
             (official preset: means of row means) or "token" (sums over the batch divided by
             the counted labels n; with mix="static" the summed loss is a sum over items, exact
@@ -265,21 +265,16 @@ class NTILLoss(NumericLoss):
             **resolved,
         )
         given = {"join_decimal": join_decimal, "signed": signed, "digits_only": digits_only}
-        self.span_options: dict[str, Any] = {
-            k: (given[k] if given[k] is not None else v) for k, v in preset_spans.items()
-        }
-        if thousands_separator is not None and thousands_separator not in GROUP_SEPARATORS:
-            raise ValueError(
-                f"thousands_separator must be None or one of {GROUP_SEPARATORS}, got "
-                f"{thousands_separator!r}"
-            )
-        self.span_options["thousands_separator"] = thousands_separator
+        self.span_options = SpanOptions(
+            **{k: (given[k] if given[k] is not None else v) for k, v in preset_spans.items()},
+            thousands_separator=thousands_separator,
+        )
         self.preset = preset
         self.implementation = implementation
         self.generator = generator
         self.chunk_elements = int(chunk_elements)
         self._numbers = NumberVocabSource(
-            tokenizer_or_number_vocab, vocab_size, self.span_options["digits_only"]
+            tokenizer_or_number_vocab, vocab_size, self.span_options.digits_only
         )
 
     def logged_loss_note(self) -> str | None:
@@ -317,8 +312,8 @@ class NTILLoss(NumericLoss):
         vocab = self._vocab_for(logits)
         labels = labels.to(logits.device)
         draft = draft_spans(
-            labels, vocab, ignore_index=settings.ignore_index, number_mask=number_mask,
-            **self.span_options,
+            labels, vocab, self.span_options, ignore_index=settings.ignore_index,
+            number_mask=number_mask,
         )
         objective = NTILObjective.from_draft(
             draft, vocab, self._n_rows(labels), settings, generator or self.generator
@@ -356,8 +351,8 @@ class NTILLoss(NumericLoss):
         vocab = self._vocab_for(logits)
         labels = labels.to(logits.device)
         spans = resolve_spans(
-            labels, vocab, ignore_index=settings.ignore_index, number_mask=number_mask,
-            **self.span_options,
+            labels, vocab, self.span_options, ignore_index=settings.ignore_index,
+            number_mask=number_mask,
         )
         noise = sample_noise(class_candidates(vocab, spans), settings, generator or self.generator)
         loss, components = ntil_loss(logits, labels, vocab, spans, settings, noise=noise)
@@ -371,7 +366,7 @@ class NTILLoss(NumericLoss):
     def extra_repr(self) -> str:
         fields = dataclasses.asdict(self.settings)
         return f"preset={self.preset!r}, implementation={self.implementation!r}, " + ", ".join(
-            f"{k}={v!r}" for k, v in {**fields, **self.span_options}.items()
+            f"{k}={v!r}" for k, v in {**fields, **dataclasses.asdict(self.span_options)}.items()
         )
 
 

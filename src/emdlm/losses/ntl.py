@@ -39,6 +39,7 @@ from emdlm.functional.ntl import (
     resolve_with_width,
 )
 from emdlm.losses._number_vocab import NumberVocabSource, NumericLoss
+from emdlm.number_spans import SpanOptions
 from emdlm.numbers import NumberVocab
 from emdlm.ops.from_hidden import NTLObjective
 
@@ -51,7 +52,7 @@ class _NTLBase(NumericLoss):
 
 
     settings: NTLSettings
-    span_options: dict[str, Any]
+    span_options: SpanOptions
 
     def _setup(
         self,
@@ -66,13 +67,13 @@ class _NTLBase(NumericLoss):
             raise ValueError(f"preset must be one of {tuple(_DIGITS_ONLY)}, got {preset!r}")
         self.preset = preset
         self.settings = settings
-        self.span_options = {
-            "digits_only": _DIGITS_ONLY[preset] if digits_only is None else bool(digits_only),
-            "join_decimal": bool(join_decimal),
-            "signed": False,  # the sign cancels in every NTL term
-        }
+        self.span_options = SpanOptions(
+            digits_only=_DIGITS_ONLY[preset] if digits_only is None else bool(digits_only),
+            join_decimal=bool(join_decimal),
+            signed=False,  # the sign cancels in every NTL term
+        )
         self._numbers = NumberVocabSource(
-            tokenizer_or_number_vocab, vocab_size, self.span_options["digits_only"]
+            tokenizer_or_number_vocab, vocab_size, self.span_options.digits_only
         )
 
     def _draft(
@@ -85,9 +86,9 @@ class _NTLBase(NumericLoss):
         draft = draft_spans(
             labels,
             vocab,
+            self.span_options,
             ignore_index=self.settings.ignore_index,
             number_mask=number_mask,
-            **self.span_options,
         )
         return draft, vocab, labels
 
@@ -101,8 +102,8 @@ class _NTLBase(NumericLoss):
         """CE + λ·NTL of ``logits`` [..., V] against ``labels`` [...] (aligned, no shift).
 
         ``number_mask`` (bool, the labels' shape; None = every token): a number is scored only
-        if all its number tokens are True (:func:`emdlm.numbers.find_number_spans`); CE is taken
-        on every counted label. One host sync (sizes and the label-range check).
+        if all its number tokens are True (:func:`emdlm.number_spans.find_number_spans`); CE is
+        taken on every counted label. One host sync (sizes and the label-range check).
         """
         draft, vocab, labels = self._draft(logits, labels, number_mask)
         spans, candidates = resolve_with_width(draft, vocab)
@@ -159,7 +160,7 @@ class _NTLBase(NumericLoss):
     def extra_repr(self) -> str:
         fields = dataclasses.asdict(self.settings)
         return f"preset={self.preset!r}, " + ", ".join(
-            f"{k}={v!r}" for k, v in {**fields, **self.span_options}.items()
+            f"{k}={v!r}" for k, v in {**fields, **dataclasses.asdict(self.span_options)}.items()
         )
 
 
@@ -286,7 +287,7 @@ class NumberLevelLoss(_NTLBase):
 
     Args:
         float_level: a bare '.' between two runs joins them into one number (ntloss's
-            ``float_level``; :func:`emdlm.numbers.find_number_spans`'s ``join_decimal``).
+            ``float_level``; :func:`emdlm.number_spans.find_number_spans`'s ``join_decimal``).
 
     ``averaging="number"`` is the mean over numbers (ntloss). Components: those of
     :class:`NTLMSELoss` plus "n_numbers" (S); "number_mass" is the mean μ at first tokens.

@@ -63,7 +63,8 @@ from emdlm.functional.ntl import (
     token_base,
     worst_distance,
 )
-from emdlm.numbers import NumberSpans, NumberVocab, SpanDraft
+from emdlm.number_spans import NumberSpans, SpanDraft
+from emdlm.numbers import NumberVocab
 from emdlm.ops._chunking import (
     ChunkSums,
     check_cost_embedding,

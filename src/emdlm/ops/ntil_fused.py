@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from emdlm.functional.ntil import ClassCandidates, NTILSettings
-from emdlm.numbers import NumberSpans
+from emdlm.number_spans import NumberSpans
 from emdlm.ops._compile import eager_under_compile
 from emdlm.ops.chunked import HeadOptions, chunked_logits_loss, default_chunk_rows
 from emdlm.ops.from_hidden import NTILObjective
