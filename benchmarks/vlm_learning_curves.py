@@ -74,7 +74,7 @@ def load_task_config(task: str, overrides: list[str]) -> Any:
 def data_throughput(task: str, cfg: Any, n: int = 200) -> tuple[float, float]:
     """(generator images/s into a fresh cache, collator images/s) on ``n`` training rows."""
     from emdlm.tasks import generate_task
-    from emdlm.vlm.training import prepare_vlm_run
+    from emdlm.training.image_text import prepare_vlm_run
 
     params = {k: v for k, v in cfg.data.train.params.items() if k != "cache_dir"}
     with tempfile.TemporaryDirectory() as fresh:

@@ -6,10 +6,10 @@ Each case was a silent wrong answer, a resource bomb or a traceback on the code 
   than the limit and a lone surrogate are one-line errors naming the file and line;
 * a field far longer than ``max_length`` tokens is cut to a character cap before tokenizing,
   and the cut is counted and said (emdlm.data.cap_characters);
-* every reader's boxes pass one geometry check (emdlm.vision.boxes.box_problem): a box outside
+* every reader's boxes pass one geometry check (emdlm.metrics.boxes.box_problem): a box outside
   its image or made infinite by the reader's arithmetic is refused, naming file and line;
 * integer answers are read exactly (emdlm.math_answers.exact_value), never through a float;
-* an image wider than 200:1 is refused where images are checked (emdlm.vision.images);
+* an image wider than 200:1 is refused where images are checked (emdlm.datasets.images);
 * MathVision's missing answer gets MathVision's message, not MathVista's.
 """
 
@@ -26,13 +26,14 @@ from PIL import Image
 
 from emdlm.config import ConfigError, DataSourceConfig
 from emdlm.data import build_dataset, load_examples, read_jsonl
+from emdlm.datasets.curved_text import read_ctw1500, read_totaltext
+from emdlm.datasets.grounding import read_refcoco
+from emdlm.datasets.image_rows import load_image_examples, read_image_jsonl
+from emdlm.datasets.text_detection import read_icdar2015, read_td500
+from emdlm.datasets.visual_math import read_mathvision, read_mathvista
 from emdlm.json_io import MAX_DEPTH
 from emdlm.math_answers import MathItem, score_answer
 from emdlm.tokenizers import load_tokenizer
-from emdlm.vision.curved_text import read_ctw1500, read_totaltext
-from emdlm.vision.math_readers import read_mathvision, read_mathvista
-from emdlm.vision.readers import read_icdar2015, read_image_jsonl, read_refcoco, read_td500
-from emdlm.vlm.data import load_image_examples
 
 
 def _png(path: Path, size: tuple[int, int] = (100, 50)) -> Path:
@@ -154,7 +155,7 @@ def test_the_character_cap_applies_to_image_rows(
 ) -> None:
     """VLM rows are measured (tokenized) before training too: the same cap, counted."""
     from emdlm.config import load_config
-    from emdlm.vlm.training import prepare_vlm_run
+    from emdlm.training.image_text import prepare_vlm_run
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
@@ -305,7 +306,7 @@ def test_a_5000x1_image_is_refused_naming_the_file(tmp_path: Path) -> None:
 
 
 def test_a_too_wide_picture_in_a_datasets_column_is_refused() -> None:
-    from emdlm.vlm.data import check_image
+    from emdlm.datasets.image_rows import check_image
 
     with pytest.raises(ConfigError, match=r"row 3: field 'image': the image is 1x900 pixels"):
         check_image(Image.new("RGB", (1, 900)), None, "row 3", "image")

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from emdlm.metrics import box_iou, compute_task_metrics
-from emdlm.vision.boxes import (
+from emdlm.metrics.boxes import (
     answer_box_to_pixels,
     boxes_metrics,
     format_box,

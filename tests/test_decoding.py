@@ -220,7 +220,7 @@ def test_emdlm_eval_decode_mbr_end_to_end(tmp_path: Any) -> None:
 
 
 def test_image_text_models_refuse_mbr_before_loading_anything(tmp_path: Any) -> None:
-    from emdlm.vlm.training import evaluate_vlm
+    from emdlm.training.image_text import evaluate_vlm
 
     cfg = build_config({"eval": {"decode": "mbr", "kind": "clock"},
                         "data": {"eval": {"task": "clock", "n": 2}}})

@@ -326,7 +326,7 @@ def test_report_files_and_plots_are_written_whole(tmp_path, renames):
 def test_contact_sheet_is_written_whole(tmp_path, renames):
     from PIL import Image
 
-    from emdlm.vision.contact_sheet import make_contact_sheet
+    from emdlm.contact_sheet import make_contact_sheet
 
     image = tmp_path / "2_55.png"
     Image.new("RGB", (40, 40), (255, 255, 255)).save(image)

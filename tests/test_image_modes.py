@@ -1,4 +1,4 @@
-"""Every image mode reaches the model as the right 8-bit RGB pixels (emdlm.vision.images through
+"""Every image mode reaches the model as the right 8-bit RGB pixels (emdlm.datasets.images through
 the VLM collator's ``open_image``), upright per EXIF; and the up-front image check decodes the
 whole file, so truncated JPEGs and decompression bombs are one-line errors naming file:line on
 every route (image JSONL reader, VLM loader, dataset readers), not tracebacks mid-run."""
@@ -17,9 +17,9 @@ import pytest
 from PIL import Image
 
 from emdlm.config import ConfigError, DataSourceConfig
-from emdlm.vision.readers import read_icdar2015, read_image_jsonl
+from emdlm.datasets.image_rows import load_image_examples, read_image_jsonl
+from emdlm.datasets.text_detection import read_icdar2015
 from emdlm.vlm.collator import open_image
-from emdlm.vlm.data import load_image_examples
 
 WHITE = 255
 
@@ -106,7 +106,7 @@ def test_mode_reaches_the_model_as_the_right_rgb(tmp_path: Path, name: str, via:
 
 def test_one_bit_and_cmyk_convert_through_the_one_helper() -> None:
     """Modes Pillow already converted right keep doing so in the shared helper."""
-    from emdlm.vision.images import to_rgb
+    from emdlm.datasets.images import to_rgb
 
     bits = Image.frombytes("1", (8, 1), bytes([0b10100000]))
     np.testing.assert_array_equal(np.asarray(to_rgb(bits)), _grey([255, 0, 255, 0, 0, 0, 0, 0]))

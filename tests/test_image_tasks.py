@@ -13,15 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from emdlm.number_spans import SpanOptions, find_number_spans
-from emdlm.numbers import NumberVocab
-from emdlm.tasks import available_tasks, generate_task
-from emdlm.tasks.clock import hand_angles, render_clock, split_times
-from emdlm.tasks.grounding import SHAPES, SIZES
-from emdlm.tasks.render import COLORS, background
-from emdlm.tasks.text_detection import render_words
-from emdlm.vision.boxes import answer_box_to_pixels, parse_boxes, reading_order
-from emdlm.vision.contact_sheet import (
+from emdlm.contact_sheet import (
     CAPTION_H,
     GOLD,
     LEGEND_H,
@@ -30,6 +22,14 @@ from emdlm.vision.contact_sheet import (
     make_contact_sheet,
     sheet_size,
 )
+from emdlm.metrics.boxes import answer_box_to_pixels, parse_boxes, reading_order
+from emdlm.number_spans import SpanOptions, find_number_spans
+from emdlm.numbers import NumberVocab
+from emdlm.tasks import available_tasks, generate_task
+from emdlm.tasks.clock import hand_angles, render_clock, split_times
+from emdlm.tasks.grounding import SHAPES, SIZES
+from emdlm.tasks.render import COLORS, background
+from emdlm.tasks.text_detection import render_words
 
 TASKS = ("clock", "grounding", "text_detection")
 SMALL = {

@@ -36,20 +36,15 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("integrations", ("emdlm.integrations.*",)),
     # a package whose __init__ is only a docstring sits with its lowest module (importing any
     # of its modules runs the __init__ first)
-    ("answers", ("emdlm.vision", "emdlm.vision.boxes", "emdlm.math_answers", "emdlm.metrics.*",
-                 "emdlm.vision.images")),
+    ("answers", ("emdlm.math_answers", "emdlm.metrics.*")),
     ("tasks", ("emdlm.tasks.*",)),
-    ("data", ("emdlm.number_scope", "emdlm.data", "emdlm.vision.readers",
-              "emdlm.vision.math_readers", "emdlm.vision.curved_text", "emdlm.vlm",
-              "emdlm.vlm.data",
-              "emdlm.generation", "emdlm.decoding", "emdlm.evaluation", "emdlm.eval_outputs",
-              "emdlm.vision.contact_sheet")),
-    ("models", ("emdlm.models", "emdlm.vlm.models", "emdlm.vlm.collator",
-                "emdlm.vlm.generate")),
+    ("data", ("emdlm.number_scope", "emdlm.data", "emdlm.datasets.*", "emdlm.generation",
+              "emdlm.decoding", "emdlm.evaluation", "emdlm.eval_outputs", "emdlm.contact_sheet")),
+    ("models", ("emdlm.models", "emdlm.vlm.*")),
     # the framework plugins (Axolotl, ms-swift, LLaMA-Factory) read number scopes (data)
     ("frameworks", ("emdlm.integrations.framework_objective", "emdlm.integrations.axolotl",
                     "emdlm.integrations.swift", "emdlm.integrations.llamafactory")),
-    ("training", ("emdlm.training.*", "emdlm.vlm.training")),
+    ("training", ("emdlm.training.*",)),
     ("experiments", ("emdlm.experiments.*",)),
     ("cli", ("emdlm.cli", "emdlm._console")),
     ("package", ("emdlm",)),
@@ -190,6 +185,29 @@ def test_no_import_circles(graph):
 def test_no_import_reaches_a_higher_layer(graph):
     found = upward_imports(graph)
     assert not found, "imports from a lower layer up:\n" + "\n".join(found)
+
+
+#: Packages whose modules sit in more than one layer, and why (every other package holds one role).
+SPANNING_PACKAGES = {
+    "emdlm.integrations": "the framework plugins read number scopes (data); the loss glue does not",
+}
+
+
+def test_each_package_sits_in_one_layer(graph):
+    """A folder holds modules of one role: every module of a subpackage of emdlm is in one layer
+    (dataset readers in datasets, box geometry in metrics), save :data:`SPANNING_PACKAGES`."""
+    layers: dict[str, set[str]] = {}
+    for module in graph:
+        parts = module.split(".")
+        if len(parts) >= 2 and (SRC / "emdlm" / parts[1] / "__init__.py").is_file():
+            index = layer_of(module)
+            if index is not None:
+                layers.setdefault(".".join(parts[:2]), set()).add(LAYERS[index][0])
+    spread = {pkg: sorted(names) for pkg, names in sorted(layers.items())
+              if len(names) > 1 and pkg not in SPANNING_PACKAGES}
+    assert not spread, f"packages across layers (split them by role): {spread}"
+    for pkg in SPANNING_PACKAGES:
+        assert len(layers.get(pkg, ())) > 1, f"{pkg} sits in one layer now: drop it from the list"
 
 
 def test_architecture_doc_lists_every_layer_and_module():

@@ -24,8 +24,8 @@ from emdlm.math_answers import (
     score_answer,
 )
 from emdlm.metrics import compute_task_metrics
+from emdlm.metrics.boxes import boxes_metrics
 from emdlm.number_scope import scope_pattern
-from emdlm.vision.boxes import boxes_metrics
 
 CHOICES = ["3", "4.5", "larger than", "smaller than"]
 MC = make_item("multi_choice", "text", CHOICES)

@@ -14,11 +14,11 @@ import pytest
 from PIL import Image
 
 from emdlm.config import ConfigError
+from emdlm.datasets.curved_text import read_ctw1500, read_totaltext
+from emdlm.datasets.visual_math import read_mathvision, read_mathvista
 from emdlm.math_answers import NO_NUMBERS
 from emdlm.metrics import compute_task_metrics
 from emdlm.number_scope import row_scopes
-from emdlm.vision.curved_text import read_ctw1500, read_totaltext
-from emdlm.vision.math_readers import read_mathvision, read_mathvista
 
 
 def _png(path: Path, size: tuple[int, int] = (100, 50), color: str = "white") -> Path:

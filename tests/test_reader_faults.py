@@ -19,8 +19,9 @@ from typer.testing import CliRunner
 
 from emdlm.cli import app
 from emdlm.config import ConfigError, DataSourceConfig
-from emdlm.vision.readers import read_icdar2015, read_image_jsonl, read_refcoco, read_td500
-from emdlm.vlm.data import load_image_examples
+from emdlm.datasets.grounding import read_refcoco
+from emdlm.datasets.image_rows import load_image_examples, read_image_jsonl
+from emdlm.datasets.text_detection import read_icdar2015, read_td500
 
 
 def _png(path: Path, size: tuple[int, int] = (100, 50)) -> Path:

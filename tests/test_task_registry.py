@@ -20,6 +20,7 @@ import pytest
 from PIL import Image, ImageDraw
 
 from emdlm import config, eval_kinds, metrics, number_scope, tasks
+from emdlm.contact_sheet import GOLD, SHEET_KINDS, SHEETS, WRONG
 from emdlm.eval_kinds import EVAL_KIND_SPECS, EVAL_KINDS, GENERATION_KINDS, PICTURE_KINDS
 from emdlm.evaluation import ROW_FIELDS, per_example_fields
 from emdlm.metrics import (
@@ -35,8 +36,7 @@ from emdlm.metrics import (
     parse_number,
     rouge,
 )
-from emdlm.vision.boxes import box_iou, parse_box
-from emdlm.vision.contact_sheet import GOLD, SHEET_KINDS, SHEETS, WRONG
+from emdlm.metrics.boxes import box_iou, parse_box
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "emdlm"
 

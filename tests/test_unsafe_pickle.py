@@ -113,8 +113,8 @@ def test_eval_of_a_malicious_model_folder_is_refused(evil_model, marker):
 @pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-llava"])
 def test_a_malicious_vlm_folder_is_refused_for_training_and_eval(tmp_path, marker, name):
     from emdlm.config import load_config
+    from emdlm.training.image_text import load_trained_vlm
     from emdlm.vlm.models import build_vlm, folder_model_type, named_family, prepare_vlm_tokenizer
-    from emdlm.vlm.training import load_trained_vlm
 
     tok = prepare_vlm_tokenizer(load_tokenizer("char"), named_family(name))
     built = build_vlm(ModelConfig(name=name), tok)

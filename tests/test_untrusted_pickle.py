@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from emdlm.config import ConfigError
-from emdlm.vision.readers import read_refcoco, safe_load_pickle
+from emdlm.datasets.grounding import read_refcoco
+from emdlm.datasets.safe_pickle import safe_load_pickle
 
 REFS = [
     {

@@ -14,15 +14,11 @@ import pytest
 from PIL import Image
 
 from emdlm.config import ConfigError
-from emdlm.vision.readers import (
-    clock_time_from_name,
-    read_clock_folder,
-    read_icdar2015,
-    read_image_jsonl,
-    read_refcoco,
-    read_td500,
-    safe_load_pickle,
-)
+from emdlm.datasets.clock import clock_time_from_name, read_clock_folder
+from emdlm.datasets.grounding import read_refcoco
+from emdlm.datasets.image_rows import read_image_jsonl
+from emdlm.datasets.safe_pickle import safe_load_pickle
+from emdlm.datasets.text_detection import read_icdar2015, read_td500
 
 
 def png(path: Path, size: tuple[int, int] = (20, 10), fmt: str = "PNG") -> Path:

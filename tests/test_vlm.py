@@ -14,9 +14,9 @@ from PIL import Image
 
 from emdlm.config import ConfigError, DataSourceConfig, ModelConfig, load_config
 from emdlm.data import IGNORE_INDEX
+from emdlm.datasets.image_rows import load_image_examples
 from emdlm.models import load_tokenizer
 from emdlm.vlm.collator import VLMCollator
-from emdlm.vlm.data import load_image_examples
 from emdlm.vlm.generate import other_images
 from emdlm.vlm.models import (
     QWEN_VL_TOKENS,
@@ -212,7 +212,7 @@ def test_lengths_match_what_the_collator_builds(tmp_path: Path) -> None:
 
 def test_cut_rows_are_counted_before_training(tmp_path: Path, capsys: Any) -> None:
     """Issue 12: never cut or drop data without saying how much (image rows too)."""
-    from emdlm.vlm.data import cut_image_rows
+    from emdlm.datasets.image_rows import cut_image_rows
 
     tok, built = _built("tiny-qwen2-vl")
     image = str(_png(tmp_path / "a.png"))
@@ -233,7 +233,7 @@ def test_cut_rows_are_counted_before_training(tmp_path: Path, capsys: Any) -> No
 def test_max_length_errors_say_the_measured_need(tmp_path: Path, capsys: Any) -> None:
     """Issue 36: the image max_length error says how many tokens image + prompt + answer need
     (measured on the rows, image tokens as the processor expands them)."""
-    from emdlm.vlm.data import cut_image_rows
+    from emdlm.datasets.image_rows import cut_image_rows
 
     tok, built = _built("tiny-qwen2-vl")
     image = str(_png(tmp_path / "a.png"))

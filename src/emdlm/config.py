@@ -178,7 +178,7 @@ class DataConfig:
     extra_keys: list[str] = field(default_factory=list)  # tensor fields passed to the model
     image_key: str = "image"  # VLMs: the field holding each example's image (path or image)
     # VLMs: a folder that image paths named by data files (absolute, ../, ~, symlinks) must
-    # resolve inside; None (default): any path, as documented (emdlm.vlm.data)
+    # resolve inside; None (default): any path, as documented (emdlm.datasets.image_rows)
     images_root: str | None = None
     # what to do when data.max_length cuts an example's end (its EOS is lost: "truncated") or
     # leaves it no target token (it is removed: "dropped"): "warn" (counted and logged) or "error"

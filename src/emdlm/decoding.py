@@ -50,7 +50,7 @@ from emdlm.config import DECODE_MODES
 from emdlm.eval_kinds import EVAL_KIND_SPECS, eval_kind
 from emdlm.generation import generate_answers
 from emdlm.metrics import normalize_answer, parse_clock, parse_fraction
-from emdlm.vision.boxes import Box, box_iou, match_boxes, parse_box, parse_boxes
+from emdlm.metrics.boxes import Box, box_iou, match_boxes, parse_box, parse_boxes
 
 _HALF_DAY_MIN = 12 * 60
 
@@ -71,7 +71,7 @@ def _boxes_key(text: str) -> tuple[Box, ...] | None:
 
 
 def _boxes_distance(a: tuple[Box, ...], b: tuple[Box, ...]) -> float:
-    """1 - F1 of the one-to-one matching at IoU >= 0.5 (:func:`emdlm.vision.boxes.match_boxes`,
+    """1 - F1 of the one-to-one matching at IoU >= 0.5 (:func:`emdlm.metrics.boxes.match_boxes`,
     the boxes kind's metric); two empty answers agree (distance 0)."""
     if not a and not b:
         return 0.0

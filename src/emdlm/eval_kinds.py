@@ -8,7 +8,7 @@ with the code that owns them, each in a table keyed by the kind and pinned by
 tests/test_task_registry.py to hold exactly the registered kinds: the metrics
 (:data:`emdlm.metrics.TASK_METRICS`), the per-row fields of predictions.jsonl
 (:data:`emdlm.evaluation.ROW_FIELDS`) and the contact-sheet drawing
-(:data:`emdlm.vision.contact_sheet.SHEETS`, the kinds with ``picture``). Adding a kind is a
+(:data:`emdlm.contact_sheet.SHEETS`, the kinds with ``picture``). Adding a kind is a
 line here and an entry in each of those tables; the test fails until every table has it.
 
 | kind   | answer                               | generates | stop  | numeric | open | picture |

@@ -44,7 +44,7 @@ from emdlm.metrics import (
     perplexity,
     rouge,
 )
-from emdlm.vision.boxes import box_iou, parse_box
+from emdlm.metrics.boxes import box_iou, parse_box
 
 # ----------------------------------------------------------------------------------------------
 # Whole evaluation

@@ -4,7 +4,7 @@ An item is described by a few fields its row carries (:class:`MathItem`, read by
 :func:`item_from_row`): ``question_type`` ("multi_choice" / "free_form"), ``answer_type``
 ("integer", "float", "text", "list"), ``choices`` (the option texts of a multiple-choice item),
 ``precision`` (decimals a float answer is compared at) and ``unit``. The readers
-(:mod:`emdlm.vision.math_readers`) write them; a row without them is described from its reference
+(:mod:`emdlm.datasets.visual_math`) write them; a row without them is described from its reference
 alone (:func:`infer_item`: a single capital letter is a choice letter, a number is a number at the
 reference's own decimals, anything else is text). This module imports nothing of emdlm, so
 :mod:`emdlm.metrics` (kind ``"math"``) sits on it.

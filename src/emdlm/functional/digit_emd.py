@@ -1,6 +1,6 @@
 """Token-level digit EMD of NTIL, extended to multi-digit number tokens.
 
-Source: NTIL paper (Fei et al., ACL 2025), Sec. 3.1 Eq. 1 and Appendix D.3 Eq. 7–8; GUIDE §1.1.
+Source: NTIL paper (Fei et al., ACL 2025), Sec. 3.1 Eq. 1 and Appendix D.3 Eq. 7–8.
 
 Single-digit tokens (the paper): with p = softmax(z[digit ids]) ordered 0..9 and a one-hot
 target y, the exact 1-D Wasserstein-1 distance is

@@ -1,7 +1,7 @@
 """NTIL (Numerical Token Integrity Loss) and the digit-EMD baseline: the reference implementation.
 
-Source: NTIL paper (Fei et al., ACL 2025) Eq. 1–4, Appendix A, C, D.3; official code xfey/NTIL
-(ntil.py, emd.py) as described in GUIDE §1.3.
+Source: NTIL paper (Fei et al., ACL 2025) Eq. 1–4, Appendix A, C, D.3; official code
+https://github.com/xfey/NTIL (ntil.py, emd.py).
 
     NTIL = emd_weight · (W·EMD) + α · relative + β · magnitude                      (Eq. 4)
     total = CE + λ · sg(CE / NTIL) · NTIL      (mix="dynamic", the official code)
@@ -29,7 +29,7 @@ model's own loss in the official training code. Averaging of the NTIL terms (``a
   they cannot be exact under accumulation. The scale of the terms differs: "token" ≈ "batch" ×
   (number tokens or numbers) / n, so λ (or α, β) may need retuning relative to the paper's.
 
-Stabilisers (issue 12; all off by default here, on in NTILLoss's "stable" preset (its
+Stabilisers (emdlm's; all off by default here, on in NTILLoss's "stable" preset (its
 default), off in its "paper" and "official" presets; measured in
 docs/results/ntil_grad_norms.md):
 
@@ -381,11 +381,11 @@ def mix_coefficient(
     λ·sg(CE/(NTIL + mix_eps)) as xfey/NTIL, still 0 where NTIL is exactly 0.
     With ``settings.max_ratio`` the ratio is capped: λ·min(sg(CE/NTIL), max_ratio).
 
-    NOTE: the cap is emdlm's (EMOLoss's ``max_ratio`` is the same idea). Without it, the
-    ratio grows without bound as NTIL → 0 while CE stays (49.8 and 7187 were seen in the issue-12
-    audit), multiplying NTIL's gradient, whose direction is then dominated by nearly-solved
-    numbers, by that factor. Capped, NTIL's share of the loss value is at most λ·CE and is
-    λ·max_ratio·NTIL below it.
+    NOTE: the cap is emdlm's (EMOLoss's ``max_ratio`` is the same idea). Without it, the ratio grows
+    without bound as NTIL → 0 while CE stays (49.8 and 7187 were seen in an audit,
+    docs/results/ntil_grad_norms.md), multiplying NTIL's gradient, whose direction is then dominated
+    by nearly-solved numbers, by that factor. Capped, NTIL's share of the loss value is at most λ·CE
+    and is λ·max_ratio·NTIL below it.
     """
     ce_d, ntil_d = ce_mean.detach().double(), ntil.detach().double()
     if settings.mix == "static":

@@ -1,6 +1,7 @@
 """Sequence-level terms of NTIL: the predicted value X of each number and its deviations from Y.
 
-Source: NTIL paper Sec. 3.2 Eq. 2–3 and Appendix C; official code xfey/NTIL (GUIDE §1.2–1.3).
+Source: NTIL paper Sec. 3.2 Eq. 2–3 and Appendix C; official code https://github.com/xfey/NTIL
+(ntil.py).
 
 Predicted value. At every number token the model's candidates (the gold token's class, see
 :mod:`emdlm.functional.digit_emd`) give a token value t, and
@@ -24,10 +25,11 @@ Deviations (float64, finite for every input; X and Y may be 0 or negative):
   smoothing that keeps it finite at 0 with a gradient bounded independently of the scale — and
   u = 1 for ``"official"``.
 
-Stable magnitude (issue 12, ``magnitude_floor`` ρ > 0, the stable preset of NTILLoss): the
+Stable magnitude (emdlm's, ``magnitude_floor`` ρ > 0, the stable preset of NTILLoss): the
 smoothing becomes u = max(unit, ρ·|Y|). d/dX log(|X| + u) = 1/(|X| + u), so with u = unit a
 prediction X ≈ 0 of a gold Y ≈ 2e5 puts a gradient of 10^5 on the leading digit's value (the
-clipped gradient norms of 8824 in the audit); with ρ·|Y| it is at most 10^place/(ρ·|Y|) ≤ 1/ρ,
+clipped gradient norms of 8824 in an audit, docs/results/ntil_grad_norms.md); with ρ·|Y| it is
+at most 10^place/(ρ·|Y|) ≤ 1/ρ,
 i.e. 1/ρ times the relative term's bound 10^place/|Y|. The term keeps its meaning, the log of
 the ratio of magnitudes, down to about ρ·|Y|: for ρ = 0.1 (stable preset) X = Y/10 costs 1.7
 (log 10 = 2.3 unsmoothed) and it saturates at log(1 + 1/ρ) = 2.4 for X → 0 (a prediction above
@@ -37,7 +39,7 @@ random 6-digit cases the largest magnitude gradient was 6801 with u = unit, 72 w
 docs/results/ntil_grad_norms.md).
 NOTE: a departure from Eq. 3 (whose ε is meant to be tiny); ρ = 0 restores it.
 
-Numbers beyond float64 (issue 12 point 6): values above 1e308 would clamp X and Y to the same
+Numbers beyond float64 (emdlm's): values above 1e308 would clamp X and Y to the same
 maximum and make both deviations 0 for any prediction. Relative and magnitude are invariant under
 scaling X, Y and u by the same 10^−k, so the value terms read each number with its places
 shifted down by k = max(0, leading place − 300) (:func:`value_place_shift`): exact math, no effect

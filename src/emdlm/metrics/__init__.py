@@ -34,6 +34,7 @@ from emdlm.metrics.answers import (
     parse_number,
     reference_value,
 )
+from emdlm.metrics.boxes import Box, box_iou, boxes_metrics, parse_box
 from emdlm.metrics.clock import MAX_CLOCK_GAP_HOURS, clock_metrics, clock_time_gap, parse_clock
 from emdlm.metrics.text import (
     MAUVE_FLOOR,
@@ -53,7 +54,6 @@ from emdlm.metrics.text import (
     repetition_rate,
     rouge,
 )
-from emdlm.vision.boxes import Box, box_iou, boxes_metrics, parse_box
 
 __all__ = [
     "MAUVE_FLOOR",
@@ -97,7 +97,7 @@ __all__ = [
 TaskKind = Literal["number", "clock", "box", "boxes", "text", "choice", "math"]
 
 # ----------------------------------------------------------------------------------------------
-# Boxes (visual grounding): one box per answer (parse_box and box_iou: emdlm.vision.boxes)
+# Boxes (visual grounding): one box per answer (parse_box and box_iou: emdlm.metrics.boxes)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -282,7 +282,7 @@ def compute_task_metrics(
       one-to-one matching at IoU>=0.5, image_exact, mean_matched_iou, parse_failure_rate,
       n_pred_boxes, n_gold_boxes, n, and acc_at_0.5 (the NTIL paper's Acc@0.5 for several
       boxes: the share of gold boxes matched one-to-one at IoU>=0.5, i.e. the recall)
-      (:func:`emdlm.vision.boxes.boxes_metrics`).
+      (:func:`emdlm.metrics.boxes.boxes_metrics`).
     * ``"text"``: exact_match (string), rouge1, rougeL (F-measure), and mauve (MiniLM
       features) when ``mauve=True``; n. (``emdlm eval`` scores open-ended text with
       :func:`emdlm.evaluation.evaluate_text`, which adds sampling, diversity and PPL metrics.)

@@ -13,7 +13,7 @@ among those that pick exactly that object in the scene (checked by :func:`resolv
   more, the target's centre beyond every other's by that margin); likewise right, top, bottom.
 
 Answer: the target's tight box in the model family's format (``box_format``, see
-:mod:`emdlm.vision.boxes`): ``(x1,y1),(x2,y2)`` on a 0..1000 grid (Qwen2-VL, default) or
+:mod:`emdlm.metrics.boxes`): ``(x1,y1),(x2,y2)`` on a 0..1000 grid (Qwen2-VL, default) or
 ``[x1, y1, x2, y2]`` as 3-decimal fractions (LLaVA).
 
 Train/test disjointness: a scene's hash (shapes, colours, sizes, positions in pixels, target,
@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
+from emdlm.metrics.boxes import box_iou, check_box_format, format_box
 from emdlm.tasks import register_task
 from emdlm.tasks.render import (
     BOX_ANSWER_PATTERN,
@@ -46,7 +47,6 @@ from emdlm.tasks.render import (
     check_common_params,
     unit_hash,
 )
-from emdlm.vision.boxes import box_iou, check_box_format, format_box
 
 SHAPES = ("circle", "square", "triangle", "diamond")
 SIZES = {"small": (0.08, 0.13), "large": (0.20, 0.28)}  # box side as a fraction of the image
@@ -228,7 +228,7 @@ def grounding(
         max_overlap: largest IoU between two objects' boxes, in [0, 0.5] (overlapping shapes
             stay identifiable).
         noise: largest standard deviation of the Gaussian pixel noise (0..255 units).
-        box_format: "qwen2vl" or "llava" (see :mod:`emdlm.vision.boxes`).
+        box_format: "qwen2vl" or "llava" (see :mod:`emdlm.metrics.boxes`).
         test_fraction: share of scene hashes reserved for the test split, in (0, 1).
         cache_dir: folder for the PNGs (default: under ``$EMDLM_CACHE/images/grounding``).
     """

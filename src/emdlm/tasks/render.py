@@ -35,7 +35,7 @@ RGB = tuple[int, int, int]
 _QWEN_BOX = r"\(\s*\d+\s*,\s*\d+\s*\)\s*,\s*\(\s*\d+\s*,\s*\d+\s*\)"  # (x1,y1),(x2,y2)
 _LLAVA_BOX = r"\[\s*\d*\.?\d+(?:\s*,\s*\d*\.?\d+){3}\s*\]"  # [x1, y1, x2, y2]
 #: The answer pattern of the box tasks (``number_scope="answer"``): one box in either answer
-#: format of :mod:`emdlm.vision.boxes`, so a list of boxes is one match per box.
+#: format of :mod:`emdlm.metrics.boxes`, so a list of boxes is one match per box.
 BOX_ANSWER_PATTERN = f"{_QWEN_BOX}|{_LLAVA_BOX}"
 
 #: Named colours of the generated scenes (names appear in the referring expressions).

@@ -6,7 +6,7 @@ side, in a colour contrasting with a solid or gradient background cluttered with
 rectangles and ellipses, plus Gaussian pixel noise. Words never touch (their ink boxes keep a
 2-pixel gap).
 
-Answer: every word's tight ink box in reading order (:func:`emdlm.vision.boxes.reading_order`:
+Answer: every word's tight ink box in reading order (:func:`emdlm.metrics.boxes.reading_order`:
 lines top to bottom, each left to right), each in the model family's format (``box_format``:
 ``(x1,y1),(x2,y2)`` on a 0..1000 grid for Qwen2-VL, ``[x1, y1, x2, y2]`` 3-decimal fractions for
 LLaVA), joined by ``"; "``: ``"(102,250),(391,344); (500,250),(812,352)"``. The metric
@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
+from emdlm.metrics.boxes import check_box_format, format_boxes, reading_order
 from emdlm.tasks import register_task
 from emdlm.tasks.render import (
     BOX_ANSWER_PATTERN,
@@ -45,7 +46,6 @@ from emdlm.tasks.render import (
     load_font,
     unit_hash,
 )
-from emdlm.vision.boxes import check_box_format, format_boxes, reading_order
 
 _WORD_TEXT = (
     "the and open shop exit stop park cafe hotel bank road north south east west sale bus "
@@ -148,7 +148,7 @@ def text_detection(
             of the drawn count on a crowded image; never below 1).
         clutter: largest number of background lines / rectangles / ellipses (0 for none).
         noise: largest standard deviation of the Gaussian pixel noise (0..255 units).
-        box_format: "qwen2vl" or "llava" (see :mod:`emdlm.vision.boxes`).
+        box_format: "qwen2vl" or "llava" (see :mod:`emdlm.metrics.boxes`).
         test_fraction: share of scene hashes reserved for the test split, in (0, 1).
         cache_dir: folder for the PNGs (default: under ``$EMDLM_CACHE/images/text_detection``).
     """

@@ -28,8 +28,8 @@ from emdlm.config import ConfigError, RunConfig
 from emdlm.data import DataCollator, TokenizedDataset, build_dataset, load_examples
 from emdlm.eval_kinds import GENERATION_KINDS, eval_kind  # generated kinds: prompts must fit
 from emdlm.models import build_model, load_tokenizer
+from emdlm.training.image_text import ImageTextAdapter
 from emdlm.vlm.models import folder_model_type, is_vlm
-from emdlm.vlm.training import ImageTextAdapter
 
 __all__ = ["ImageTextAdapter", "ModelAdapter", "TextAdapter", "adapter_for", "adapter_for_folder"]
 

@@ -108,7 +108,7 @@ def _evaluate(
     """Metrics, prediction rows and the pictures drawn (a VLM's ``target/contact_sheet.png``)
     of the model in ``run_dir`` (see :func:`evaluate_run`), by the folder's model adapter
     (:func:`emdlm.training.adapters.adapter_for_folder`: a causal LM, or an image-text-to-text
-    model evaluated on images, :func:`emdlm.vlm.training.evaluate_vlm`)."""
+    model evaluated on images, :func:`emdlm.training.image_text.evaluate_vlm`)."""
     from emdlm.training.adapters import adapter_for_folder
 
     assert cfg.data.eval is not None  # checked by evaluate_run

@@ -1,4 +1,4 @@
-"""The text half of ``emdlm eval`` (the VLM half is :func:`emdlm.vlm.training.evaluate_vlm`):
+"""The text half of ``emdlm eval`` (the VLM half is :func:`emdlm.training.image_text.evaluate_vlm`):
 load a trained causal-LM folder and score it on the test set by ``eval.kind``."""
 
 from __future__ import annotations

@@ -33,8 +33,8 @@ import torch
 
 from emdlm.config import ConfigError
 from emdlm.data import IGNORE_INDEX, pad_number_mask, require_pad_token_id
+from emdlm.datasets.images import displayed_size, open_rgb
 from emdlm.number_scope import piece_masks, row_scopes
-from emdlm.vision.images import displayed_size, open_rgb
 from emdlm.vlm.models import VisionSpec
 
 PLAIN_TEMPLATES = {
@@ -45,7 +45,7 @@ PLAIN_TEMPLATES = {
 
 def open_image(image: Any) -> Any:
     """A PIL RGB image from a path or a PIL image (a ``datasets`` Image column), upright and
-    converted from any mode as :func:`emdlm.vision.images.to_rgb` says (16-bit scaled, alpha
+    converted from any mode as :func:`emdlm.datasets.images.to_rgb` says (16-bit scaled, alpha
     on white, ...): the one conversion every image takes on its way to the model."""
     return open_rgb(image)
 

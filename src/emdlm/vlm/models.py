@@ -16,8 +16,8 @@ family's special tokens are added, see :func:`prepare_vlm_tokenizer`):
 ``num_hidden_layers``...).
 
 Image processors are the Pillow/numpy ones (``Qwen2VLImageProcessorPil``,
-``CLIPImageProcessorPil``): transformers' default processors need torchvision, which does not
-import beside the CPU torch wheel (GUIDE §2.1).
+``CLIPImageProcessorPil``): transformers' default processors need torchvision, whose PyPI wheel
+fails to import beside the CPU torch wheel ("operator torchvision::nms does not exist").
 """
 
 from __future__ import annotations

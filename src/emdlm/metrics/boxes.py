@@ -1,8 +1,8 @@
 """Box geometry and answer formats of the VLM families, reading order, several-box matching.
 
 A box is (x1, y1, x2, y2) (:data:`Box`); :func:`parse_box` reads one from an answer and
-:func:`box_iou` compares two. This module is below :mod:`emdlm.metrics` (which scores one box
-per answer with them) and imports nothing of emdlm.
+:func:`box_iou` compares two. :mod:`emdlm.metrics` scores one box per
+answer with them; this module imports nothing else of emdlm.
 
 Answer formats (``box_format``), for a box (x1, y1, x2, y2) in pixels of a W x H image:
 

@@ -12,11 +12,11 @@ from typing import Any
 
 from emdlm.config import ConfigError, RunConfig
 from emdlm.data import cap_characters
+from emdlm.datasets.image_rows import ImageRowsDataset, cut_image_rows, load_image_examples
 from emdlm.eval_kinds import eval_kind
 from emdlm.models import load_tokenizer
 from emdlm.number_scope import row_scopes
 from emdlm.vlm.collator import VLMCollator
-from emdlm.vlm.data import ImageRowsDataset, cut_image_rows, load_image_examples
 from emdlm.vlm.models import (
     LANGUAGE_LORA_TARGETS,
     build_vlm,
@@ -170,7 +170,7 @@ def evaluate_vlm(
     if sheet is not None and eval_kind(e.kind).picture and all(
         isinstance(r[key], str) for r in rows
     ):
-        from emdlm.vision.contact_sheet import make_contact_sheet
+        from emdlm.contact_sheet import make_contact_sheet
 
         sheet_rows = [{**r, "image": r[key], "completion": ref} for r, ref in zip(rows, refs,
                                                                                   strict=True)]

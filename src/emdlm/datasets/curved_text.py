@@ -2,9 +2,10 @@
 
 Their text regions are polygons with many points; the answer is each region's enclosing
 axis-aligned box in the model family's box convention, in reading order, exactly as the other
-text detection readers give it (:mod:`emdlm.vision.readers`, :mod:`emdlm.vision.boxes`): rows
-``{"image", "prompt", "completion", "boxes", "words", "box_format"}``, ``"none"`` for an image
-with no box. "Don't care" regions are left out unless ``include_dont_care``.
+text detection readers give it (:mod:`emdlm.datasets.text_detection`,
+:mod:`emdlm.metrics.boxes`): rows ``{"image", "prompt", "completion", "boxes", "words",
+"box_format"}``, ``"none"`` for an image with no box. "Don't care" regions are left out unless
+``include_dont_care``.
 
 * CTW1500 (:func:`read_ctw1500`), one label file per image (same stem; ``0001.txt`` or
   ``000001.txt`` for ``0001.jpg``), in either text format, or the XML labels:
@@ -29,30 +30,22 @@ box that is not finite once computed or lies outside its image) is a
 :class:`emdlm.config.ConfigError` naming the file and line (or the entry); images are decoded in
 full before anything trains. ``images_root`` refuses an image that resolves outside a folder
 (an XML ``file`` attribute with ``../`` or an absolute path, a symlink in ``image_dir``;
-:func:`emdlm.vision.images.confine`), as the other readers do.
+:func:`emdlm.datasets.images.confine`), as the other readers do.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from emdlm.config import ConfigError
-from emdlm.vision.boxes import Box, check_box_format, quad_bbox
-from emdlm.vision.readers import (
-    DONT_CARE,
-    _find_image,
-    _image_size,
-    _natural_key,
-    _read_text,
-    _text_row,
-)
+from emdlm.datasets.reading import PathLike, find_image, image_size, natural_key, read_text
+from emdlm.datasets.text_detection import DONT_CARE, text_detection_row
+from emdlm.metrics.boxes import Box, check_box_format, quad_bbox
 
-PathLike = str | os.PathLike[str]
 CTW_OFFSET_VALUES = 32  # xmin, ymin, xmax, ymax + 14 (dx, dy) offsets
 TOTALTEXT_DONT_CARE = "#"
 _CTW_TEXT_MARK = "####"
@@ -89,7 +82,7 @@ def _image_for(folder: Path, stem: str, gt: Path) -> Path:
     if stem.isdigit():
         stems += [f"{int(stem):04d}", str(int(stem))]
     for s in stems:
-        image = _find_image(folder, s)
+        image = find_image(folder, s)
         if image is not None:
             return image
     raise ConfigError(f"{gt}:1: image not found: {folder / stem}.jpg")
@@ -100,7 +93,7 @@ def _label_files(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
         raise ConfigError(f"{folder}: not a folder")
     files = sorted(
         (p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in suffixes),
-        key=lambda p: _natural_key(p.name),
+        key=lambda p: natural_key(p.name),
     )
     if not files:
         raise ConfigError(f"{folder}: no label files ({', '.join(suffixes)})")
@@ -129,7 +122,7 @@ def _ctw_line(line: str, where: str) -> tuple[Box, str]:
 def _ctw_txt(gt: Path) -> tuple[list[Box], list[str], list[str]]:
     """(boxes, words, where each box was read) of a CTW1500 text label file."""
     boxes, words, wheres = [], [], []
-    for lineno, line in enumerate(_read_text(gt).splitlines(), 1):
+    for lineno, line in enumerate(read_text(gt).splitlines(), 1):
         if line.strip():
             box, text = _ctw_line(line, f"{gt}:{lineno}")
             boxes.append(box)
@@ -143,7 +136,7 @@ def _ctw_xml(gt: Path) -> list[tuple[str, list[Box], list[str], list[str]]]:
     XML label file."""
     import xml.etree.ElementTree as ET
 
-    text = _read_text(gt)
+    text = read_text(gt)
     if re.search(r"<!\s*(DOCTYPE|ENTITY)", text, re.IGNORECASE):
         raise ConfigError(f"{gt}: refused: an XML label file with a DOCTYPE or ENTITY")
     try:
@@ -211,15 +204,15 @@ def read_ctw1500(
         if gt.suffix.lower() == ".xml":
             for name, boxes, words, wheres in _ctw_xml(gt):
                 image = images / name
-                width, height = _image_size(image, f"{gt}: image {name!r}", images_root, name)
+                width, height = image_size(image, f"{gt}: image {name!r}", images_root, name)
                 kept = _keep(boxes, words, wheres, (DONT_CARE,), include_dont_care)
-                rows.append(_text_row(image, kept[0], kept[1], width, height, box_format,
-                                      kept[2]))
+                rows.append(text_detection_row(image, kept[0], kept[1], width, height,
+                                               box_format, kept[2]))
             continue
         image = _image_for(images, gt.stem, gt)
-        width, height = _image_size(image, f"{gt}:1", images_root)
+        width, height = image_size(image, f"{gt}:1", images_root)
         boxes, words, wheres = _keep(*_ctw_txt(gt), (DONT_CARE,), include_dont_care)
-        rows.append(_text_row(image, boxes, words, width, height, box_format, wheres))
+        rows.append(text_detection_row(image, boxes, words, width, height, box_format, wheres))
     return rows
 
 
@@ -227,7 +220,7 @@ def read_ctw1500(
 def _tt_records(gt: Path) -> list[tuple[int, str]]:
     """(first line, text) of each record: a record starts at a line beginning with ``x:``."""
     records: list[tuple[int, str]] = []
-    for lineno, line in enumerate(_read_text(gt).splitlines(), 1):
+    for lineno, line in enumerate(read_text(gt).splitlines(), 1):
         if not line.strip():
             continue
         if line.lstrip().startswith("x:") or not records:
@@ -326,7 +319,7 @@ def read_totaltext(
         if m is None:
             continue
         image = _image_for(images, m.group(1), gt)
-        width, height = _image_size(image, f"{gt}:1", images_root)
+        width, height = image_size(image, f"{gt}:1", images_root)
         boxes, words, ornts, wheres = (
             _tt_mat(gt) if gt.suffix.lower() == ".mat" else _tt_txt(gt)
         )
@@ -334,8 +327,8 @@ def read_totaltext(
             (b, w, at) for b, w, o, at in zip(boxes, words, ornts, wheres, strict=True)
             if include_dont_care or (TOTALTEXT_DONT_CARE not in (w, o) and w != DONT_CARE)
         ]
-        rows.append(_text_row(image, [b for b, _, _ in kept], [w for _, w, _ in kept], width,
-                              height, box_format, [at for _, _, at in kept]))
+        rows.append(text_detection_row(image, [b for b, _, _ in kept], [w for _, w, _ in kept],
+                                       width, height, box_format, [at for _, _, at in kept]))
     if not rows:
         raise ConfigError(f"{gt_dir}: no Total-Text label files (poly_gt_<image>.txt or .mat)")
     return rows

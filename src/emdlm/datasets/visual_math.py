@@ -1,7 +1,7 @@
 """Readers for the visual math benchmarks (MathVista, MathVision) -> image task rows.
 
 Rows are ``{"image": absolute path, "prompt", "completion", ...metadata}`` as from the other
-readers (:mod:`emdlm.vision.readers`), scored with ``eval.kind: math``
+readers (:mod:`emdlm.datasets`), scored with ``eval.kind: math``
 (:mod:`emdlm.math_answers`). Each row keeps what scoring needs: ``question_type``,
 ``answer_type``, ``choices``, ``precision``, ``unit``, and the raw ``answer``; and its own
 ``number_scope``: nothing for a multiple-choice or text answer (an option letter is not a
@@ -35,13 +35,14 @@ naming the file and line (JSONL), entry (JSON) or row (dataset folder).
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from emdlm.config import ConfigError
+from emdlm.datasets.images import to_rgb
+from emdlm.datasets.reading import PathLike, image_size, read_text
 from emdlm.json_io import JSONDataError, parse_json
 from emdlm.math_answers import (
     LETTERS,
@@ -53,10 +54,7 @@ from emdlm.math_answers import (
     number_scope,
     parse_value,
 )
-from emdlm.vision.images import to_rgb
-from emdlm.vision.readers import _image_size, _read_text
 
-PathLike = str | os.PathLike[str]
 PROMPT_SOURCES = ("question", "query")
 EMBEDDED_IMAGE_KEYS = ("decoded_image", "image")
 _PLACEHOLDER_RE = re.compile(r"\s*<image\d*>\s*")
@@ -67,7 +65,7 @@ _SAFE_NAME_RE = re.compile(r"[^\w.-]")
 def _json_entries(path: Path) -> Iterator[tuple[str, Any, Any]]:
     """(where, key, entry) of a JSON file: a list, or a dict keyed by pid."""
     try:
-        data = parse_json(_read_text(path))
+        data = parse_json(read_text(path))
     except JSONDataError as err:
         raise ConfigError(f"{path}: {err}") from None
     if isinstance(data, dict):
@@ -82,7 +80,7 @@ def _json_entries(path: Path) -> Iterator[tuple[str, Any, Any]]:
 
 
 def _jsonl_entries(path: Path) -> Iterator[tuple[str, Any, Any]]:
-    for lineno, line in enumerate(_read_text(path).splitlines(), 1):
+    for lineno, line in enumerate(read_text(path).splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
@@ -165,7 +163,7 @@ def _image_path(
                 to_rgb(picture).save(path, format="PNG")
             except Exception as err:  # an untrusted picture fails in many ways
                 raise ConfigError(f"{where}: unreadable picture: {err}") from err
-            _image_size(path, where, images_root)
+            image_size(path, where, images_root)
             return path.resolve()
     named = entry.get("image")
     if not isinstance(named, str) or not named.strip():
@@ -173,7 +171,7 @@ def _image_path(
     rel = Path(named)
     candidates = [rel] if rel.is_absolute() else [b / rel for b in bases]
     path = next((p for p in candidates if p.is_file()), candidates[0])
-    _image_size(path, where, images_root, named)
+    image_size(path, where, images_root, named)
     return path.resolve()
 
 

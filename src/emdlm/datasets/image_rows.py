@@ -8,11 +8,14 @@ registered task) and must hold ``prompt``, ``completion`` and an image under ``i
   folder;
 * a task generator: the absolute path of the rendered PNG.
 
-Every image is decoded in full here (:func:`emdlm.vision.images.check_image_file`; Pillow's
+Every image is decoded in full here (:func:`emdlm.datasets.images.check_image_file`; Pillow's
 ``verify`` does not decode JPEG data), so a missing, truncated or unreadable file, an unsupported
 mode or a decompression bomb is a ConfigError naming ``file:line`` (or the row) before any step
 runs. With ``data.images_root`` set, a path a data file names (absolute, ``../``, ``~`` or
 through a symlink) must resolve inside that folder.
+
+:func:`read_image_jsonl` reads such a JSONL file on its own (the rows, their images checked), as
+the dataset readers of :mod:`emdlm.datasets` give theirs.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 
 from emdlm.config import ConfigError, DataSourceConfig
 from emdlm.data import CutCounts, load_examples, report_cuts
-from emdlm.vision.images import (
+from emdlm.datasets.images import (
     SUPPORTED_MODES,
     ImageCheckError,
     check_image_file,
@@ -32,6 +35,8 @@ from emdlm.vision.images import (
     confine,
     displayed_size,
 )
+from emdlm.datasets.reading import PathLike, confine_image, image_size, read_text
+from emdlm.json_io import JSONDataError, parse_json
 
 
 def _jsonl_line_numbers(path: Path) -> list[int]:
@@ -51,7 +56,7 @@ def check_image(
 ) -> Any:
     """The image as a readable absolute path (or the PIL image itself); ConfigError naming
     ``where`` when it is missing, not a file, outside ``images_root`` (when set), or not an
-    image that decodes in full (:func:`emdlm.vision.images.check_image_file`: truncated data, an
+    image that decodes in full (:func:`emdlm.datasets.images.check_image_file`: truncated data, an
     unsupported mode and decompression bombs are caught here, not mid-run)."""
     from PIL import Image
 
@@ -177,3 +182,39 @@ def measured_need(lengths: list[tuple[int, int]]) -> str:
         f"{prompt} prompt tokens, image tokens included, + {answer} answer tokens with EOS"
         f"{other})"
     )
+
+
+def read_image_jsonl(
+    path: PathLike, *, check_images: bool = True, images_root: PathLike | None = None
+) -> list[dict[str, Any]]:
+    """Rows of an image+text JSONL file: ``{"image", "prompt", "completion", ...}`` per line.
+
+    Relative ``image`` paths are resolved against the JSONL file's folder (returned absolute).
+    Missing fields, a non-object line, an image outside ``images_root`` (when set; absolute and
+    ``../`` paths are allowed otherwise) or (with ``check_images``) a missing image or one that
+    does not decode in full raise ConfigError with ``file:line``.
+    """
+    src = Path(path)
+    folder = src.resolve().parent
+    rows = []
+    for lineno, line in enumerate(read_text(src).splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{src}:{lineno}"
+        try:
+            row = parse_json(line)
+        except JSONDataError as err:
+            raise ConfigError(f"{where}: {err}") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        missing = [k for k in ("image", "prompt", "completion") if not isinstance(row.get(k), str)]
+        if missing:
+            raise ConfigError(f"{where}: missing or non-string field(s) {missing}")
+        image = Path(row["image"])
+        image = image if image.is_absolute() else folder / image
+        if check_images:
+            image_size(image, where, images_root, row["image"])
+        else:
+            confine_image(image, where, images_root, row["image"])
+        rows.append({**row, "image": str(image)})
+    return rows

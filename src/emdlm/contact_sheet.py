@@ -28,11 +28,11 @@ from typing import Any, NamedTuple
 from PIL import Image, ImageDraw
 
 from emdlm._files import atomic_write
+from emdlm.datasets.images import open_rgb
 from emdlm.eval_kinds import PICTURE_KINDS
 from emdlm.math_answers import LETTERS, item_from_row, score_answer
 from emdlm.metrics import clock_time_gap
-from emdlm.tasks.render import load_font
-from emdlm.vision.boxes import (
+from emdlm.metrics.boxes import (
     Box,
     answer_box_to_pixels,
     box_iou,
@@ -40,7 +40,7 @@ from emdlm.vision.boxes import (
     parse_box,
     parse_boxes,
 )
-from emdlm.vision.images import open_rgb
+from emdlm.tasks.render import load_font
 
 PAD = 4
 CAPTION_H = 30
