@@ -34,14 +34,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("losses", ("emdlm.losses.*",)),
     ("objectives", ("emdlm.objectives",)),
     ("integrations", ("emdlm.integrations.*",)),
-    # a package whose __init__ is only a docstring sits with its lowest module (importing any
-    # of its modules runs the __init__ first)
     ("answers", ("emdlm.math_answers", "emdlm.metrics.*")),
     ("tasks", ("emdlm.tasks.*",)),
     ("data", ("emdlm.number_scope", "emdlm.data", "emdlm.datasets.*", "emdlm.generation",
               "emdlm.decoding", "emdlm.evaluation", "emdlm.eval_outputs", "emdlm.contact_sheet")),
     ("models", ("emdlm.models", "emdlm.vlm.*")),
-    # the framework plugins (Axolotl, ms-swift, LLaMA-Factory) read number scopes (data)
+    # the framework plugins (Axolotl, ms-swift, LLaMA-Factory) read number scopes (data); their
+    # package's __init__ (a docstring) sits with its lowest modules, in integrations
     ("frameworks", ("emdlm.integrations.framework_objective", "emdlm.integrations.axolotl",
                     "emdlm.integrations.swift", "emdlm.integrations.llamafactory")),
     ("training", ("emdlm.training.*",)),
