@@ -56,15 +56,16 @@ from emdlm.config.schema import (
     OptimConfig,
     RunConfig,
     TrainConfig,
+    check_lam_schedule,
     check_seed,
 )
 
 __all__ = [
     "ADAM_BETA", "DATA_SPLITS", "DECODE_MODES", "DISTILL_OBJECTIVES", "LAM_SCHEDULES", "MAX_SEED",
     "NUMERIC_OBJECTIVES", "OBJECTIVES", "PACKAGED_FOLDER", "RUN_SETTING_DOMAINS", "ConfigError",
-    "DataConfig", "DataSourceConfig", "EvalConfig", "LoraConfig", "ModelConfig",
-    "ObjectiveConfig", "OptimConfig", "RunConfig", "TrainConfig", "apply_overrides",
-    "build_config", "check_choice", "check_seed", "did_you_mean", "load_config",
-    "load_config_dict", "packaged_config_path", "packaged_configs", "packaged_experiment",
-    "packaged_experiments", "parse_override", "read_yaml_file", "switch_objective",
+    "DataConfig", "DataSourceConfig", "EvalConfig", "LoraConfig", "ModelConfig", "ObjectiveConfig",
+    "OptimConfig", "RunConfig", "TrainConfig", "apply_overrides", "build_config", "check_choice",
+    "check_lam_schedule", "check_seed", "did_you_mean", "load_config", "load_config_dict",
+    "packaged_config_path", "packaged_configs", "packaged_experiment", "packaged_experiments",
+    "parse_override", "read_yaml_file", "switch_objective",
 ]

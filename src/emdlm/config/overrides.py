@@ -83,9 +83,11 @@ def switch_objective(
     does not take, ``objective.cost_embedding`` when it takes none, a λ schedule
     (``objective.lam_schedule`` / ``lam_final`` other than their defaults) when it has no
     numeric term, and ``teacher`` when it distils from none. With this, ``objective.name=ce``
-    turns an EMO config into a CE one in one override (issue 36)."""
+    turns an EMO config into a CE one in one override. A user's class (``<module>:<Class>``)
+    is not imported here: nothing is dropped for it."""
     old, new = _objective_name(before), _objective_name(after)
-    if old == new or new not in OBJECTIVE_SPECS or not isinstance(after.get("objective"), dict):
+    if (old == new or not isinstance(new, str) or new not in OBJECTIVE_SPECS
+            or not isinstance(after.get("objective"), dict)):  # a user's class: nothing known
         return None
     spec = OBJECTIVE_SPECS[new]
     section = after["objective"]

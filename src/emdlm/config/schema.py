@@ -19,7 +19,12 @@ from emdlm.domains import (
     shown_value,
 )
 from emdlm.eval_kinds import EVAL_KIND_SPECS, EVAL_KINDS  # the one registry of eval kinds
-from emdlm.objective_specs import OBJECTIVE_NAMES, OBJECTIVE_SPECS
+from emdlm.objective_specs import (
+    OBJECTIVE_NAMES,
+    OBJECTIVE_SPECS,
+    class_reference_problem,
+    is_class_reference,
+)
 
 # derived from the one registry (emdlm.objective_specs)
 OBJECTIVES = OBJECTIVE_NAMES
@@ -278,11 +283,7 @@ class RunConfig:
 
     def validate(self) -> None:
         """Checks that need no file access (ConfigError on the first problem)."""
-        if self.objective.name not in OBJECTIVES:
-            raise ConfigError(
-                f"objective.name must be one of {', '.join(OBJECTIVES)}, "
-                f"got {self.objective.name!r}{did_you_mean(self.objective.name, OBJECTIVES)}"
-            )
+        self._validate_objective_name()
         for name, src in (("data.train", self.data.train), ("data.eval", self.data.eval)):
             if src is None:
                 continue
@@ -297,8 +298,9 @@ class RunConfig:
         check_seed("train.seed", self.train.seed)
         self._validate_report_to()
         self._validate_at_end()
-        self._validate_teacher()
-        self._validate_lam_schedule()
+        if self.objective.name in OBJECTIVE_SPECS:  # a user's class: checked when imported
+            self._validate_teacher()
+        check_lam_schedule(self.objective, self._objective_numeric())
         self._validate_domains()
         t = self.train
         if t.max_steps == -1 and t.epochs <= 0:
@@ -353,7 +355,8 @@ class RunConfig:
         params = self.objective.params
         if not isinstance(params, dict):
             raise ConfigError(f"objective.params must be a mapping, got {params!r}")
-        problems = OBJECTIVE_SPECS[self.objective.name].param_problems(params, "objective.params.")
+        spec = OBJECTIVE_SPECS.get(self.objective.name)  # a user's class: checked when imported
+        problems = spec.param_problems(params, "objective.params.") if spec is not None else []
         if problems:
             raise ConfigError(f"objective {self.objective.name!r}: {'; '.join(problems)}")
 
@@ -374,22 +377,28 @@ class RunConfig:
             )
         self.train.report_to = [n for n in names if n != "none"]
 
-    def _validate_lam_schedule(self) -> None:
-        """A λ schedule only for the objectives with a numeric term weight λ (emd, ntil)."""
-        o = self.objective
-        check_choice("objective.lam_schedule", o.lam_schedule, LAM_SCHEDULES)
-        if o.lam_schedule != "constant" and o.name not in NUMERIC_OBJECTIVES:
-            raise ConfigError(
-                f"objective.lam_schedule={o.lam_schedule} schedules the numeric term's λ of "
-                f"{' / '.join(NUMERIC_OBJECTIVES)}; objective {o.name!r} has none"
-            )
-        if not (isinstance(o.lam_final, (int, float)) and math.isfinite(o.lam_final)
-                and o.lam_final >= 0):
-            raise ConfigError(f"objective.lam_final must be a finite number >= 0, got "
-                              f"{o.lam_final!r}")
-        if o.lam_schedule == "constant" and o.lam_final != 0:
-            raise ConfigError(f"objective.lam_final={o.lam_final} has no effect with "
-                              "objective.lam_schedule=constant; set lam_schedule=linear or cosine")
+    def _validate_objective_name(self) -> None:
+        """A registered objective, or a user's loss class ``<module>:<Class>``, of which only the
+        form is checked here: reading a config (a run folder's saved one too) never imports
+        code; :func:`emdlm.objectives.build_objective` imports the class and checks it."""
+        name = self.objective.name
+        if name in OBJECTIVE_SPECS:
+            return
+        if is_class_reference(name):
+            problem = class_reference_problem(name)
+            if problem is not None:
+                raise ConfigError(f"objective.name: {problem}")
+            return
+        raise ConfigError(
+            f"objective.name must be one of {', '.join(OBJECTIVES)}, or <module>:<Class> for a "
+            f"loss class of your own, got {name!r}{did_you_mean(name, OBJECTIVES)}"
+        )
+
+    def _objective_numeric(self) -> bool | None:
+        """Whether the objective has a numeric term weight λ (None: a user's class, not known
+        before it is imported)."""
+        spec = OBJECTIVE_SPECS.get(self.objective.name)
+        return None if spec is None else spec.numeric
 
     def _validate_teacher(self) -> None:
         """A teacher exactly for the distillation objectives (before anything is loaded)."""
@@ -414,6 +423,26 @@ class RunConfig:
 
         check_choice("optim.scheduler", self.optim.scheduler, [s.value for s in SchedulerType])
         check_choice("optim.optim", self.optim.optim, [o.value for o in OptimizerNames])
+
+
+def check_lam_schedule(objective: ObjectiveConfig, numeric: bool | None) -> None:
+    """ConfigError for a λ schedule that is not one of :data:`LAM_SCHEDULES`, one on an objective
+    without a numeric term weight λ (``numeric`` False; None: not known yet, not checked), or a
+    ``lam_final`` that is not a finite number >= 0 or is set without a schedule."""
+    o = objective
+    check_choice("objective.lam_schedule", o.lam_schedule, LAM_SCHEDULES)
+    if o.lam_schedule != "constant" and numeric is False:
+        raise ConfigError(
+            f"objective.lam_schedule={o.lam_schedule} schedules the numeric term's λ of "
+            f"{' / '.join(NUMERIC_OBJECTIVES)}; objective {o.name!r} has none"
+        )
+    if not (isinstance(o.lam_final, (int, float)) and math.isfinite(o.lam_final)
+            and o.lam_final >= 0):
+        raise ConfigError(f"objective.lam_final must be a finite number >= 0, got "
+                          f"{o.lam_final!r}")
+    if o.lam_schedule == "constant" and o.lam_final != 0:
+        raise ConfigError(f"objective.lam_final={o.lam_final} has no effect with "
+                          "objective.lam_schedule=constant; set lam_schedule=linear or cosine")
 
 
 def check_seed(key: str, value: Any) -> None:
