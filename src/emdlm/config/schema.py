@@ -157,14 +157,15 @@ class DataConfig:
 
 @dataclass
 class ObjectiveConfig:
-    """``name``: one of ce | emd | ntil | emo | tailr | mixce | emo_distill | kl_distill;
-    ``params`` go to the loss class.
+    """``name``: a registered objective (:data:`emdlm.objective_specs.OBJECTIVE_SPECS`, listed in
+    docs/objectives.md) or ``<module>:<Class>``, a loss class of your own; ``params`` go to the
+    loss class.
     ``cost_embedding`` (emo, emo_distill): "model" (a frozen copy of the model's output
     embedding at the start of training), "teacher" (the teacher's; emo_distill's default), a
     local model folder (its output embedding, e.g. an oracle's for a student trained from
     scratch) or a path to a tensor file (.pt / .safetensors, [V, d])."""
 
-    name: str = "ce"  # a registered objective (docs/objectives.md)
+    name: str = "ce"  # a registered objective (docs/objectives.md) or <module>:<Class>
     params: dict[str, Any] = field(default_factory=dict)  # the loss class's keyword arguments
     cost_embedding: str | None = None  # emo, emo_distill: model | teacher | a folder | a file
     # emd / ntil: λ over training, from the objective's own λ to lam_final
@@ -231,7 +232,8 @@ class LoraConfig:
 
 @dataclass
 class EvalConfig:
-    """``kind``: number | clock | box | boxes (answers generated and parsed) | text (open-ended:
+    """``kind``: a registered eval kind (:data:`emdlm.eval_kinds.EVAL_KIND_SPECS`): number |
+    clock | box | boxes | math (answers generated and parsed) | text (open-ended:
     ``num_samples`` sampled continuations per prompt, always by sampling with ``temperature``
     and ``top_p`` and no top-k; MAUVE, PPL_test, ROUGE, distinct-n, repetition, and PPL_oracle
     under the model folder ``oracle``) | choice (each candidate scored by perplexity)."""
