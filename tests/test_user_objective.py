@@ -58,6 +58,16 @@ class NoChunkObjective(ScaledCE):
     has_from_hidden = True
 
 
+class NumericWithoutLam(ScaledCE):
+    takes_number_mask = True
+
+    def __init__(self, number_vocab, reduction: str = "mean", ignore_index: int = -100):
+        super().__init__(reduction=reduction, ignore_index=ignore_index)
+
+    def forward(self, logits, labels, number_mask=None):
+        return super().forward(logits, labels)
+
+
 class KeepsMean(ScaledCE):
     def __init__(self, reduction: str = "mean", ignore_index: int = -100):
         super().__init__(reduction=reduction, ignore_index=ignore_index)
@@ -191,3 +201,50 @@ def test_an_experiment_grid_takes_a_user_class(tmp_path) -> None:
     cells = {c.variant: c for c in expand_grid(exp)}
     cfg = build_config(cells["mine"].config)
     assert cfg.objective.name == "scaled_ce:ScaledCE" and cfg.objective.params == {"scale": 2}
+
+
+@pytest.mark.parametrize(("cls", "extra", "message"), [
+    ("ScaledCE", ["train.fused_linear=true"], r"train\.fused_linear .*\(ScaledCE\) has no "
+                                              r"from-hidden path"),
+    ("NumericWithoutLam", ["objective.lam_schedule=linear", "objective.lam_final=0.1"],
+     r"objective\.lam_schedule=linear sets the loss's λ \(settings\.lam\) before each step; "
+     r"NumericWithoutLam has none"),
+])
+def test_a_setting_the_built_class_cannot_serve_is_refused_before_writing(
+    tmp_path, user_module, cls, extra, message
+) -> None:
+    from emdlm.training import prepare_run
+
+    out = tmp_path / "run"
+    cfg = load_config("arithmetic_ce", [*TINY, f"output_dir={out}",
+                                        f"objective.name={user_module}:{cls}", *extra])
+    with pytest.raises(ConfigError, match=message):
+        prepare_run(cfg)
+    assert not out.exists()
+
+
+def test_fused_linear_on_a_distillation_objective_is_refused_before_writing(tmp_path) -> None:
+    """The distillation objectives have no from-hidden path either: refused before the run
+    folder is written, not by a traceback after it."""
+    import torch
+
+    from emdlm.config import ModelConfig
+    from emdlm.models import build_model
+    from emdlm.tokenizers import load_tokenizer
+    from emdlm.training import prepare_run
+
+    tok = load_tokenizer("char")
+    torch.manual_seed(0)
+    teacher = tmp_path / "teacher"
+    build_model(ModelConfig("tiny-gpt2", {"n_layer": 1, "n_embd": 32}), tok).save_pretrained(
+        str(teacher))
+    tok.save_pretrained(str(teacher))
+    out = tmp_path / "run"
+    cfg = load_config("arithmetic_ce", [
+        "model.params.n_layer=1", "model.params.n_embd=32", "data.train.n=16",
+        "objective.name=kl_distill", f"teacher={teacher}", "train.fused_linear=true",
+        f"output_dir={out}",
+    ])
+    with pytest.raises(ConfigError, match=r"'kl_distill' \(KLDistillLoss\) has no from-hidden"):
+        prepare_run(cfg)
+    assert not out.exists()
