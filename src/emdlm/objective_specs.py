@@ -14,6 +14,12 @@ before anything is loaded or written) read; tests/test_audit_third_params.py pin
 float or int parameter of every class has one and that NaN, ±inf and out-of-domain values are
 refused on both.
 
+A loss class of the user's own is not registered here: ``objective.name=<module>:<Class>``
+names it (:func:`is_class_reference`; only the form is checked while a config is read,
+:func:`class_reference_problem`), :mod:`emdlm.objectives` imports it when the objective is built
+and reads its spec from what the class declares; its ``param_domains``, laid over those of the
+registered class it derives from, are its domains (:func:`spec_of_class`).
+
 | name        | class                                  | built from / needs                     |
 |-------------|----------------------------------------|----------------------------------------|
 | ce          | emdlm.losses.ce.CrossEntropyLoss       | -                                      |
