@@ -160,15 +160,17 @@ class ObjectiveConfig:
     """``name``: a registered objective (:data:`emdlm.objective_specs.OBJECTIVE_SPECS`, listed in
     docs/objectives.md) or ``<module>:<Class>``, a loss class of your own; ``params`` go to the
     loss class.
-    ``cost_embedding`` (emo, emo_distill): "model" (a frozen copy of the model's output
-    embedding at the start of training), "teacher" (the teacher's; emo_distill's default), a
-    local model folder (its output embedding, e.g. an oracle's for a student trained from
-    scratch) or a path to a tensor file (.pt / .safetensors, [V, d])."""
+    ``cost_embedding`` (the objectives built from one, EMO's family): "model" (a frozen copy of
+    the model's output embedding at the start of training), "teacher" (the teacher's; the
+    default of the ones that distil), a local model folder (its output embedding, e.g. an
+    oracle's for a student trained from scratch) or a path to a tensor file (.pt /
+    .safetensors, [V, d])."""
 
     name: str = "ce"  # a registered objective (docs/objectives.md) or <module>:<Class>
     params: dict[str, Any] = field(default_factory=dict)  # the loss class's keyword arguments
-    cost_embedding: str | None = None  # emo, emo_distill: model | teacher | a folder | a file
-    # emd / ntil: λ over training, from the objective's own λ to lam_final
+    # the objectives built from a cost embedding: model | teacher | a folder | a file
+    cost_embedding: str | None = None
+    # the numeric objectives (a λ): λ over training, from the objective's own λ to lam_final
     # ("constant" | "linear" | "cosine"; emdlm.training.lam_schedule)
     lam_schedule: str = "constant"
     lam_final: float = 0.0
@@ -277,7 +279,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     output_dir: str = "runs/emdlm"  # the run folder (--output); emdlm writes only there
     # distillation: a local Hugging Face causal-LM folder (same tokenizer / vocab as the
-    # student), frozen; only for objectives emo_distill / kl_distill, which need it
+    # student), frozen; only for the distillation objectives, which need it
     teacher: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
