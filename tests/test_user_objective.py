@@ -89,7 +89,6 @@ def test_the_base_class_path_is_the_loss_base() -> None:
     assert f"{EMDLMLoss.__module__}.{EMDLMLoss.__qualname__}" == LOSS_BASE
 
 
-@pytest.mark.slow
 def test_a_user_loss_class_trains_by_module_and_class(tmp_path, user_module) -> None:
     out = tmp_path / "run"
     result = CliRunner().invoke(app, [
@@ -105,6 +104,13 @@ def test_a_user_loss_class_trains_by_module_and_class(tmp_path, user_module) -> 
     for row in steps:  # the class's own loss: twice its cross-entropy, per scored token
         assert math.isfinite(row["ce"]) and row["ce"] > 0
         assert row["loss"] == pytest.approx(2.0 * row["ce"], rel=1e-4)
+    # the run continues under the same class (the resume check compares the saved settings)
+    again = CliRunner().invoke(app, [
+        "train", "-c", "arithmetic_ce", *TINY, f"output_dir={out}", "train.max_steps=3",
+        f"objective.name={user_module}:ScaledCE", "objective.params.scale=2.0", "--resume",
+    ])
+    assert again.exit_code == 0, again.output
+    assert "over 3 steps" in again.output
     # evaluating the run reads its saved config, naming the class, without importing it
     sys.modules.pop(user_module)
     cfg = resolve_eval_config(out)
