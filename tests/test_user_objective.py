@@ -141,9 +141,10 @@ def test_user_class_parameters_are_checked(user_module, char_tokenizer) -> None:
     ("broken_module:Loss", r"module 'broken_module' is not importable \(RuntimeError: boom"),
     ("scaled_ce:ScaledEC", r"module 'scaled_ce' has no attribute 'ScaledEC' "
                            r"\(did you mean 'ScaledCE'\?\)"),
-    ("scaled_ce:NotALoss", r"NotALoss is not a loss class: it must derive from "
+    ("scaled_ce:NotALoss", r"class NotALoss does not derive from "
                            r"emdlm\.losses\.base\.EMDLMLoss"),
-    ("scaled_ce:F", r"module is not a loss class"),
+    ("scaled_ce:F", r"'F' is a module, not a loss class \(a subclass of "
+                    r"emdlm\.losses\.base\.EMDLMLoss\)"),
     ("scaled_ce:NoChunkObjective", r"declares has_from_hidden .* implements no "
                                    r"chunk_objective"),
     ("scaled_ce:KeepsMean", r"must keep reduction='sum' as built .* got 'mean'"),

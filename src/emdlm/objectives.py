@@ -83,10 +83,12 @@ def _user_class(name: str) -> type[nn.Module]:
             raise ConfigError(f"objective.name={name}: module {module_name!r} has no attribute "
                               f"{attribute!r}{did_you_mean(part, dir(found))}")
         found = getattr(found, part)
-    if not (isinstance(found, type) and issubclass(found, EMDLMLoss)):
-        what = found.__name__ if isinstance(found, type) else type(found).__name__
-        raise ConfigError(f"objective.name={name}: {what} is not a loss class: it must derive "
-                          f"from {LOSS_BASE}")
+    if not isinstance(found, type):
+        raise ConfigError(f"objective.name={name}: {attribute!r} is a {type(found).__name__}, "
+                          f"not a loss class (a subclass of {LOSS_BASE})")
+    if not issubclass(found, EMDLMLoss):
+        raise ConfigError(f"objective.name={name}: class {found.__qualname__} does not derive "
+                          f"from {LOSS_BASE}, the base of every emdlm loss")
     return found
 
 
