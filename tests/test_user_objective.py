@@ -58,6 +58,13 @@ class NoChunkObjective(ScaledCE):
     has_from_hidden = True
 
 
+from emdlm.losses.ntil import NTILLoss
+
+
+class MyNTIL(NTILLoss):
+    """NTIL under a name of one's own."""
+
+
 class NumericWithoutLam(ScaledCE):
     takes_number_mask = True
 
@@ -73,7 +80,7 @@ class KeepsMean(ScaledCE):
         super().__init__(reduction=reduction, ignore_index=ignore_index)
         self.reduction = "mean"
 ''', encoding="utf-8")
-    (folder / "broken_module.py").write_text("raise RuntimeError('boom at import')\n")
+    (folder / "broken_module.py").write_text("raise RuntimeError('boom at import\\nline 2')\n")
     monkeypatch.syspath_prepend(str(folder))
     yield "scaled_ce"
     for name in ("scaled_ce", "broken_module"):
@@ -153,6 +160,18 @@ def test_each_broken_user_class_is_one_line(user_module, char_tokenizer, name, m
     with pytest.raises(ConfigError, match=message) as caught:
         _build(name, char_tokenizer)
     assert "\n" not in str(caught.value)
+
+
+def test_a_subclass_of_a_registered_class_keeps_its_contract(user_module, char_tokenizer):
+    """Built as its base is (the NumberVocab first), with its base's parameters and domains."""
+    cfg = ObjectiveConfig(name=f"{user_module}:MyNTIL", params={"lam": 0.5},
+                          lam_schedule="linear", lam_final=0.1)
+    loss = build_objective(cfg, tokenizer=char_tokenizer, model=None,
+                           vocab_size=len(char_tokenizer))
+    assert type(loss).__name__ == "MyNTIL" and loss.settings.lam == 0.5
+    assert loss.reduction == "sum"
+    with pytest.raises(ConfigError, match=r"objective\.params\.lam must be a finite number >= 0"):
+        _build(f"{user_module}:MyNTIL", char_tokenizer, lam=-1.0)
 
 
 def test_a_teacher_or_a_schedule_the_class_does_not_take_is_refused(

@@ -75,7 +75,8 @@ def _user_class(name: str) -> type[nn.Module]:
     except Exception as err:  # the user's module: whatever its code raised, in one line
         raise ConfigError(
             f"objective.name={name}: module {module_name!r} is not importable "
-            f"({type(err).__name__}: {err}); it is looked up on sys.path (PYTHONPATH, installed "
+            f"({type(err).__name__}: {_first_line(err)}); it is looked up on sys.path "
+            "(PYTHONPATH, installed "
             "packages)"
         ) from err
     for part in attribute.split("."):
@@ -90,6 +91,12 @@ def _user_class(name: str) -> type[nn.Module]:
         raise ConfigError(f"objective.name={name}: class {found.__qualname__} does not derive "
                           f"from {LOSS_BASE}, the base of every emdlm loss")
     return found
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of what ``err`` says (an error is reported in one line)."""
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def class_spec(name: str, cls: type) -> ObjectiveSpec:
