@@ -6,9 +6,9 @@ import pytest
 import torch
 import yaml
 
-from emdlm.config import ConfigError, build_config
+from emdlm.config import ConfigError, build_config, packaged_experiments
 from emdlm.experiments import expand_grid, load_experiment
-from emdlm.experiments.grid import packaged_experiments, parse_experiment, select_cells
+from emdlm.experiments.grid import parse_experiment, select_cells
 
 TINY_BASE = {
     "model": {"name": "tiny-gpt2", "params": {"n_layer": 1, "n_head": 2, "n_embd": 32,

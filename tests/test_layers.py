@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundations", ("emdlm._files", "emdlm._output", "emdlm._extras", "emdlm.yaml_io",
                      "emdlm.json_io", "emdlm.domains",
                      "emdlm.objective_specs",
-                     "emdlm.eval_kinds", "emdlm.config", "emdlm.weights")),
+                     "emdlm.eval_kinds", "emdlm.config.*", "emdlm.weights")),
     ("vocabularies", ("emdlm.numbers", "emdlm.number_spans", "emdlm.tokenizers")),
     ("functional", ("emdlm.functional.*",)),
     ("ops", ("emdlm.ops.*",)),

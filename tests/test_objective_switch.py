@@ -12,9 +12,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from emdlm import config
 from emdlm.cli import app
-from emdlm.config import load_config, load_config_dict
+from emdlm.config import load_config, load_config_dict, overrides
 
 TINY = [
     "model.params.n_layer=1", "model.params.n_embd=32", "data.train.n=32", "data.eval.n=8",
@@ -27,7 +26,7 @@ DROPPED = "dropped objective.params.mode, objective.cost_embedding (ce takes nei
 @pytest.fixture(autouse=True)
 def _fresh_notes(monkeypatch):
     """Each test sees its own lines (a process says each line once)."""
-    monkeypatch.setattr(config, "_SAID", set(), raising=False)
+    monkeypatch.setattr(overrides, "_SAID", set())
 
 
 def _write_config(tmp_path: Path, name: str, objective: dict, **top) -> Path:

@@ -24,6 +24,8 @@ from typing import Annotated, Any
 import typer
 
 from emdlm.config import ConfigError
+from emdlm.eval_kinds import EVAL_KINDS
+from emdlm.objective_specs import OBJECTIVE_NAMES
 
 app = typer.Typer(
     add_completion=False,
@@ -40,6 +42,10 @@ ConfigOpt = Annotated[
     typer.Option("--config", "-c", help="YAML config file or packaged config name"),
 ]
 
+
+#: The --objective and --kind help, from the registries (emdlm.objective_specs, emdlm.eval_kinds).
+OBJECTIVE_HELP = f"{' | '.join(OBJECTIVE_NAMES)} | <module>:<Class> (a loss class of your own)"
+KIND_HELP = " | ".join(EVAL_KINDS)
 
 EXIT_DISK_FULL = 3  # train / eval stopped on a full disk (train: the last checkpoint is intact)
 
@@ -69,10 +75,7 @@ def train(
     overrides: Overrides = None,
     config: ConfigOpt = None,
     output: Annotated[str | None, typer.Option("--output", "-o", help="Output folder")] = None,
-    objective: Annotated[
-        str | None, typer.Option(
-            help="ce | emd | ntil | emo | tailr | mixce | emo_distill | kl_distill")
-    ] = None,
+    objective: Annotated[str | None, typer.Option(help=OBJECTIVE_HELP)] = None,
     max_steps: Annotated[
         int | None, typer.Option(help="Optimizer steps (overrides epochs)")
     ] = None,
@@ -163,9 +166,7 @@ def eval_cmd(
     task: Annotated[str | None, typer.Option(help="Test set: a registered task name")] = None,
     n: Annotated[int | None, typer.Option(help="Examples to generate for --task")] = None,
     split: Annotated[str, typer.Option(help="Split for --task / dataset folders")] = "test",
-    kind: Annotated[
-        str | None, typer.Option(help="number | clock | box | boxes | text | choice")
-    ] = None,
+    kind: Annotated[str | None, typer.Option(help=KIND_HELP)] = None,
     oracle: Annotated[
         str | None, typer.Option(help="kind text: model folder scoring the samples (PPL_oracle)")
     ] = None,

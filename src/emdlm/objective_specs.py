@@ -14,6 +14,12 @@ before anything is loaded or written) read; tests/test_audit_third_params.py pin
 float or int parameter of every class has one and that NaN, ±inf and out-of-domain values are
 refused on both.
 
+A loss class of the user's own is not registered here: ``objective.name=<module>:<Class>``
+names it (:func:`is_class_reference`; only the form is checked while a config is read,
+:func:`class_reference_problem`), :mod:`emdlm.objectives` imports it when the objective is built
+and reads its spec from what the class declares; its ``param_domains``, laid over those of the
+registered class it derives from, are its domains (:func:`spec_of_class`).
+
 | name        | class                                  | built from / needs                     |
 |-------------|----------------------------------------|----------------------------------------|
 | ce          | emdlm.losses.ce.CrossEntropyLoss       | -                                      |
@@ -32,6 +38,8 @@ refused on both.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -215,15 +223,46 @@ OBJECTIVE_SPECS: dict[str, ObjectiveSpec] = {
 
 _BY_CLASS = {spec.path: spec for spec in OBJECTIVE_SPECS.values()}
 
+#: The class every objective's loss derives from, named by path so that this module imports no
+#: loss (tests/test_objective_registry.py pins it to the class).
+LOSS_BASE = "emdlm.losses.base.EMDLMLoss"
+_DOTTED_NAME = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
+
 
 def spec_of_class(cls: type) -> ObjectiveSpec | None:
     """The registered objective of loss class ``cls`` or of the nearest registered class it
-    derives from (None: no registered class in its MRO)."""
-    for klass in cls.__mro__:
-        spec = _BY_CLASS.get(f"{klass.__module__}.{klass.__qualname__}")
-        if spec is not None:
-            return spec
-    return None
+    derives from (None: no registered class in its MRO and no ``param_domains``).
+
+    A class may declare ``param_domains`` (a mapping of parameter name to
+    :class:`~emdlm.domains.Domain`): they are laid over the registered ancestor's domains, so
+    a user's loss class gets its numeric parameters checked as a registered one does."""
+    registered = next((found for klass in cls.__mro__
+                       if (found := _BY_CLASS.get(f"{klass.__module__}.{klass.__qualname__}"))
+                       is not None), None)
+    declared = getattr(cls, "param_domains", None)
+    if not declared:
+        return registered
+    base = registered or ObjectiveSpec(
+        f"{cls.__module__}:{cls.__qualname__}", cls.__module__, cls.__qualname__, "", ()
+    )
+    return dataclasses.replace(base, domains={**base.domains, **declared})
+
+
+def is_class_reference(name: Any) -> bool:
+    """Whether ``objective.name`` names a loss class of the user's own (``<module>:<Class>``)
+    rather than a registered objective."""
+    return isinstance(name, str) and ":" in name
+
+
+def class_reference_problem(name: str) -> str | None:
+    """What is wrong with the form of ``<module>:<Class>`` (both parts dotted Python names), in
+    words, or None. Only the form: the module is imported when the objective is built
+    (:func:`emdlm.objectives.objective_class`), never while a config is read."""
+    module, _, attribute = name.partition(":")
+    if _DOTTED_NAME.fullmatch(module) and _DOTTED_NAME.fullmatch(attribute):
+        return None
+    return (f"{name!r} is not of the form <module>:<Class> (a module importable from sys.path "
+            "and a class in it, e.g. my_losses:ScaledCE)")
 
 
 #: The config names, in registry order.

@@ -50,6 +50,7 @@ from emdlm.config import (
     apply_overrides,
     build_config,
     load_config_dict,
+    packaged_experiment,
     parse_override,
     read_yaml_file,
 )
@@ -127,22 +128,11 @@ class Cell:
         return self.folder / "train"
 
 
-def _packaged_experiment(name: str) -> Path | None:
-    path = Path(__file__).resolve().parent.parent / "configs" / "experiments" / f"{name}.yaml"
-    return path if path.is_file() else None
-
-
-def packaged_experiments() -> list[Path]:
-    """The experiment configs shipped with emdlm (``emdlm/configs/experiments/*.yaml``)."""
-    folder = Path(__file__).resolve().parent.parent / "configs" / "experiments"
-    return sorted(folder.glob("*.yaml"))
-
-
 def load_experiment_dict(path: str | Path) -> tuple[dict[str, Any], Path]:
     """Raw mapping of an experiment file (or packaged experiment name) and its folder."""
     p = Path(path)
     if not p.is_file():
-        packaged = _packaged_experiment(str(path))
+        packaged = packaged_experiment(str(path))
         if packaged is None:
             raise ConfigError(f"experiment config not found: {path}")
         p = packaged

@@ -159,6 +159,7 @@ def prepare_run(
     loss_fn = build_objective(
         cfg.objective, tokenizer=tokenizer, model=model, vocab_size=vocab, teacher=teacher
     )
+    _check_loss_fits_run(cfg, loss_fn)
     if cfg.lora.enabled:
         model = apply_lora(
             model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
@@ -181,6 +182,26 @@ def prepare_run(
         args, teacher, adapter, resume, folder.inputs,
         generation_eval_rows(cfg, adapter.family, eval_ds is not None),
     )
+
+
+def _check_loss_fits_run(cfg: RunConfig, loss_fn: Any) -> None:
+    """ConfigError, before the folder is written, for a run setting the built loss cannot serve:
+    ``train.fused_linear`` on a loss without a from-hidden path (``has_from_hidden`` False: the
+    distillation objectives, a user's class that declares so), or a λ schedule on a loss without
+    a λ to set (``settings.lam``, which the schedule's callback sets before each step)."""
+    if cfg.train.fused_linear and not getattr(loss_fn, "has_from_hidden", False):
+        raise ConfigError(
+            f"train.fused_linear computes the loss from the final hidden states, but objective "
+            f"{cfg.objective.name!r} ({type(loss_fn).__name__}) has no from-hidden path "
+            "(has_from_hidden is False): set train.fused_linear=false"
+        )
+    if cfg.objective.lam_schedule != "constant" and not hasattr(
+        getattr(loss_fn, "settings", None), "lam"
+    ):
+        raise ConfigError(
+            f"objective.lam_schedule={cfg.objective.lam_schedule} sets the loss's λ "
+            f"(settings.lam) before each step; {type(loss_fn).__name__} has none"
+        )
 
 
 def generation_eval_rows(

@@ -1,39 +1,14 @@
-"""Run configuration: nested dataclasses loaded from YAML, with dotted ``key=value`` overrides.
-
-A config file mirrors :class:`RunConfig`::
-
-    model: {name: tiny-gpt2, params: {n_layer: 2, n_embd: 96}}
-    tokenizer: char
-    data:
-      train: {task: arithmetic, n: 20000, params: {max_digits: 3}}
-      eval: {task: arithmetic, n: 200, split: test}
-    objective: {name: ntil, params: {lam: 0.3}}
-    optim: {lr: 1.0e-3, scheduler: cosine, warmup_ratio: 0.05}
-    train: {batch_size: 32, grad_accum: 1, max_steps: 500, seed: 0}
-    output_dir: runs/ntil
-
-Overrides use the same dotted paths: ``objective.name=ce train.max_steps=10``; values are parsed
-as YAML scalars ("1e-3" -> 0.001, "true" -> True, "[1, 2]" -> list). Unknown keys are an error
-naming the key and the valid ones. An override that switches ``objective.name`` drops the
-inherited objective settings the new objective does not take (:func:`switch_objective`).
-"""
+"""The run configuration's schema: the nested dataclasses of :class:`RunConfig`, the legal values
+of each setting, and :meth:`RunConfig.validate`, the checks that need no file access."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import difflib
 import math
-import os
-import sys
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any
 
-import yaml
-
+from emdlm.config.errors import ConfigError, check_choice, did_you_mean
 from emdlm.domains import (
     COUNT,
     NONNEGATIVE,
@@ -44,8 +19,12 @@ from emdlm.domains import (
     shown_value,
 )
 from emdlm.eval_kinds import EVAL_KIND_SPECS, EVAL_KINDS  # the one registry of eval kinds
-from emdlm.objective_specs import OBJECTIVE_NAMES, OBJECTIVE_SPECS
-from emdlm.yaml_io import RefusedYAMLError, safe_load_unique
+from emdlm.objective_specs import (
+    OBJECTIVE_NAMES,
+    OBJECTIVE_SPECS,
+    class_reference_problem,
+    is_class_reference,
+)
 
 # derived from the one registry (emdlm.objective_specs)
 OBJECTIVES = OBJECTIVE_NAMES
@@ -98,27 +77,6 @@ RUN_SETTING_DOMAINS: dict[str, Domain] = {
 }
 #: Adam's β1, β2 (``optim.betas``): each in [0, 1), as torch.optim.AdamW requires.
 ADAM_BETA = Domain(low=0.0, high=1.0, high_open=True)
-
-
-class ConfigError(ValueError):
-    """A configuration problem found before anything is run or written."""
-
-
-def did_you_mean(value: str, choices: Any) -> str:
-    """``" (did you mean 'cosine'?)"`` for the nearest of ``choices`` (difflib), or ``""``."""
-    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def check_choice(key: str, value: Any, choices: Any) -> None:
-    """ConfigError naming ``key``, the nearest valid value and all of them, unless ``value`` is
-    one of ``choices``."""
-    options = [str(c) for c in choices]
-    if value not in options:
-        raise ConfigError(
-            f"{key}={value!r} is not valid{did_you_mean(value, options)}; "
-            f"choose one of {', '.join(options)}"
-        )
 
 
 @dataclass
@@ -199,17 +157,20 @@ class DataConfig:
 
 @dataclass
 class ObjectiveConfig:
-    """``name``: one of ce | emd | ntil | emo | tailr | mixce | emo_distill | kl_distill;
-    ``params`` go to the loss class.
-    ``cost_embedding`` (emo, emo_distill): "model" (a frozen copy of the model's output
-    embedding at the start of training), "teacher" (the teacher's; emo_distill's default), a
-    local model folder (its output embedding, e.g. an oracle's for a student trained from
-    scratch) or a path to a tensor file (.pt / .safetensors, [V, d])."""
+    """``name``: a registered objective (:data:`emdlm.objective_specs.OBJECTIVE_SPECS`, listed in
+    docs/objectives.md) or ``<module>:<Class>``, a loss class of your own; ``params`` go to the
+    loss class.
+    ``cost_embedding`` (the objectives built from one, EMO's family): "model" (a frozen copy of
+    the model's output embedding at the start of training), "teacher" (the teacher's; the
+    default of the ones that distil), a local model folder (its output embedding, e.g. an
+    oracle's for a student trained from scratch) or a path to a tensor file (.pt /
+    .safetensors, [V, d])."""
 
-    name: str = "ce"  # a registered objective (docs/objectives.md)
+    name: str = "ce"  # a registered objective (docs/objectives.md) or <module>:<Class>
     params: dict[str, Any] = field(default_factory=dict)  # the loss class's keyword arguments
-    cost_embedding: str | None = None  # emo, emo_distill: model | teacher | a folder | a file
-    # emd / ntil: λ over training, from the objective's own λ to lam_final
+    # the objectives built from a cost embedding: model | teacher | a folder | a file
+    cost_embedding: str | None = None
+    # the numeric objectives (a λ): λ over training, from the objective's own λ to lam_final
     # ("constant" | "linear" | "cosine"; emdlm.training.lam_schedule)
     lam_schedule: str = "constant"
     lam_final: float = 0.0
@@ -273,7 +234,8 @@ class LoraConfig:
 
 @dataclass
 class EvalConfig:
-    """``kind``: number | clock | box | boxes (answers generated and parsed) | text (open-ended:
+    """``kind``: a registered eval kind (:data:`emdlm.eval_kinds.EVAL_KIND_SPECS`): number |
+    clock | box | boxes | math (answers generated and parsed) | text (open-ended:
     ``num_samples`` sampled continuations per prompt, always by sampling with ``temperature``
     and ``top_p`` and no top-k; MAUVE, PPL_test, ROUGE, distinct-n, repetition, and PPL_oracle
     under the model folder ``oracle``) | choice (each candidate scored by perplexity)."""
@@ -317,7 +279,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     output_dir: str = "runs/emdlm"  # the run folder (--output); emdlm writes only there
     # distillation: a local Hugging Face causal-LM folder (same tokenizer / vocab as the
-    # student), frozen; only for objectives emo_distill / kl_distill, which need it
+    # student), frozen; only for the distillation objectives, which need it
     teacher: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -325,11 +287,7 @@ class RunConfig:
 
     def validate(self) -> None:
         """Checks that need no file access (ConfigError on the first problem)."""
-        if self.objective.name not in OBJECTIVES:
-            raise ConfigError(
-                f"objective.name must be one of {', '.join(OBJECTIVES)}, "
-                f"got {self.objective.name!r}{did_you_mean(self.objective.name, OBJECTIVES)}"
-            )
+        self._validate_objective_name()
         for name, src in (("data.train", self.data.train), ("data.eval", self.data.eval)):
             if src is None:
                 continue
@@ -344,8 +302,9 @@ class RunConfig:
         check_seed("train.seed", self.train.seed)
         self._validate_report_to()
         self._validate_at_end()
-        self._validate_teacher()
-        self._validate_lam_schedule()
+        if self.objective.name in OBJECTIVE_SPECS:  # a user's class: checked when imported
+            self._validate_teacher()
+        check_lam_schedule(self.objective, self._objective_numeric())
         self._validate_domains()
         t = self.train
         if t.max_steps == -1 and t.epochs <= 0:
@@ -400,7 +359,8 @@ class RunConfig:
         params = self.objective.params
         if not isinstance(params, dict):
             raise ConfigError(f"objective.params must be a mapping, got {params!r}")
-        problems = OBJECTIVE_SPECS[self.objective.name].param_problems(params, "objective.params.")
+        spec = OBJECTIVE_SPECS.get(self.objective.name)  # a user's class: checked when imported
+        problems = spec.param_problems(params, "objective.params.") if spec is not None else []
         if problems:
             raise ConfigError(f"objective {self.objective.name!r}: {'; '.join(problems)}")
 
@@ -421,22 +381,28 @@ class RunConfig:
             )
         self.train.report_to = [n for n in names if n != "none"]
 
-    def _validate_lam_schedule(self) -> None:
-        """A λ schedule only for the objectives with a numeric term weight λ (emd, ntil)."""
-        o = self.objective
-        check_choice("objective.lam_schedule", o.lam_schedule, LAM_SCHEDULES)
-        if o.lam_schedule != "constant" and o.name not in NUMERIC_OBJECTIVES:
-            raise ConfigError(
-                f"objective.lam_schedule={o.lam_schedule} schedules the numeric term's λ of "
-                f"{' / '.join(NUMERIC_OBJECTIVES)}; objective {o.name!r} has none"
-            )
-        if not (isinstance(o.lam_final, (int, float)) and math.isfinite(o.lam_final)
-                and o.lam_final >= 0):
-            raise ConfigError(f"objective.lam_final must be a finite number >= 0, got "
-                              f"{o.lam_final!r}")
-        if o.lam_schedule == "constant" and o.lam_final != 0:
-            raise ConfigError(f"objective.lam_final={o.lam_final} has no effect with "
-                              "objective.lam_schedule=constant; set lam_schedule=linear or cosine")
+    def _validate_objective_name(self) -> None:
+        """A registered objective, or a user's loss class ``<module>:<Class>``, of which only the
+        form is checked here: reading a config (a run folder's saved one too) never imports
+        code; :func:`emdlm.objectives.build_objective` imports the class and checks it."""
+        name = self.objective.name
+        if name in OBJECTIVE_SPECS:
+            return
+        if is_class_reference(name):
+            problem = class_reference_problem(name)
+            if problem is not None:
+                raise ConfigError(f"objective.name: {problem}")
+            return
+        raise ConfigError(
+            f"objective.name must be one of {', '.join(OBJECTIVES)}, or <module>:<Class> for a "
+            f"loss class of your own, got {name!r}{did_you_mean(name, OBJECTIVES)}"
+        )
+
+    def _objective_numeric(self) -> bool | None:
+        """Whether the objective has a numeric term weight λ (None: a user's class, not known
+        before it is imported)."""
+        spec = OBJECTIVE_SPECS.get(self.objective.name)
+        return None if spec is None else spec.numeric
 
     def _validate_teacher(self) -> None:
         """A teacher exactly for the distillation objectives (before anything is loaded)."""
@@ -463,264 +429,29 @@ class RunConfig:
         check_choice("optim.optim", self.optim.optim, [o.value for o in OptimizerNames])
 
 
+def check_lam_schedule(objective: ObjectiveConfig, numeric: bool | None) -> None:
+    """ConfigError for a λ schedule that is not one of :data:`LAM_SCHEDULES`, one on an objective
+    without a numeric term weight λ (``numeric`` False; None: not known yet, not checked), or a
+    ``lam_final`` that is not a finite number >= 0 or is set without a schedule."""
+    o = objective
+    check_choice("objective.lam_schedule", o.lam_schedule, LAM_SCHEDULES)
+    if o.lam_schedule != "constant" and numeric is False:
+        raise ConfigError(
+            f"objective.lam_schedule={o.lam_schedule} schedules the numeric term's λ of "
+            f"{' / '.join(NUMERIC_OBJECTIVES)}; objective {o.name!r} has none"
+        )
+    if not (isinstance(o.lam_final, (int, float)) and math.isfinite(o.lam_final)
+            and o.lam_final >= 0):
+        raise ConfigError(f"objective.lam_final must be a finite number >= 0, got "
+                          f"{o.lam_final!r}")
+    if o.lam_schedule == "constant" and o.lam_final != 0:
+        raise ConfigError(f"objective.lam_final={o.lam_final} has no effect with "
+                          "objective.lam_schedule=constant; set lam_schedule=linear or cosine")
+
+
 def check_seed(key: str, value: Any) -> None:
     """ConfigError naming ``key`` unless ``value`` is an integer seed that
     ``transformers.set_seed`` accepts (0 .. :data:`MAX_SEED`; negative seeds fail in numpy)."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
         raise ConfigError(f"{key}={value!r} is not a usable seed: seeds are integers from 0 to "
                           f"{MAX_SEED} (numpy, seeded by transformers.set_seed, refuses others)")
-
-
-def _build(cls: type, data: Any, where: str) -> Any:
-    """Build dataclass ``cls`` from a mapping, recursing into dataclass-typed fields."""
-    if data is None:
-        return cls()
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
-    hints = get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(
-                f"unknown config key {where + key!r}{hint}; valid keys: {', '.join(names)}"
-            )
-        sub = _dataclass_in(hints[key])
-        if sub is not None and (isinstance(value, dict) or value is None):
-            kwargs[key] = None if value is None and _is_optional(hints[key]) else _build(
-                sub, value, f"{where}{key}."
-            )
-        elif key == "tokenizer" and cls is RunConfig and not isinstance(value, str):
-            raise ConfigError(f"tokenizer must be a name or a folder path, got {value!r}")
-        else:
-            kwargs[key] = _coerce(hints[key], value, where + key)
-    return cls(**kwargs)
-
-
-def _coerce(hint: Any, value: Any, where: str) -> Any:
-    """Convert YAML scalars to the field's scalar type ("1e-3" -> 0.001 for a float field)."""
-    origin = typing.get_origin(hint)
-    is_union = origin is typing.Union or origin is types.UnionType
-    args = typing.get_args(hint) if is_union else ()
-    if value is None:
-        if hint is type(None) or type(None) in args:
-            return None
-        raise ConfigError(f"{where} may not be null")
-    if origin is not None and not is_union:  # list[...] / dict[...]: checked by the consumer
-        return value
-    scalar = [t for t in (args or (hint,)) if t in (bool, int, float, str)]
-    if not scalar or type(value) in scalar:
-        return value
-    target = scalar[0]
-    try:
-        if target is bool:
-            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-                return value.lower() in ("true", "1")
-            raise ValueError
-        if target is int and isinstance(value, float) and value.is_integer():
-            return int(value)
-        if target is float and isinstance(value, (int, str)) and not isinstance(value, bool):
-            return float(value)
-        if target is int and isinstance(value, str):
-            return int(value)
-        if target is str and isinstance(value, (int, float)):
-            return str(value)
-    except ValueError:
-        pass
-    raise ConfigError(f"{where} must be {target.__name__}, got {value!r}")
-
-
-def _dataclass_in(hint: Any) -> type | None:
-    if dataclasses.is_dataclass(hint):
-        return hint
-    for arg in getattr(hint, "__args__", ()) or ():
-        if dataclasses.is_dataclass(arg):
-            return arg
-    return None
-
-
-def _is_optional(hint: Any) -> bool:
-    return type(None) in (getattr(hint, "__args__", ()) or ())
-
-
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """``"a.b=1e-3"`` -> (["a", "b"], 0.001); the value is parsed as a YAML scalar/flow."""
-    if "=" not in item:
-        raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.seed=1)")
-    key, raw = item.split("=", 1)
-    key = key.strip().lstrip("-")
-    if not key:
-        raise ConfigError(f"override {item!r} has an empty key")
-    try:
-        value = safe_load_unique(raw) if raw.strip() else ""
-    except RefusedYAMLError as err:  # a key given twice, a bomb of aliases
-        raise ConfigError(f"override {item!r}: {err}") from err
-    except yaml.YAMLError:
-        value = raw
-    return key.split("."), value
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Return a copy of the raw config mapping with dotted overrides applied.
-
-    An override that switches ``objective.name`` to another objective than ``data``'s drops the
-    objective settings inherited from ``data`` that the new objective does not take (see
-    :func:`switch_objective`), with one line on stderr saying what was dropped (once per
-    process for each distinct line)."""
-    out = copy.deepcopy(data)
-    set_paths: list[tuple[str, ...]] = []
-    for item in overrides:
-        path, value = parse_override(item)
-        node = out
-        for part in path[:-1]:
-            nxt = node.get(part)
-            if nxt is None:
-                nxt = {}
-                node[part] = nxt
-            elif not isinstance(nxt, dict):
-                # "tokenizer=char" style leaves can't take sub-keys
-                raise ConfigError(f"override {item!r}: {part!r} is not a section")
-            node = nxt
-        node[path[-1]] = value
-        set_paths.append(tuple(path))
-    note = switch_objective(data, out, set_paths)
-    if note is not None:
-        _say_once(note)
-    return out
-
-
-def _objective_name(mapping: dict[str, Any]) -> Any:
-    """The objective a raw config mapping names (the default when it names none)."""
-    section = mapping.get("objective")
-    if section is None:
-        return ObjectiveConfig.name
-    return section.get("name", ObjectiveConfig.name) if isinstance(section, dict) else None
-
-
-def switch_objective(
-    before: dict[str, Any], after: dict[str, Any], set_paths: list[tuple[str, ...]]
-) -> str | None:
-    """Drop from ``after`` (in place) what the objective of ``before`` left that the objective of
-    ``after`` does not take, when the two differ; return the line saying what was dropped, or
-    None when nothing was.
-
-    Only settings inherited from ``before`` go: a setting under one of ``set_paths`` (the
-    overrides that made ``after``) stays, so an explicit wrong parameter is still reported by
-    the objective factory. Dropped are the ``objective.params`` keys the new objective's class
-    does not take, ``objective.cost_embedding`` when it takes none, a λ schedule
-    (``objective.lam_schedule`` / ``lam_final`` other than their defaults) when it has no
-    numeric term, and ``teacher`` when it distils from none. With this, ``objective.name=ce``
-    turns an EMO config into a CE one in one override (issue 36)."""
-    old, new = _objective_name(before), _objective_name(after)
-    if old == new or new not in OBJECTIVE_SPECS or not isinstance(after.get("objective"), dict):
-        return None
-    spec = OBJECTIVE_SPECS[new]
-    section = after["objective"]
-
-    def inherited(*key: str) -> bool:  # no override set this key, a part of it or a section of it
-        return not any(p[: len(key)] == key or key[: len(p)] == p for p in set_paths)
-
-    dropped: list[str] = []
-    params = section.get("params")
-    if isinstance(params, dict):
-        for key in list(params):
-            if key not in spec.params and inherited("objective", "params", key):
-                del params[key]
-                dropped.append(f"objective.params.{key}")
-    if (section.get("cost_embedding") is not None and not spec.cost_embedding
-            and inherited("objective", "cost_embedding")):
-        del section["cost_embedding"]
-        dropped.append("objective.cost_embedding")
-    if not spec.numeric:
-        for key, default in (("lam_schedule", ObjectiveConfig.lam_schedule),
-                             ("lam_final", ObjectiveConfig.lam_final)):
-            if key in section and section[key] != default and inherited("objective", key):
-                del section[key]
-                dropped.append(f"objective.{key}")
-    if after.get("teacher") is not None and not spec.teacher and inherited("teacher"):
-        del after["teacher"]
-        dropped.append("teacher")
-    if not dropped:
-        return None
-    takes = ("does not take it" if len(dropped) == 1 else "takes neither" if len(dropped) == 2
-             else "takes none of them")
-    return f"objective.name={new} replaces {old}: dropped {', '.join(dropped)} ({new} {takes})"
-
-
-_SAID: set[str] = set()
-
-
-def _say_once(line: str) -> None:
-    """``line`` on stderr, once per process (an experiment grid applies the same switch to every
-    cell) and only on the first process of a launch (RANK unset or 0)."""
-    if line in _SAID or os.environ.get("RANK", "0") != "0":
-        return
-    _SAID.add(line)
-    print(line, file=sys.stderr, flush=True)
-
-
-def read_yaml_file(path: Path) -> Any:
-    """The YAML document in ``path``; ConfigError naming the file for invalid YAML or a key given
-    twice in one mapping, or a document past the size limits of
-    :func:`emdlm.yaml_io.safe_load_unique`."""
-    try:
-        return safe_load_unique(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason})") from err
-    except RefusedYAMLError as err:  # a key given twice, a bomb of aliases
-        raise ConfigError(f"{path}: {err}") from err
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from err
-
-
-def load_config_dict(path: str | Path | None) -> dict[str, Any]:
-    """Raw mapping from a YAML file (a packaged config name like "arithmetic_ntil" also works)."""
-    if path is None:
-        return {}
-    p = Path(path)
-    if not p.exists():
-        packaged = Path(__file__).parent / "configs" / f"{path}.yaml"
-        if packaged.exists():
-            p = packaged
-        else:
-            raise ConfigError(f"config file not found: {path}")
-    data = read_yaml_file(p)
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: top level must be a mapping, got {type(data).__name__}")
-    return data
-
-
-def build_config(data: dict[str, Any]) -> RunConfig:
-    """Validated :class:`RunConfig` from a raw mapping."""
-    cfg = _build(RunConfig, data, "")
-    cfg.validate()
-    return cfg
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Load a YAML config (or the defaults), apply ``key=value`` overrides, validate."""
-    return build_config(apply_overrides(load_config_dict(path), overrides or []))
-
-
-def packaged_config_path(name: str) -> Path:
-    """The installed file of a packaged config: a run config (``arithmetic_ntil``), a launcher
-    config (``accelerate_ddp_cpu``) or an experiment (``experiments/...`` or its bare name), so
-    that commands work without the repository (``emdlm config-path NAME``)."""
-    folder = Path(__file__).parent / "configs"
-    stem = name.removesuffix(".yaml")
-    for candidate in (folder / f"{stem}.yaml", folder / "experiments" / f"{stem}.yaml"):
-        if candidate.is_file():
-            return candidate
-    names = sorted(p.stem for p in (*folder.glob("*.yaml"), *folder.glob("experiments/*.yaml")))
-    raise ConfigError(f"no packaged config {name!r}{did_you_mean(stem, names)}; packaged: "
-                      f"{', '.join(names)}")
-
-
-def packaged_configs() -> list[Path]:
-    """The run configs shipped with emdlm (accelerate launcher configs excluded)."""
-    folder = Path(__file__).parent / "configs"
-    return sorted(p for p in folder.glob("*.yaml") if not p.name.startswith("accelerate_"))
