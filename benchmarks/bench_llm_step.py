@@ -1,6 +1,6 @@
 """One training step of a Qwen2-shaped model at Qwen's vocabulary: full logits vs from hidden.
 
-Issue 11, "Benchmarks". The model is built from a transformers ``Qwen2Config`` with Qwen2-0.5B's
+The model is built from a transformers ``Qwen2Config`` with Qwen2-0.5B's
 shapes (V = 151936, H = 896, intermediate 4864, 14 heads / 2 KV heads, tied embeddings) and
 ``--layers`` decoder layers (default 2: the head and the loss dominate at this vocabulary).
 A step is forward, backward and ``torch.optim.AdamW.step()`` on a B x T batch (default 4 x 1024,

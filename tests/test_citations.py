@@ -1,6 +1,7 @@
 """The code and the documentation cite only what a reader can open: a paper and its equation,
 an upstream file or issue, a docs page. Never the project's own design notes ("GUIDE", "GUIDE
-§2") or its own issue tracker ("issue 12", "issues 8 and 10"), which a user of emdlm does not have.
+§2") or its own issue tracker ("issue 12", "issues 8 and 10", "the issue-12 fix"), which a user
+of emdlm does not have.
 
 Our own issues are written "issue N"; an upstream one names its repository and a "#":
 "ntloss issue #65", "Liger-Kernel #338", or is a URL. The first fail here, the second pass.
@@ -15,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SEARCHED = ("src", "docs", "benchmarks", "examples", "README.md")
 TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".txt", ".sh", ".cfg", ".ini"}
-INTERNAL = re.compile(r"\bGUIDE\b|\b[Ii]ssues? \d+")
+INTERNAL = re.compile(r"\bGUIDE\b|\b[Ii]ssues?[ -]\d+")
 
 
 def _files(root: Path) -> list[Path]:
@@ -49,7 +50,8 @@ def test_the_check_tells_ours_from_upstream(tmp_path: Path) -> None:
     (tmp_path / "README.md").write_text(
         "Stable preset (issue 12).\nSee GUIDE §2.1.\nScope: ntloss issue #65, Liger-Kernel #338,\n"
         "https://github.com/linkedin/Liger-Kernel/issues/338; GUIDED tour; tissue 3.\n"
-        "Issues 8 and 10.\n")
+        "Issues 8 and 10; the issue-12 fix.\n")
     (tmp_path / "docs" / "page.md").write_text("fine\n")
     assert [h.split(" in ")[0] for h in internal_citations(tmp_path)] == [
-        "README.md:1: 'issue 12'", "README.md:2: 'GUIDE'", "README.md:5: 'Issues 8'"]
+        "README.md:1: 'issue 12'", "README.md:2: 'GUIDE'", "README.md:5: 'Issues 8'",
+        "README.md:5: 'issue-12'"]
