@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from _rss import peak_rss_mib, reset_peak_rss, rss_mib
 
 ROWS = ("logits_ce", "hidden_ce", "hidden_ce_ntil", "logits_emo", "hidden_emo")
-# (row, reference row, max memory ratio, max time ratio or None): the goals.
+# (row, reference row, max memory ratio, max time ratio or None): the goals, set before the run.
 GOALS = (
     ("hidden_ce_ntil", "logits_ce", 0.5, 1.05),
     ("hidden_emo", "logits_emo", 0.5, None),
