@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest -n 2 -q tests
 
-# the fast lane: no test that starts a process, compiles or trains (marked slow; tests/test_test_lanes.py)
+# the fast lane: the tests not marked slow (none starts a process or compiles: tests/test_test_lanes.py)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -q -m "not slow" tests
 
