@@ -1,11 +1,12 @@
-# Two entry points for a fresh machine: `make demo` and `make test`.
+# Two entry points for a fresh machine: `make demo` and `make test` (the whole suite, as CI runs it;
+# `make test-fast` is the fast lane: the tests not marked slow).
 # Each creates .venv in the project root when missing and installs the pinned set (requirements.txt).
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test docs lint bench gpu-suite-quick integrations clean-venv
+.PHONY: demo test test-fast docs lint bench gpu-suite-quick integrations clean-venv
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +20,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest -n 2 -q tests
+
+# the fast lane: the tests not marked slow (none starts a process or compiles: tests/test_test_lanes.py)
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -n 2 -q -m "not slow" tests
 
 # the documentation site (mkdocs.yml) on http://127.0.0.1:8000; CI builds it with --strict
 docs: $(STAMP)

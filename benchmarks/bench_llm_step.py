@@ -1,6 +1,6 @@
 """One training step of a Qwen2-shaped model at Qwen's vocabulary: full logits vs from hidden.
 
-Issue 11, "Benchmarks". The model is built from a transformers ``Qwen2Config`` with Qwen2-0.5B's
+The model is built from a transformers ``Qwen2Config`` with Qwen2-0.5B's
 shapes (V = 151936, H = 896, intermediate 4864, 14 heads / 2 KV heads, tied embeddings) and
 ``--layers`` decoder layers (default 2: the head and the loss dominate at this vocabulary).
 A step is forward, backward and ``torch.optim.AdamW.step()`` on a B x T batch (default 4 x 1024,
@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from _rss import peak_rss_mib, reset_peak_rss, rss_mib
 
 ROWS = ("logits_ce", "hidden_ce", "hidden_ce_ntil", "logits_emo", "hidden_emo")
-# (row, reference row, max memory ratio, max time ratio or None): the issue's goals.
+# (row, reference row, max memory ratio, max time ratio or None): the goals, set before the run.
 GOALS = (
     ("hidden_ce_ntil", "logits_ce", 0.5, 1.05),
     ("hidden_emo", "logits_emo", 0.5, None),

@@ -1,6 +1,6 @@
 """The loss alone from hidden states against peer fused-linear cross-entropies (CPU).
 
-Issue 11, "Benchmarks", second item: forward + backward of the LM-head loss only (gradients
+Forward + backward of the LM-head loss only (gradients
 w.r.t. the hidden states and the head weight), N rows, H = 896, float32, at
 V in {32000, 151936, 128256}.
 

@@ -1,4 +1,5 @@
-"""Eager vs ``torch.compile(fullgraph=True)`` of one objective's chunk step (issue 37, point 3).
+"""Eager vs ``torch.compile(fullgraph=True)`` of one objective's chunk step
+(docs/results/torch_compile_cpu.md).
 
 Run: ``OMP_NUM_THREADS=2 python benchmarks/chunk_step_compile.py`` (defaults: N = 1024 rows,
 V = 32000, H = 256, backends eager, aot_eager, inductor; every objective). Quick:

@@ -22,7 +22,8 @@ whose own forward computes the loss.
 Graph breaks: ``torch._dynamo.explain`` on the whole forward + loss (model and loss in one
 function), i.e. what happens if a user compiles the training step including the loss; the
 report lists the number of graphs, the number of breaks and each distinct break reason with its
-user frame. Breaks inside the loss are acceptable (issue 11, item 3); this says where they are.
+user frame. Breaks inside the loss are acceptable (the model's graphs stay whole); this says
+where they are.
 """
 
 from __future__ import annotations

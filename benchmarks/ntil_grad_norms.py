@@ -1,6 +1,6 @@
 """Gradient-norm distribution of CE, CE + digit EMD and CE + NTIL (each term on / off) in training.
 
-Issue 12 point 7: trains a tiny GPT-2 on integer arithmetic (operands 1–5 digits, answers up to
+Trains a tiny GPT-2 on integer arithmetic (operands 1–5 digits, answers up to
 6 digits, "+" and "-") with a plain PyTorch loop (AdamW, lr 1e-3, clipping at 1.0) and records per
 step the total gradient norm *before* clipping (the value returned by ``clip_grad_norm_``), the
 loss components (CE, W·EMD, relative, magnitude, NTIL) and the mix coefficient λ·sg(CE/NTIL).
@@ -11,7 +11,7 @@ training, greedy answers on held-out problems give exact match and mean absolute
         .venv/bin/python benchmarks/ntil_grad_norms.py --tokenizer char --out runs.jsonl
 
 ``--legacy`` builds the number losses with the settings that reproduce the NTIL of before the
-issue-12 fix (no cap on the mix ratio, W·EMD averaged over tokens, magnitude smoothed by one
+stable preset (no cap on the mix ratio, W·EMD averaged over tokens, magnitude smoothed by one
 unit only): the "before" column of docs/results/ntil_grad_norms.md. Variants:
 
 * ``ce``: cross-entropy alone.

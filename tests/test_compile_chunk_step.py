@@ -42,8 +42,6 @@ from emdlm.ops.chunked import ChunkObjective, HeadOptions, _Pass
 from emdlm.ops.emo_dense_chunked import EMODistillObjective
 from emdlm.ops.from_hidden import NTILObjective
 
-pytestmark = needs_dynamo
-
 TOKENS = (
     [str(d) for d in range(10)]
     + [f"Ġ{d}" for d in range(10)]
@@ -202,6 +200,8 @@ def _cases() -> list[Any]:
     return params
 
 
+@needs_dynamo
+@pytest.mark.slow
 @pytest.mark.parametrize(("case", "path", "dtype", "with_grad"), _cases())
 def test_chunk_step_compiles_fullgraph_and_equals_eager(
     case: str, path: str, dtype: torch.dtype, with_grad: bool
@@ -248,6 +248,8 @@ def _breaks(objective: ChunkObjective, run: _Pass, z: torch.Tensor, out: torch.T
     return torch._dynamo.explain(step)(z, out)
 
 
+@needs_dynamo
+@pytest.mark.slow
 def test_chunk_step_graph_has_no_break() -> None:
     """One chunk step per objective and path: one graph, no break (the reasons otherwise)."""
     labels = _labels()
@@ -263,6 +265,8 @@ def test_chunk_step_graph_has_no_break() -> None:
             assert explained.graph_count == 1, (case, path)
 
 
+@needs_dynamo
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["logits", "hidden"])
 def test_benchmark_script_runs(path: str) -> None:
     """``benchmarks/chunk_step_compile.py`` (the timing table of docs/results/torch_compile_cpu.md)

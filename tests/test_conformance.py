@@ -380,6 +380,7 @@ class _Graphs:
 
 
 @needs_dynamo
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["logits", "from_hidden"])
 @pytest.mark.parametrize("name", list(SPECS))
 def test_compiled_equals_eager(name: str, where: str) -> None:

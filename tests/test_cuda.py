@@ -432,6 +432,7 @@ def _step(m: nn.Module, loss_fn: nn.Module, ids: torch.Tensor, path: str) -> tor
 
 @cuda
 @needs_dynamo
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "path"), [("ce", "logits"), ("ntil", "logits"),
                                             ("ce", "hidden"), ("emo", "hidden")])
 def test_compiled_training_matches_eager_on_device(

@@ -44,6 +44,7 @@ def test_every_bash_block_runs(tmp_path, index):
         assert summary["global_step"] == 3
 
 
+@pytest.mark.slow
 def test_the_reader_block_runs_on_the_documented_layout(tmp_path):
     from PIL import Image
 

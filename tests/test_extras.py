@@ -212,6 +212,7 @@ print("core ok")
 """
 
 
+@pytest.mark.slow
 def test_the_losses_need_no_extra() -> None:
     """README: without extras (torch and numpy only) the losses run on your own logits."""
     import subprocess
@@ -222,6 +223,7 @@ def test_the_losses_need_no_extra() -> None:
     assert proc.returncode == 0 and "core ok" in proc.stdout, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_the_emdlm_command_without_train_is_one_line() -> None:
     """The console script without the [train] extra (typer, pyyaml): one line, exit 2."""
     import subprocess

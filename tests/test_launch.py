@@ -177,6 +177,7 @@ print("still running after close_process_group")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("finished", [True, False])
 def test_close_process_group_ends_a_finished_process_and_lets_an_error_propagate(
     tmp_path, finished

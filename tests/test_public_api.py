@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import emdlm
 
 
@@ -13,6 +15,7 @@ def test_every_exported_name_resolves() -> None:
         assert getattr(emdlm, name) is not None, name
 
 
+@pytest.mark.slow
 def test_import_does_not_pull_transformers() -> None:
     code = "import sys, emdlm; print('transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -28,7 +28,7 @@ TOKENS = [str(d) for d in range(10)] + [f"Ġ{d}" for d in range(10)] + ["a", "b"
 V = len(TOKENS) + 3
 
 
-pytestmark = needs_dynamo
+pytestmark = [needs_dynamo, pytest.mark.slow]
 # inductor compiles CPU kernels with a C++ compiler; the "eager" backend needs none
 needs_inductor = pytest.mark.skipif(
     not any(shutil.which(c) for c in ("c++", "g++", "clang++")),

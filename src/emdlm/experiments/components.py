@@ -1,10 +1,11 @@
 """The training-loss components of a grid's runs (their ``train_log.jsonl``), early vs late.
 
-Issue 9 asks, when a numeric objective helps early and costs late, *why*: which term dominates
-at the end, how the dynamic mix coefficient moves, how the CE component itself falls. Every
-emdlm objective logs its components each step (``ce``, ``emd``, ``relative``, ``magnitude``,
-``ntil``, ``mix_coef``, EMO's ``emo`` ...); this module averages each one over three windows of
-the run, the first, middle and last tenth of its logged steps, per seed and then over seeds.
+When a numeric objective helps early and costs late, the components say why: which term
+dominates at the end, how the dynamic mix coefficient moves, how the CE component itself
+falls. Every emdlm objective logs its components each step (``ce``, ``emd``, ``relative``,
+``magnitude``, ``ntil``, ``mix_coef``, EMO's ``emo`` ...); this module averages each one over
+three windows of the run, the first, middle and last tenth of its logged steps, per seed and
+then over seeds.
 """
 
 from __future__ import annotations

@@ -241,11 +241,6 @@ def read_grid(cells: Iterable[Cell]) -> GridRead:
     return out
 
 
-def collect_rows(cells: Iterable[Cell]) -> list[Row]:
-    """The rows of every finished cell whose outputs are whole (:func:`read_grid`)."""
-    return read_grid(cells).rows
-
-
 def write_csv(rows: Sequence[Row], path: Path) -> None:
     """results.csv, written whole (temporary file renamed into place). Built in memory and
     written as bytes: the csv module ends rows with CRLF itself, which a text-mode file would

@@ -81,7 +81,6 @@ class CellOutcome:
 
     key: str
     status: str
-    wall_s: float = 0.0
     error: str = ""
     log: str = ""
 
@@ -202,7 +201,7 @@ def run_cell(cell: Cell) -> CellOutcome:
         except (CellInUseError, ConfigError) as err:  # held, or its lock file not a plain file
             return CellOutcome(cell.key, "failed", error=str(err))
         except OSError as err:  # no folder: nowhere to write error.txt either
-            return CellOutcome(cell.key, "failed", 0.0, f"cannot create {cell.folder}: {err}")
+            return CellOutcome(cell.key, "failed", error=f"cannot create {cell.folder}: {err}")
         _cell_running.set()
         try:
             with cell_console(cell.key):
@@ -226,7 +225,7 @@ def _run_cell(cell: Cell) -> CellOutcome:
         ledger = WallLedger(cell.folder, resumed=resumed)
         ledger.write()  # the first write fails here, not in the heartbeat thread
     except OSError as err:  # no folder: nowhere to write error.txt either
-        return CellOutcome(cell.key, "failed", 0.0, f"cannot create {cell.folder}: {err}")
+        return CellOutcome(cell.key, "failed", error=f"cannot create {cell.folder}: {err}")
     try:
         with ledger:
             summary = _train(cell)
@@ -242,13 +241,12 @@ def _run_cell(cell: Cell) -> CellOutcome:
             "wall_complete": ledger.complete, "train_summary": summary,
         }
         write_whole(done, json.dumps(record, indent=2, default=str) + "\n")
-        return CellOutcome(cell.key, "done", ledger.this_s)
+        return CellOutcome(cell.key, "done")
     except Exception as err:  # a failed cell is recorded and the grid goes on
         if _is_interrupt(err):
             raise  # Ctrl-C stops the grid; its checkpoint lets the next invocation resume
         write_whole(cell.folder / ERROR_FILE, traceback.format_exc())
-        return CellOutcome(cell.key, "failed", ledger.this_s,
-                           f"{type(err).__name__}: {err}")
+        return CellOutcome(cell.key, "failed", error=f"{type(err).__name__}: {err}")
 
 
 def _is_interrupt(err: BaseException) -> bool:

@@ -18,8 +18,8 @@ Conventions (relied on by ``emdlm eval`` and every task kind):
   not in lowest terms is accepted. Pass ``numeric=False`` for string equality only.
 * **Relative error**: ``|p - r| / max(|r|, eps)`` with ``eps = 1`` by default, i.e. the scale
   is floored at 1 so that references at or near 0 do not dominate the mean (the same device
-  as the ``+1`` in the denominators of xfey/NTIL's ntil.py). Pass ``eps=1e-12`` for the plain
-  relative error.
+  as the ``+1`` in the denominators of the official NTIL code, github.com/xfey/NTIL
+  ``ntil.py``). Pass ``eps=1e-12`` for the plain relative error.
 * **Parse failures** of predictions are counted (``parse_failure_rate``) and left out of the
   error means; unparseable *references* raise ``ValueError`` (a data bug, never hidden).
 """

@@ -1,6 +1,6 @@
 """English text tasks from the corpora that ship offline in gensim's ``gensim/test/test_data``.
 
-Corpora (``corpora`` parameter; GUIDE §2.1):
+Corpora (``corpora`` parameter; the files of gensim 4.4's ``gensim/test/test_data``):
 
 * ``"wiki"``: the shortened English Wikipedia dump
   (``enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2``): the article pages

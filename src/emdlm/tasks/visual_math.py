@@ -27,7 +27,7 @@ texts, None for free form), "answer_type": "integer", "question_type": "free_for
 "multi_choice", "number_scope", "subtask", "figure" (the drawn values)}``. ``number_scope`` is
 "all" for free-form rows and ``"regex:(?!)"`` (never matches) for multiple choice, so the
 numeric objectives (digit EMD, NTIL) score free-form numeric answers only: an option letter is
-no quantity (issue 39, :mod:`emdlm.data`).
+no quantity (:mod:`emdlm.data`).
 
 Difficulty knobs: ``subtasks`` (``bar_value`` alone is the easiest), ``n_bars``,
 ``value_labels`` (off: the height must be read against the grid), ``max_value``, ``noise``,

@@ -51,7 +51,7 @@ DEMO_TASKS = {
     "visual_math": "visual math (numbers read off rendered bar charts) with the tiny VLM "
                    "(tiny-qwen2-vl)",
 }
-# numeric error first (GUIDE §2: exact match swings between seeds)
+# numeric error first (exact match swings between seeds: docs/results/arithmetic_objectives.md)
 METRIC_ORDER = (
     "abs_error_mean", "abs_error_median", "rel_error_mean", "rel_error_median", "exact_match",
     "hour_accuracy", "minute_accuracy", "time_gap_mean_worst",

@@ -1,7 +1,7 @@
 """A schedule for λ, the weight of the numeric term in CE + λ·(...)·NTIL, over training.
 
-Issue 9 asks what keeps a numeric objective's early gain without a late cost; one candidate is
-to anneal the numeric term. With progress p = step / max_steps in [0, 1] and λ₀ the objective's
+What keeps a numeric objective's early gain without a late cost? One candidate is to
+anneal the numeric term. With progress p = step / max_steps in [0, 1] and λ₀ the objective's
 own ``lam`` (``objective.params.lam`` or its preset's):
 
     constant:  λ(p) = λ₀
