@@ -119,8 +119,8 @@ def run(
     """(loss, gradient of the logits with grad_output 2, components); ``teacher`` is sliced to
     the logits' shape and passed to an objective that ``needs_teacher``."""
     x = logits.clone().requires_grad_()
-    extra = (teacher[: x.shape[0], : x.shape[1]].to(x.dtype),) if fn.needs_teacher else ()
-    out = fn(x, labels, *extra)
+    extra = {"teacher_logits": teacher[: x.shape[0], : x.shape[1]].to(x.dtype)}
+    out = fn(x, labels, **(extra if fn.needs_teacher else {}))
     (2 * out.loss).backward()
     return out.loss.detach(), x.grad, {k: float(v) for k, v in out.components.items()}
 
@@ -398,8 +398,8 @@ def test_compiled_equals_eager(name: str, where: str) -> None:
         z = torch.sin(h)
         if where == "from_hidden":
             return fn.from_hidden(z[:, :-1], w, LABELS, chunk_size=5).loss
-        extra = (teacher,) if fn.needs_teacher else ()
-        return fn((z @ w.T)[:, :-1], LABELS, *extra).loss
+        extra = {"teacher_logits": teacher} if fn.needs_teacher else {}
+        return fn((z @ w.T)[:, :-1], LABELS, **extra).loss
 
     results = []
     backend = _Graphs()

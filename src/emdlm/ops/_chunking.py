@@ -29,9 +29,6 @@ from typing import Literal
 
 import torch
 
-from emdlm.functional._common import check_reduction
-from emdlm.functional.emo import check_emo_options
-
 EMOMode = Literal["emo1", "emo2", "static"]
 MODES: tuple[str, ...] = ("emo1", "emo2", "static")
 
@@ -53,12 +50,6 @@ class ChunkSums:
     def zeros(cls, device: torch.device, dtype: torch.dtype) -> ChunkSums:
         z = torch.zeros((), device=device, dtype=dtype)
         return cls(loss=z.clone(), ce=z.clone(), demd=z.clone())
-
-
-def check_mode(mode: str, reduction: str, mu: float = 1.0, max_ratio: float | None = None) -> None:
-    """Same option rules as the reference (``emdlm.functional.emo.check_emo_options``)."""
-    check_emo_options(mode, mu, max_ratio)
-    check_reduction(reduction)
 
 
 def check_chunk_size(chunk_size: int) -> None:
