@@ -72,7 +72,8 @@ class ComputeLoss:
     by name.
 
     Args:
-        loss_fn: module called as ``loss_fn(logits [B, T-1, V], labels [B, T-1])`` returning a
+        loss_fn: module called as ``loss_fn(logits [B, T-1, V], labels [B, T-1], **kw)`` (``kw``:
+            ``number_mask`` / ``teacher_logits`` where the batch has them) returning a
             LossOutput whose ``loss`` is a sum over scored tokens; its ``reduction`` must be
             ``"sum"`` (checked here and at every call: :func:`require_sum_reduction`).
         ignore_index: label value that is not scored.

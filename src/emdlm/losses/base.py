@@ -267,8 +267,23 @@ def check_declared_params(cls: type, args: tuple[Any, ...], kwargs: dict[str, An
         raise ValueError(f"{cls.__name__}: {'; '.join(problems)}")
 
 
-def _refuse_from_hidden(self: EMDLMLoss, *args: Any, **kwargs: Any) -> LossOutput:
-    """``from_hidden`` of a loss that declares ``has_from_hidden = False``: refuses by name."""
+def _refuse_from_hidden(
+    self: EMDLMLoss,
+    hidden: Any = None,
+    lm_head_weight: Any = None,
+    labels: Any = None,
+    lm_head_bias: Any = None,
+    *,
+    number_mask: Any = None,
+    teacher_logits: Any = None,
+    loss_weights: Any = None,
+    logit_scale: Any = None,
+    softcap: Any = None,
+    chunk_size: Any = None,
+    **options: Any,
+) -> LossOutput:
+    """``from_hidden`` of a loss that declares ``has_from_hidden = False`` (the one signature,
+    :meth:`EMDLMLoss.from_hidden`): refuses by name."""
     raise NotImplementedError(
         f"{type(self).__name__} has no from-hidden path (has_from_hidden is False): use the "
         "logits path (from_hidden=False, train.fused_linear: false)"

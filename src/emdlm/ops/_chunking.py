@@ -155,7 +155,7 @@ def emo_chunk(
 ) -> torch.Tensor | None:
     """Process one chunk: add its sums to ``sums``; return d(loss)/dz in ``q_out`` if asked.
 
-    The per-chunk function of :class:`emdlm.ops.from_hidden.EMOObjective` (the chunked-loss
+    The per-chunk function of :class:`emdlm.ops.objectives.emo.EMOObjective` (the chunked-loss
     engine's EMO). The caller owns every [n, V] buffer, so a call allocates nothing of size V
     (on CPU a fresh large tensor costs page faults comparable to an elementwise pass; reusing
     buffers across chunks avoids them). Passes over [n, V]: log-softmax, exp, the S matmul,
