@@ -74,7 +74,7 @@ def _reference(model, loss_fn, batch, teacher=None) -> torch.Tensor:
     labels = batch["labels"][:, 1:]
     if teacher is not None:
         t = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        out = loss_fn(logits[:, :-1], labels, t[:, :-1])
+        out = loss_fn(logits[:, :-1], labels, teacher_logits=t[:, :-1])
     else:
         out = loss_fn(logits[:, :-1], labels, number_mask=batch["number_mask"][:, 1:])
     return out.loss / (labels != -100).sum()

@@ -129,7 +129,7 @@ def mode_coefficients(
         a = torch.ones_like(ce)
         b = torch.full_like(ce, float(mu))
         value = ce + mu * demd
-    else:  # pragma: no cover - guarded by check_mode
+    else:  # pragma: no cover - the loss checks the mode at construction (check_emo_options)
         raise ValueError(f"unknown mode {mode!r}")
     return (
         torch.where(valid, a, zero),
