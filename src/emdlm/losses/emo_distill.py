@@ -9,7 +9,7 @@ Formulas and sources: :mod:`emdlm.functional.emo_dense`.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,9 +30,7 @@ from emdlm.functional.emo_dense import (
     kl_distill_loss,
 )
 from emdlm.losses.base import EMDLMLoss
-from emdlm.losses.emo import check_implementation, cost_embedding_from
-
-Implementation = Literal["chunked", "reference"]
+from emdlm.losses.emo import Implementation, check_implementation, cost_embedding_from
 
 
 class EMODistillLoss(EMDLMLoss):

@@ -25,12 +25,10 @@ import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-EMOMode = Literal["emo1", "emo2", "static"]
-MODES: tuple[str, ...] = ("emo1", "emo2", "static")
+from emdlm.functional.emo import EMOMode
 
 # The official codes' guard: sg(CE / (DEMD + 1e-10)) and sg(DEMD / (CE + 1e-10)), with DEMD clamped
 # at 0 first (as in emdlm.functional.emo.mix_emo): finite everywhere, and a term whose value is 0
