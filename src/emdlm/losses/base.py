@@ -65,7 +65,8 @@ class EMDLMLoss(nn.Module):
     """Base class of every emdlm loss: the declarations above, with their defaults, and the one
     ``from_hidden``.
 
-    A subclass sets ``reduction`` and ``ignore_index`` in ``__init__``, implements ``forward``
+    A subclass sets ``reduction`` and ``ignore_index`` in ``__init__``, implements
+    :meth:`logits_loss` (``forward``, the one call signature, checks the keywords and calls it)
     and, when ``has_from_hidden`` (the default), :meth:`chunk_objective`: the per-chunk function
     of :mod:`emdlm.ops.chunked` that ``from_hidden`` runs on the LM head's rows. A class that
     declares ``has_from_hidden = False`` gets a ``from_hidden`` that refuses by name.
@@ -98,10 +99,23 @@ class EMDLMLoss(nn.Module):
         number_mask: torch.Tensor | None = None,
         teacher_logits: torch.Tensor | None = None,
         loss_weights: torch.Tensor | None = None,
+        **options: Any,
     ) -> LossOutput:
-        """The loss of ``logits`` [..., V] against ``labels`` [...] (aligned, no shift inside);
-        the keywords as the module docstring says (:meth:`check_call`)."""
-        raise NotImplementedError(f"{type(self).__name__} implements no forward")
+        """The loss of ``logits`` [..., V] against ``labels`` [...] (aligned, no shift inside):
+        the keywords checked against the declarations (:meth:`check_call`), then
+        :meth:`logits_loss` with those the loss declares and its own ``options``."""
+        self.check_call(number_mask, teacher_logits, loss_weights)
+        if self.takes_number_mask:
+            options["number_mask"] = number_mask
+        if self.needs_teacher:
+            options["teacher_logits"] = teacher_logits
+        return self.logits_loss(logits, labels, **options)
+
+    def logits_loss(self, logits: torch.Tensor, labels: torch.Tensor, **given: Any) -> LossOutput:
+        """What a subclass implements: the loss of given logits, with ``number_mask=`` when it
+        declares ``takes_number_mask``, ``teacher_logits=`` (never None) when it declares
+        ``needs_teacher``, and its own keywords (NTIL's ``generator=``)."""
+        raise NotImplementedError(f"{type(self).__name__} implements no logits_loss")
 
     def check_call(
         self,

@@ -82,16 +82,7 @@ class CrossEntropyLoss(EMDLMLoss):
         self.z_loss = float(z_loss)
         self.token_accuracy = bool(token_accuracy)
 
-    def forward(
-        self,
-        logits: torch.Tensor,
-        labels: torch.Tensor,
-        *,
-        number_mask: torch.Tensor | None = None,
-        teacher_logits: torch.Tensor | None = None,
-        loss_weights: torch.Tensor | None = None,
-    ) -> LossOutput:
-        self.check_call(number_mask, teacher_logits, loss_weights)
+    def logits_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> LossOutput:
         check_logits_labels(logits, labels, self.ignore_index)
         flat_logits = logits.reshape(-1, logits.shape[-1]).to(compute_dtype(logits.dtype))
         flat_labels = labels.reshape(-1).long()  # [N]

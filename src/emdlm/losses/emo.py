@@ -156,16 +156,7 @@ class EMOLoss(EMDLMLoss):
             return "chunked"
         return "reference"
 
-    def forward(
-        self,
-        logits: torch.Tensor,
-        labels: torch.Tensor,
-        *,
-        number_mask: torch.Tensor | None = None,
-        teacher_logits: torch.Tensor | None = None,
-        loss_weights: torch.Tensor | None = None,
-    ) -> LossOutput:
-        self.check_call(number_mask, teacher_logits, loss_weights)
+    def logits_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> LossOutput:
         if self.resolved_implementation(logits) == "chunked":
             # Lazy import: the engine is loaded on first use, not with emdlm.losses.
             from emdlm.ops.chunked import HeadOptions, chunked_logits_loss

@@ -104,17 +104,9 @@ class EMODistillLoss(EMDLMLoss):
         teacher's)."""
         return cls(cost_embedding_from(model), **kwargs)
 
-    def forward(
-        self,
-        logits: torch.Tensor,
-        labels: torch.Tensor,
-        *,
-        number_mask: torch.Tensor | None = None,
-        teacher_logits: torch.Tensor | None = None,
-        loss_weights: torch.Tensor | None = None,
+    def logits_loss(
+        self, logits: torch.Tensor, labels: torch.Tensor, *, teacher_logits: torch.Tensor
     ) -> LossOutput:
-        self.check_call(number_mask, teacher_logits, loss_weights)
-        assert teacher_logits is not None  # check_call: needs_teacher
         cost = self.cost_embedding_normalized
         impl = self.implementation or ("chunked" if logits.requires_grad else "reference")
         if impl == "chunked":
@@ -181,17 +173,9 @@ class KLDistillLoss(EMDLMLoss):
         self.ignore_index = ignore_index
         self.reduction = reduction
 
-    def forward(
-        self,
-        logits: torch.Tensor,
-        labels: torch.Tensor,
-        *,
-        number_mask: torch.Tensor | None = None,
-        teacher_logits: torch.Tensor | None = None,
-        loss_weights: torch.Tensor | None = None,
+    def logits_loss(
+        self, logits: torch.Tensor, labels: torch.Tensor, *, teacher_logits: torch.Tensor
     ) -> LossOutput:
-        self.check_call(number_mask, teacher_logits, loss_weights)
-        assert teacher_logits is not None  # check_call: needs_teacher
         return kl_distill_loss(
             logits, teacher_logits, labels, alpha=self.alpha, temperature=self.temperature,
             ignore_index=self.ignore_index, reduction=self.reduction,

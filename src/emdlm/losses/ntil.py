@@ -332,14 +332,12 @@ class NTILLoss(NumericLoss):
         )
         return objective, labels
 
-    def forward(
+    def logits_loss(
         self,
         logits: torch.Tensor,
         labels: torch.Tensor,
         *,
         number_mask: torch.Tensor | None = None,
-        teacher_logits: torch.Tensor | None = None,
-        loss_weights: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
     ) -> LossOutput:
         """The loss of ``logits`` [..., T, V] against ``labels`` [..., T] (class docstring).
@@ -349,7 +347,6 @@ class NTILLoss(NumericLoss):
         are True; tokens outside the mask are non-number tokens there. CE is computed on every
         counted label either way. ``generator`` draws this call's Gumbel noise.
         """
-        self.check_call(number_mask, teacher_logits, loss_weights)
         settings = self.settings
         use_fused = (
             self.implementation == "fused" and logits.requires_grad and torch.is_grad_enabled()

@@ -108,14 +108,8 @@ class _NTLBase(NumericLoss):
         )
         return draft, vocab, labels
 
-    def forward(
-        self,
-        logits: torch.Tensor,
-        labels: torch.Tensor,
-        *,
-        number_mask: torch.Tensor | None = None,
-        teacher_logits: torch.Tensor | None = None,
-        loss_weights: torch.Tensor | None = None,
+    def logits_loss(
+        self, logits: torch.Tensor, labels: torch.Tensor, *, number_mask: torch.Tensor | None = None
     ) -> LossOutput:
         """CE + λ·NTL of ``logits`` [..., V] against ``labels`` [...] (aligned, no shift).
 
@@ -123,7 +117,6 @@ class _NTLBase(NumericLoss):
         if all its number tokens are True (:func:`emdlm.numbers.find_number_spans`); CE is taken
         on every counted label. One host sync (sizes and the label-range check).
         """
-        self.check_call(number_mask, teacher_logits, loss_weights)
         draft, vocab, labels = self._draft(logits, labels, number_mask)
         spans, candidates = resolve_with_width(draft, vocab)
         return ntl_loss(logits, labels, spans, candidates, self.settings)

@@ -58,16 +58,7 @@ class TaiLrLoss(EMDLMLoss):
         self.ignore_index = ignore_index
         self.reduction = reduction
 
-    def forward(
-        self,
-        logits: torch.Tensor,
-        labels: torch.Tensor,
-        *,
-        number_mask: torch.Tensor | None = None,
-        teacher_logits: torch.Tensor | None = None,
-        loss_weights: torch.Tensor | None = None,
-    ) -> LossOutput:
-        self.check_call(number_mask, teacher_logits, loss_weights)
+    def logits_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> LossOutput:
         return tailr_loss(
             logits,
             labels,
