@@ -13,7 +13,8 @@ import torch
 
 from emdlm.functional.ntil import ClassCandidates, class_candidates
 from emdlm.numbers import NumberSpans, NumberVocab, SpanDraft
-from emdlm.ops.chunked import counts_before
+from emdlm.ops.chunked import ChunkOut, counts_before
+from emdlm.ops.objectives.ce import WeightedCEObjective
 
 
 class CandidateLogits:
@@ -100,4 +101,26 @@ class CandidateLogits:
         return uniq, col
 
 
-__all__ = ["CandidateLogits"]
+class CandidateCEObjective(WeightedCEObjective):
+    """CE per chunk that first copies the chunk's number-token candidate logits into
+    :attr:`kept` (a :class:`CandidateLogits`, before CE may overwrite z): the base of the NTIL
+    and NTL objectives, which add their terms on those logits."""
+
+    def __init__(self, draft: SpanDraft, vocab: NumberVocab) -> None:
+        super().__init__()
+        self.kept = CandidateLogits(draft, vocab)
+
+    def chunk(
+        self,
+        z: torch.Tensor,
+        out: torch.Tensor,
+        labels: torch.Tensor,
+        valid: torch.Tensor,
+        start: int,
+        grad_scale: torch.Tensor | None,
+    ) -> ChunkOut:
+        self.kept.keep(z, start)
+        return super().chunk(z, out, labels, valid, start, grad_scale)
+
+
+__all__ = ["CandidateCEObjective", "CandidateLogits"]

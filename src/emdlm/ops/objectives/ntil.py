@@ -3,7 +3,7 @@
 NTIL (Fei et al., ACL 2025, Eq. 1–4; xfey/NTIL ntil.py): CE per chunk
 (:class:`emdlm.ops.objectives.ce.WeightedCEObjective`), and the [M, K] class-candidate logits
 of the number positions copied out of each chunk's z
-(:class:`emdlm.ops.objectives.candidates.CandidateLogits`). After the pass the NTIL terms are
+(:class:`emdlm.ops.objectives.candidates.CandidateCEObjective`). After the pass the NTIL terms are
 computed on that small tensor (:func:`emdlm.functional.ntil.ntil_terms` on a float64 leaf,
 :func:`~emdlm.functional.ntil.mix_coefficient` with the global CE mean), and their gradient
 goes back on those logits only (:class:`emdlm.ops.chunked.SparseLogitGrad`):
@@ -22,12 +22,11 @@ import torch
 
 from emdlm.functional.ntil import NTILSettings, mix_coefficient, ntil_terms, sample_noise
 from emdlm.numbers import NumberVocab, SpanDraft
-from emdlm.ops.chunked import ChunkOut, Finish, SparseLogitGrad
-from emdlm.ops.objectives.candidates import CandidateLogits
-from emdlm.ops.objectives.ce import WeightedCEObjective
+from emdlm.ops.chunked import Finish, SparseLogitGrad
+from emdlm.ops.objectives.candidates import CandidateCEObjective
 
 
-class NTILObjective(WeightedCEObjective):
+class NTILObjective(CandidateCEObjective):
     """CE per chunk plus NTIL (or digit EMD) on the kept [M, K] class-candidate logits.
 
     Args:
@@ -50,8 +49,7 @@ class NTILObjective(WeightedCEObjective):
         settings: NTILSettings,
         generator: torch.Generator | None = None,
     ) -> None:
-        super().__init__()
-        self.kept = CandidateLogits(draft, vocab)
+        super().__init__(draft, vocab)
         self.n_rows, self.settings, self.generator = n_rows, settings, generator
         self.noise: torch.Tensor | None = None
 
@@ -65,18 +63,6 @@ class NTILObjective(WeightedCEObjective):
         self.kept.begin(starts, sizes)
         assert self.kept.candidates is not None
         self.noise = sample_noise(self.kept.candidates, self.settings, self.generator)
-
-    def chunk(
-        self,
-        z: torch.Tensor,
-        out: torch.Tensor,
-        labels: torch.Tensor,
-        valid: torch.Tensor,
-        start: int,
-        grad_scale: torch.Tensor | None,
-    ) -> ChunkOut:
-        self.kept.keep(z, start)  # before CE may overwrite z
-        return super().chunk(z, out, labels, valid, start, grad_scale)
 
     def finish(self, stats: torch.Tensor, count: torch.Tensor, want_grad: bool) -> Finish:
         kept, settings = self.kept, self.settings

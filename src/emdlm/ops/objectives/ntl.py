@@ -25,9 +25,9 @@ from emdlm.functional.ntl import (
     worst_distance,
 )
 from emdlm.numbers import NumberVocab, SpanDraft
-from emdlm.ops.chunked import ChunkOut, Finish, SparseLogitGrad
-from emdlm.ops.objectives.candidates import CandidateLogits
-from emdlm.ops.objectives.ce import RowTerms, WeightedCEObjective
+from emdlm.ops.chunked import Finish, SparseLogitGrad
+from emdlm.ops.objectives.candidates import CandidateCEObjective
+from emdlm.ops.objectives.ce import RowTerms
 
 
 def token_ntl_with_grad(
@@ -69,13 +69,13 @@ def token_ntl_with_grad(
     return ell, grad_c, (worst - base) * mass, mass
 
 
-class NTLObjective(WeightedCEObjective):
+class NTLObjective(CandidateCEObjective):
     """CE per chunk plus ntloss's NTL (:mod:`emdlm.functional.ntl`): CE + λ·Σℓ/D.
 
     Built from the labels' :class:`emdlm.numbers.SpanDraft`: the span sizes, the widest class
     and n (counted labels, for D) are read in the engine's one host sync of the call
     (:meth:`host_sizes`); the candidate logits of the number positions are copied out of each
-    chunk (:class:`~emdlm.ops.objectives.candidates.CandidateLogits`).
+    chunk (:class:`~emdlm.ops.objectives.candidates.CandidateCEObjective`).
 
     * level "token": ℓ_m depends on its own row only (its candidates' logits and lse), so it is
       added in the chunk (:meth:`_row_terms`), value and gradient in closed form
@@ -92,8 +92,7 @@ class NTLObjective(WeightedCEObjective):
     """
 
     def __init__(self, draft: SpanDraft, vocab: NumberVocab, settings: NTLSettings) -> None:
-        super().__init__()
-        self.kept = CandidateLogits(draft, vocab)
+        super().__init__(draft, vocab)
         self.ntl = settings
         self.n_stats = 6 if settings.level == "token" else 4
         self.n_counted = 0
@@ -129,18 +128,6 @@ class NTLObjective(WeightedCEObjective):
             gold = values.gather(1, spans.gold_column.unsqueeze(1)).squeeze(1)  # [M]
             worst = REWEIGH_FACTOR * worst_distance(candidates, unit, settings.loss)
             self.token_tables = (values, gold, worst)
-
-    def chunk(
-        self,
-        z: torch.Tensor,
-        out: torch.Tensor,
-        labels: torch.Tensor,
-        valid: torch.Tensor,
-        start: int,
-        grad_scale: torch.Tensor | None,
-    ) -> ChunkOut:
-        self.kept.keep(z, start)  # before CE may overwrite z
-        return super().chunk(z, out, labels, valid, start, grad_scale)
 
     def _row_terms(
         self, lse: torch.Tensor, valid: torch.Tensor, start: int
