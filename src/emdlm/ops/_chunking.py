@@ -51,6 +51,7 @@ class ChunkSums:
 
 
 def check_chunk_size(chunk_size: int) -> None:
+    """ValueError unless ``chunk_size`` (rows per chunk) is a positive int."""
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
 

@@ -85,7 +85,7 @@ from emdlm.functional._common import (
     compute_dtype,
     label_range_error,
 )
-from emdlm.ops._chunking import row_chunks
+from emdlm.ops._chunking import check_chunk_size, row_chunks
 from emdlm.ops._compile import eager_under_compile
 from emdlm.ops._handover import hand_over_gradients
 
@@ -235,10 +235,8 @@ class HeadOptions:
 def check_head_options(options: HeadOptions) -> None:
     """Clear errors for bad head options."""
     check_reduction(options.reduction)
-    if options.chunk_size is not None and (
-        not isinstance(options.chunk_size, int) or options.chunk_size < 1
-    ):
-        raise ValueError(f"chunk_size must be a positive int or None, got {options.chunk_size!r}")
+    if options.chunk_size is not None:
+        check_chunk_size(options.chunk_size)
     for name in ("logit_scale", "softcap"):
         value = getattr(options, name)
         if value is not None and not (0 < float(value) < float("inf")):
