@@ -159,7 +159,8 @@ class EMDLMLoss(nn.Module):
                 for the vocabulary size, shape, dtype and device only).
             labels: [...] integer labels aligned with ``logits``.
             options: the loss's own keywords of a call (``number_mask=`` for the losses that
-                declare ``takes_number_mask``, ``generator=`` for NTIL's Gumbel noise); a loss
+                declare ``takes_number_mask``, ``teacher_logits=`` for those that declare
+                ``needs_teacher``, ``generator=`` for NTIL's Gumbel noise); a loss
                 that takes none refuses them (TypeError).
 
         Returns:
@@ -220,6 +221,8 @@ class EMDLMLoss(nn.Module):
         stand_in = stand_in_logits(hidden, lm_head_weight.shape[0])
         if number_mask is not None:
             options["number_mask"] = number_mask
+        if self.needs_teacher:  # a distilling loss with a from-hidden path reads them there
+            options["teacher_logits"] = teacher_logits
         objective, labels = self.chunk_objective(stand_in, labels, **options)
         if chunk_size is None:
             chunk_size = self.from_hidden_chunk_rows(lm_head_weight.shape[0])
