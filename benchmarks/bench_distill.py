@@ -7,7 +7,7 @@ are given, detached, and not timed: a teacher forward costs the same for every o
     kl_torch      0.5·F.cross_entropy + 0.5·KL(p ‖ q) written with torch ops (F.kl_div)
     kl_distill    emdlm KLDistillLoss (the same CE + KL, plain autograd)
     emo_ref       emdlm.functional.emo_dense.emo_distill_loss (KL + DEMD, plain autograd)
-    emo_chunked   emdlm.ops.emo_dense_chunked.emo_distill_loss_chunked (KL + DEMD, chunked)
+    emo_chunked   EMODistillLoss(implementation="chunked") (KL + DEMD, its chunk objective)
     emo_chunked_none  the chunked path with base="none" (DEMD alone)
 
 Every case runs in a fresh subprocess; time is the median over ``--reps`` after ``--warmup``
@@ -43,7 +43,7 @@ MiB = 2**20
 def build_case(case: str, args: argparse.Namespace, vocab: int) -> Callable[[], None]:
     """Inputs for ``case`` and a closure running forward + backward."""
     from emdlm.functional.emo_dense import emo_distill_loss, kl_distill_loss
-    from emdlm.ops.emo_dense_chunked import emo_distill_loss_chunked
+    from emdlm.losses.emo_distill import EMODistillLoss
 
     device, n = args.device, args.n
     gen = torch.Generator(device=device).manual_seed(0)
@@ -68,9 +68,10 @@ def build_case(case: str, args: argparse.Namespace, vocab: int) -> Callable[[], 
         if case == "emo_ref":
             return emo_distill_loss(logits, teacher, labels, e_hat).loss
         base = "none" if case == "emo_chunked_none" else "kl"
-        return emo_distill_loss_chunked(
-            logits, teacher, labels, e_hat, base=base, chunk_size=args.chunk_size
-        ).loss
+        loss_fn = EMODistillLoss(
+            e_hat, base=base, chunk_size=args.chunk_size, implementation="chunked"
+        )
+        return loss_fn(logits, labels, teacher_logits=teacher).loss
 
     def run() -> None:
         logits.grad = None

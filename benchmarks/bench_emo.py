@@ -5,15 +5,16 @@ Cases (forward + backward unless noted), at N positions, vocabulary V, cost widt
     ce              F.cross_entropy on given logits [N, V]                       (the baseline)
     ref             emdlm.functional.emo.emo_loss (plain autograd, gathered ê_y)
     official        emoloss's EMOLoss (DRSY/EMO one-hot formulation; pip package ``emoloss``)
-    chunked         emdlm.ops.emo_chunked.emo_loss_chunked (exact)
+    chunked         EMOLoss(implementation="chunked"): EMO's chunk objective on the logits
+                    driver (emdlm.ops.objectives.emo, emdlm.ops.chunked; exact)
     chunked_bf16    the same with cost_dtype=torch.bfloat16 (S matmul in bf16)
     chunked_lr{r}   the same with a rank-r cost embedding (emdlm.ops.lowrank)
     mm1, mm2        one / two [N, V] x [V, d] matmuls alone, no autograd: the time floor of a
                     chunked path that keeps S (one matmul) or recomputes (two)
     unfused_ce      logits = hidden @ Wᵀ (H = d), then F.cross_entropy; grads for hidden and W
     unfused_emo     logits = hidden @ Wᵀ, then the reference emo_loss
-    fused_ce        emdlm.ops.fused_linear_emo.fused_linear_cross_entropy
-    fused_emo       emdlm.ops.fused_linear_emo.fused_linear_emo_loss
+    fused_ce        CrossEntropyLoss.from_hidden (the CE chunk objective from hidden states)
+    fused_emo       EMOLoss.from_hidden
 
 Every case runs in a fresh subprocess (one process per case, so allocator caches and earlier
 peaks cannot leak between cases). Time: median over ``--reps`` after ``--warmup`` runs.
@@ -50,6 +51,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -118,13 +120,30 @@ def _normalized_cost(vocab: int, dim: int, device: str, gen: torch.Generator) ->
     return e.div_(e.norm(dim=1, keepdim=True))  # in place: no transient copy
 
 
+def _emo_chunked(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    e_hat: torch.Tensor,
+    chunk_size: int,
+    cost_dtype: torch.dtype | None,
+) -> Any:
+    """EMO (emo1) of given logits: its chunk objective on the engine's logits driver, with the
+    S matmul in ``cost_dtype`` (None: exact)."""
+    from emdlm.ops.chunked import HeadOptions, chunked_logits_loss
+    from emdlm.ops.objectives.emo import EMOObjective, emo_cost
+
+    cost = emo_cost(e_hat, logits, logits.shape[-1], cost_dtype)
+    objective = EMOObjective(cost, "emo1", 1.0, None)
+    return chunked_logits_loss(logits, labels, objective, HeadOptions(chunk_size=chunk_size))
+
+
 def build_case(
     case: str, n: int, vocab: int, dim: int, device: str, chunk_size: int, logit_scale: float
 ) -> Callable[[], None]:
     """Inputs for ``case`` and a closure running forward + backward (or the bare matmuls)."""
     from emdlm.functional.emo import emo_loss
-    from emdlm.ops.emo_chunked import emo_loss_chunked
-    from emdlm.ops.fused_linear_emo import fused_linear_cross_entropy, fused_linear_emo_loss
+    from emdlm.losses.ce import CrossEntropyLoss
+    from emdlm.losses.emo import EMOLoss
     from emdlm.ops.lowrank import lowrank_cost_embedding
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -153,10 +172,10 @@ def build_case(
             if case == "unfused_emo":
                 return emo_loss(hidden @ weight.T, labels, e_hat).loss
             if case == "fused_ce":
-                return fused_linear_cross_entropy(
+                return CrossEntropyLoss().from_hidden(
                     hidden, weight, labels, chunk_size=chunk_size
                 ).loss
-            return fused_linear_emo_loss(hidden, weight, labels, e_hat, chunk_size=chunk_size).loss
+            return EMOLoss(e_hat).from_hidden(hidden, weight, labels, chunk_size=chunk_size).loss
 
         def run_linear() -> None:
             for t in leaves:
@@ -186,11 +205,9 @@ def build_case(
 
             return emo.EMOLoss(logits, official_labels, e_hat, mode=1)
         if case == "chunked_bf16":
-            return emo_loss_chunked(
-                logits, labels, e_hat, chunk_size=chunk_size, cost_dtype=torch.bfloat16
-            ).loss
+            return _emo_chunked(logits, labels, e_hat, chunk_size, torch.bfloat16).loss
         if case == "chunked" or case.startswith("chunked_lr"):
-            return emo_loss_chunked(logits, labels, cost, chunk_size=chunk_size).loss
+            return _emo_chunked(logits, labels, cost, chunk_size, None).loss
         raise ValueError(f"unknown case {case!r}")
 
     def run_logits() -> None:
@@ -221,8 +238,8 @@ def run_worker(args: argparse.Namespace) -> None:
 
 def run_errors(args: argparse.Namespace) -> None:
     """DEMD error of the bf16 and low-rank options vs exact fp32 DEMD (no timing)."""
-    from emdlm.ops.emo_chunked import demd_chunked
     from emdlm.ops.lowrank import lowrank_cost_embedding
+    from emdlm.ops.objectives.emo import demd_chunked
 
     rows = []
     sources: list[tuple[str, int, torch.Tensor]] = []

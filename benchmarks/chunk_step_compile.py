@@ -46,8 +46,8 @@ def build(name: str, labels: torch.Tensor, vocab: int, width: int) -> Any:
     from emdlm.losses.tailr import TaiLrLoss
     from emdlm.numbers import NumberVocab
     from emdlm.ops._chunking import prepare_cost
-    from emdlm.ops.emo_dense_chunked import EMODistillObjective
-    from emdlm.ops.from_hidden import EMOObjective
+    from emdlm.ops.objectives.emo import EMOObjective
+    from emdlm.ops.objectives.emo_distill import EMODistillObjective
 
     gen = torch.Generator().manual_seed(5)
     device = labels.device

@@ -40,7 +40,7 @@ class FixedTeacher(nn.Module):
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> Any:
         gen = torch.Generator().manual_seed(self.seed)
         teacher = torch.randn(logits.shape, generator=gen).to(logits.dtype)
-        return self.inner(logits, labels, teacher)
+        return self.inner(logits, labels, teacher_logits=teacher)
 
 
 def random_cost_embedding(vocab: int, width: int, seed: int) -> torch.Tensor:
@@ -58,7 +58,7 @@ class ObjectiveSpec:
         tested against; None where the objective has one implementation.
     needs_digits: built from a tokenizer with digit tokens '0'..'9' or a ``NumberVocab``.
     needs_cost_embedding: built from a cost embedding [V, d].
-    needs_teacher: called as ``fn(logits, labels, teacher_logits)``.
+    needs_teacher: called as ``fn(logits, labels, teacher_logits=u)``.
     from_hidden: has ``from_hidden(hidden, weight, labels, ...)`` (the fused-linear path).
     draws_noise: draws random noise by default (NTIL's Gumbel values): a test that calls it
         twice and compares passes a freshly seeded ``generator=`` to each build.

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import emdlm.ops.from_hidden
+import emdlm.ops.chunked
 from emdlm.losses.ce import CrossEntropyLoss
 from emdlm.ops.chunked import chunked_linear_loss
 
@@ -134,7 +134,7 @@ def test_from_hidden_equals_logits(eps: float, s: float, reduction: str) -> None
 
 def test_gradcheck_float64(monkeypatch: pytest.MonkeyPatch) -> None:
     keep = functools.partial(chunked_linear_loss, inplace_backward=False)
-    monkeypatch.setattr(emdlm.ops.from_hidden, "chunked_linear_loss", keep)
+    monkeypatch.setattr(emdlm.ops.chunked, "chunked_linear_loss", keep)
     logits, labels = _case(4, vocab=7)
     y = labels[:2, :4]
     fn = CrossEntropyLoss(label_smoothing=0.2, z_loss=0.05)

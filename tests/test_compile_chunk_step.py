@@ -39,8 +39,8 @@ from emdlm.functional.emo import normalize_cost_embedding
 from emdlm.numbers import NumberVocab
 from emdlm.ops._chunking import prepare_cost
 from emdlm.ops.chunked import ChunkObjective, HeadOptions, _Pass
-from emdlm.ops.emo_dense_chunked import EMODistillObjective
-from emdlm.ops.from_hidden import NTILObjective
+from emdlm.ops.objectives.candidates import CandidateLogits
+from emdlm.ops.objectives.emo_distill import EMODistillObjective
 
 TOKENS = (
     [str(d) for d in range(10)]
@@ -147,9 +147,11 @@ def _setup(make: Callable[[torch.Tensor], ChunkObjective], labels: torch.Tensor)
 
 
 def _state(objective: ChunkObjective) -> torch.Tensor | None:
-    """What an objective keeps between chunks and hands to ``finish``."""
-    if isinstance(objective, NTILObjective):
-        return objective.class_logits
+    """What an objective keeps between chunks and hands to ``finish`` (the number objectives'
+    class-candidate logits)."""
+    kept = getattr(objective, "kept", None)
+    if isinstance(kept, CandidateLogits):
+        return kept.logits
     return None
 
 

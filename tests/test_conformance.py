@@ -53,6 +53,7 @@ in float32 and bfloat16, empty batches, float64 logits and narrow integer labels
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import pytest
@@ -119,8 +120,8 @@ def run(
     """(loss, gradient of the logits with grad_output 2, components); ``teacher`` is sliced to
     the logits' shape and passed to an objective that ``needs_teacher``."""
     x = logits.clone().requires_grad_()
-    extra = (teacher[: x.shape[0], : x.shape[1]].to(x.dtype),) if fn.needs_teacher else ()
-    out = fn(x, labels, *extra)
+    extra = {"teacher_logits": teacher[: x.shape[0], : x.shape[1]].to(x.dtype)}
+    out = fn(x, labels, **(extra if fn.needs_teacher else {}))
     (2 * out.loss).backward()
     return out.loss.detach(), x.grad, {k: float(v) for k, v in out.components.items()}
 
@@ -238,6 +239,55 @@ def test_gradient_accumulation(name: str, path: str) -> None:
 
 def test_batch_level_declarations_are_registered_objectives() -> None:
     assert set(BATCH_LEVEL) <= set(SPECS)
+
+
+# ------------------------------------------------------------------ 4b. one call signature
+#: The keywords of every loss call, on both routes (emdlm.losses.base).
+CALL_KEYWORDS = ("number_mask", "teacher_logits", "loss_weights")
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_one_call_signature(name: str) -> None:
+    """``forward`` and ``from_hidden`` of every registered objective take the same keyword-only
+    ``number_mask``, ``teacher_logits``, ``loss_weights`` (default None)."""
+    cls = SPECS[name].cls
+    for method in (cls.forward, cls.from_hidden):
+        params = inspect.signature(method).parameters
+        for key in CALL_KEYWORDS:
+            assert key in params, f"{cls.__name__}.{method.__name__} lacks {key}="
+            assert params[key].kind is inspect.Parameter.KEYWORD_ONLY, (cls.__name__, key)
+            assert params[key].default is None, (cls.__name__, key)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_call_keywords_not_declared_are_refused_by_name(name: str) -> None:
+    """A keyword the objective does not take is an error naming it, on both routes: loss
+    weights (no objective takes them yet: never silently ignored), a number mask without
+    ``takes_number_mask``, teacher logits without ``needs_teacher`` (and none with it)."""
+    fn = build(name)
+    cls_name = type(fn).__name__
+    teacher = {"teacher_logits": TEACHER[:, :T]} if fn.needs_teacher else {}
+    x = LOGITS.clone().requires_grad_()
+    with pytest.raises(NotImplementedError, match=f"{cls_name} takes no loss_weights"):
+        fn(x, LABELS, loss_weights=torch.ones(B, T, dtype=F64), **teacher)
+    if not fn.takes_number_mask:
+        with pytest.raises(ValueError, match=f"{cls_name} scores no numbers"):
+            fn(x, LABELS, number_mask=torch.ones(B, T, dtype=torch.bool), **teacher)
+    if fn.needs_teacher:
+        with pytest.raises(ValueError, match=f"{cls_name} distils from a teacher"):
+            fn(x, LABELS)
+    else:
+        with pytest.raises(ValueError, match=f"{cls_name} does not distil"):
+            fn(x, LABELS, teacher_logits=LOGITS)
+    if fn.has_from_hidden:
+        h, w, b = hidden_inputs()
+        with pytest.raises(NotImplementedError, match=f"{cls_name} takes no loss_weights"):
+            fn.from_hidden(h, w, LABELS, b, loss_weights=torch.ones(B, T, dtype=F64))
+        if not fn.takes_number_mask:
+            with pytest.raises(ValueError, match=f"{cls_name} scores no numbers"):
+                fn.from_hidden(h, w, LABELS, b, number_mask=torch.ones(B, T, dtype=torch.bool))
+        with pytest.raises(ValueError, match=f"{cls_name} does not distil"):
+            fn.from_hidden(h, w, LABELS, b, teacher_logits=LOGITS)
 
 
 # ------------------------------------------------------------------ 5. from hidden states
@@ -399,8 +449,8 @@ def test_compiled_equals_eager(name: str, where: str) -> None:
         z = torch.sin(h)
         if where == "from_hidden":
             return fn.from_hidden(z[:, :-1], w, LABELS, chunk_size=5).loss
-        extra = (teacher,) if fn.needs_teacher else ()
-        return fn((z @ w.T)[:, :-1], LABELS, *extra).loss
+        extra = {"teacher_logits": teacher} if fn.needs_teacher else {}
+        return fn((z @ w.T)[:, :-1], LABELS, **extra).loss
 
     results = []
     backend = _Graphs()

@@ -153,7 +153,8 @@ def _inputs(vocab: int) -> dict[str, torch.Tensor]:
 
 def _call(fn: nn.Module, name: str, logits: torch.Tensor, labels: torch.Tensor,
           teacher: torch.Tensor) -> torch.Tensor:
-    out = fn(logits, labels, teacher) if SPECS[name].needs_teacher else fn(logits, labels)
+    extra = {"teacher_logits": teacher} if SPECS[name].needs_teacher else {}
+    out = fn(logits, labels, **extra)
     return out.loss
 
 

@@ -529,7 +529,6 @@ def test_module_resolves_implementation() -> None:
     ("mode", "max_ratio"), [("emo1", None), ("emo1", 3.0), ("emo2", None), ("static", None)]
 )
 def test_module_chunked_path_equals_reference(mode: str, max_ratio) -> None:
-    pytest.importorskip("emdlm.ops.emo_chunked")
     gen = torch.Generator().manual_seed(11)
     emb = torch.randn(29, 7, generator=gen)
     logits = 3 * torch.randn(3, 7, 29, generator=gen)

@@ -21,7 +21,9 @@ from emdlm.functional.emo_dense import emo_distill_loss, kl_distill_loss
 from emdlm.losses.emo_distill import EMODistillLoss, KLDistillLoss
 from emdlm.models import build_model
 from emdlm.objectives import build_objective
-from emdlm.ops.emo_dense_chunked import emo_distill_loss_chunked
+from emdlm.ops.chunked import HeadOptions, chunked_logits_loss
+from emdlm.ops.objectives.emo import emo_cost
+from emdlm.ops.objectives.emo_distill import EMODistillObjective
 from emdlm.tokenizers import load_tokenizer
 
 F64 = torch.float64
@@ -39,6 +41,20 @@ def _case(seed: int, vocab: int = 17, width: int = 6, shape=(3, 5), dtype=torch.
     y = torch.randint(0, vocab, shape, generator=gen)
     y[0, :2] = -100
     return emb, z, u, y
+
+
+def emo_distill_loss_chunked(logits, teacher_logits, labels, emb, *, base="kl", mode="static",
+                             mu=1.0, temperature=1.0, reduction="mean", chunk_size=512,
+                             max_ratio=None, inplace_backward=True):
+    """EMO distillation's chunk objective run by the logits driver, as
+    ``EMODistillLoss(implementation="chunked")`` runs it (pinned by
+    test_module_runs_the_objective), with ``inplace_backward`` open."""
+    opts = {"base": base, "mode": mode, "mu": mu, "temperature": float(temperature),
+            "max_ratio": max_ratio}
+    objective = EMODistillObjective(teacher_logits, emo_cost(emb, logits, logits.shape[-1]), opts)
+    options = HeadOptions(reduction=reduction, chunk_size=chunk_size)
+    return chunked_logits_loss(logits, labels, objective, options,
+                               inplace_backward=inplace_backward)
 
 
 def _cost_matrix(emb_hat: torch.Tensor) -> np.ndarray:
@@ -241,11 +257,23 @@ def test_module_picks_chunked_path_and_matches_reference() -> None:
     chunked = EMODistillLoss(emb, base="ce", mode="emo2", reduction="sum", chunk_size=3)
     reference = EMODistillLoss(emb, base="ce", mode="emo2", reduction="sum",
                                implementation="reference")  # fmt: skip
-    a, ga = _loss_and_grad(chunked, z, y, u)
-    b, gb = _loss_and_grad(reference, z, y, u)
+    a, ga = _loss_and_grad(chunked, z, y, teacher_logits=u)
+    b, gb = _loss_and_grad(reference, z, y, teacher_logits=u)
     torch.testing.assert_close(a.loss, b.loss)
     torch.testing.assert_close(ga, gb)
     assert "base='ce'" in repr(chunked)
+
+
+def test_module_runs_the_objective() -> None:
+    """The module's chunked path is the objective on the logits driver (the helper above)."""
+    emb, z, u, y = _case(14)
+    module = EMODistillLoss(emb, base="kl", mode="emo1", mu=1.0, temperature=2.0, chunk_size=4,
+                            implementation="chunked")  # fmt: skip
+    a, ga = _loss_and_grad(module, z, y, teacher_logits=u)
+    b, gb = _loss_and_grad(emo_distill_loss_chunked, z, u, y, module.cost_embedding_normalized,
+                           base="kl", mode="emo1", temperature=2.0, chunk_size=4)  # fmt: skip
+    torch.testing.assert_close(a.loss, b.loss, rtol=0, atol=0)
+    torch.testing.assert_close(ga, gb, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -267,9 +295,11 @@ def test_bad_teacher_logits_are_refused() -> None:
     emb, z, u, y = _case(13)
     fn = EMODistillLoss(emb)
     with pytest.raises(ValueError, match="teacher_logits must have the student logits' shape"):
-        fn(z, y, u[..., :-1])
+        fn(z, y, teacher_logits=u[..., :-1])
     with pytest.raises(ValueError, match=r"teacher_logits\.detach\(\)"):
-        fn(z, y, u.clone().requires_grad_(True))
+        fn(z, y, teacher_logits=u.clone().requires_grad_(True))
+    with pytest.raises(ValueError, match="EMODistillLoss distils from a teacher"):
+        fn(z, y)
     with pytest.raises(ValueError, match=r"alpha must be a finite number in \[0, 1\], got 1\.5"):
         KLDistillLoss(alpha=1.5)
 
@@ -346,7 +376,7 @@ class _Record(torch.nn.Module):
         self.calls: list[tuple[torch.Tensor, ...]] = []
 
     def forward(self, logits, labels, teacher_logits):
-        out = self.inner(logits, labels, teacher_logits)
+        out = self.inner(logits, labels, teacher_logits=teacher_logits)
         self.calls.append((logits.detach().clone(), labels.clone(), teacher_logits.clone(),
                            out.loss.detach().clone()))  # fmt: skip
         return out
@@ -389,7 +419,7 @@ def test_train_distils_from_a_saved_teacher(tmp_path, teacher_dir, objective, pa
             logits, labels, teacher_logits, loss = recorder.calls[k]
             with torch.no_grad():
                 expected_teacher = teacher(**inputs[k]).logits[:, :-1]
-                direct = run.loss_fn.inner(logits, labels, expected_teacher).loss
+                direct = run.loss_fn.inner(logits, labels, teacher_logits=expected_teacher).loss
             torch.testing.assert_close(teacher_logits, expected_teacher)
             torch.testing.assert_close(loss, direct, rtol=1e-5, atol=1e-6)
             total += float(direct)

@@ -1,4 +1,5 @@
-"""The fast EMO paths (chunked, fused linear, low-rank) against plain-PyTorch references.
+"""The fast EMO paths (EMO's one chunk objective, run by both drivers of the chunk engine, and
+the low-rank cost) against plain-PyTorch references.
 
 References: an inline autograd version of EMO Eq. 14 / 19 (defined here, independent of the
 library), the library's reference ``emdlm.functional.emo.emo_loss``, the official ``emoloss``
@@ -12,15 +13,39 @@ import torch
 import torch.nn.functional as F
 
 from emdlm.functional.emo import emo_loss as functional_emo_loss
-from emdlm.ops.emo_chunked import demd_chunked, emo_loss_chunked
-from emdlm.ops.fused_linear_emo import (
-    fused_linear_cross_entropy,
-    fused_linear_emo_loss,
-)
+from emdlm.losses.ce import CrossEntropyLoss
+from emdlm.losses.emo import EMOLoss
+from emdlm.ops.chunked import HeadOptions, chunked_linear_loss, chunked_logits_loss
 from emdlm.ops.lowrank import lowrank_cost_embedding
+from emdlm.ops.objectives.emo import EMOObjective, demd_chunked, emo_cost
 
 MODES = ("emo1", "emo2", "static")
 V, D = 101, 16
+
+
+def _emo(like, e_hat, mode, mu, max_ratio, cost_dtype, vocab):
+    return EMOObjective(emo_cost(e_hat, like, vocab, cost_dtype), mode, mu, max_ratio)
+
+
+def emo_loss_chunked(logits, labels, e_hat, *, mode="emo1", mu=1.0, reduction="mean",
+                     ignore_index=-100, chunk_size=1024, cost_dtype=None, max_ratio=None,
+                     inplace_backward=True):
+    """EMO's chunk objective run by the logits driver, as ``EMOLoss(implementation="chunked")``
+    runs it (pinned by test_module_runs_the_objective_on_both_drivers), with the engine's own
+    knobs (``cost_dtype``, ``inplace_backward``) open."""
+    objective = _emo(logits, e_hat, mode, mu, max_ratio, cost_dtype, logits.shape[-1])
+    options = HeadOptions(ignore_index=ignore_index, reduction=reduction, chunk_size=chunk_size)
+    return chunked_logits_loss(logits, labels, objective, options,
+                               inplace_backward=inplace_backward)
+
+
+def fused_linear_emo_loss(hidden, weight, labels, e_hat, bias=None, *, mode="emo1", mu=1.0,
+                          reduction="mean", chunk_size=1024, inplace_backward=True):
+    """The same objective from hidden states (``EMOLoss.from_hidden``'s driver)."""
+    objective = _emo(hidden, e_hat, mode, mu, None, None, weight.shape[0])
+    options = HeadOptions(reduction=reduction, chunk_size=chunk_size)
+    return chunked_linear_loss(hidden, weight, bias, labels, objective, options,
+                               inplace_backward=inplace_backward)
 
 
 def inline_reference(
@@ -293,18 +318,43 @@ def test_backward_twice_raises_unless_not_inplace():
 
 def test_bad_inputs_raise_clear_errors():
     logits, labels, e_hat = make_inputs((5,))
+    x = logits.requires_grad_(True)  # the chunked path
     with pytest.raises(ValueError, match="cost_embedding must have shape"):
-        emo_loss_chunked(logits, labels, e_hat[:-1])
+        EMOLoss(e_hat[:-1], implementation="chunked")(x, labels)
     with pytest.raises(ValueError, match="frozen"):
         emo_loss_chunked(logits, labels, e_hat.clone().requires_grad_(True))
     with pytest.raises(ValueError, match="mode"):
-        emo_loss_chunked(logits, labels, e_hat, mode="emo3")  # type: ignore[arg-type]
+        EMOLoss(e_hat, mode="emo3")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="chunk_size"):
-        emo_loss_chunked(logits, labels, e_hat, chunk_size=0)
+        EMOLoss(e_hat, chunk_size=0)
     with pytest.raises(ValueError, match="out of range"):
-        emo_loss_chunked(logits, torch.full((5,), V), e_hat)
+        EMOLoss(e_hat, implementation="chunked")(x, torch.full((5,), V))
     with pytest.raises(ValueError, match="reduction"):
-        emo_loss_chunked(logits, labels, e_hat, reduction="none")  # type: ignore[arg-type]
+        EMOLoss(e_hat, reduction="none")  # type: ignore[arg-type]
+
+
+def test_module_runs_the_objective_on_both_drivers():
+    """EMOLoss's chunked logits path and from_hidden are the objective on the two drivers (what
+    the helpers above run), values and gradients."""
+    logits, labels, e_hat = make_inputs((3, 13), seed=21)
+    module = EMOLoss(e_hat, mode="emo2", chunk_size=4, implementation="chunked")
+    e_module = module.cost_embedding_normalized
+    loss, grad, _ = loss_and_grad(module, logits, labels)
+    ref, ref_grad, _ = loss_and_grad(
+        emo_loss_chunked, logits, labels, e_module, mode="emo2", chunk_size=4)
+    torch.testing.assert_close(loss, ref, rtol=0, atol=0)
+    torch.testing.assert_close(grad, ref_grad, rtol=0, atol=0)
+    hidden, weight, bias, lab, e2 = make_linear(seed=22)
+    module = EMOLoss(e2, mode="static", mu=0.5, chunk_size=10)
+    a, ga = grads_of(lambda h, w, b: module.from_hidden(h, w, lab, b), (hidden, weight, bias))
+    e_module = module.cost_embedding_normalized
+    b_, gb = grads_of(
+        lambda h, w, b: fused_linear_emo_loss(
+            h, w, lab, e_module, b, mode="static", mu=0.5, chunk_size=10),
+        (hidden, weight, bias))
+    torch.testing.assert_close(a, b_, rtol=0, atol=0)
+    for x, y in zip(ga, gb, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -410,7 +460,7 @@ def test_fused_cross_entropy_equals_torch(reduction):
     hidden, weight, bias, labels, _ = make_linear(shape=(2, 19), seed=5)
 
     def fused(h, w, b):
-        return fused_linear_cross_entropy(h, w, labels, b, reduction=reduction, chunk_size=6)
+        return CrossEntropyLoss(reduction=reduction).from_hidden(h, w, labels, b, chunk_size=6)
 
     def unfused(h, w, b):
         z = (h @ w.T + b).reshape(-1, V)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import emdlm.ops.from_hidden
+import emdlm.ops.chunked
 from _number_tokens import TOKENS, VOCAB, V
 from _objectives import SPECS, random_cost_embedding
 from emdlm.functional.emo import emo_loss
@@ -34,8 +34,7 @@ from emdlm.ops.chunked import (
     chunked_logits_loss,
     default_chunk_rows,
 )
-from emdlm.ops.from_hidden import WeightedCEObjective, emo_from_hidden, mixce_weights
-from emdlm.ops.fused_linear_emo import fused_linear_emo_loss
+from emdlm.ops.objectives.ce import WeightedCEObjective, mixce_weights
 
 H = 16
 
@@ -207,7 +206,7 @@ def test_no_grad_path_same_value() -> None:
 def test_gradcheck_engine_float64(monkeypatch: pytest.MonkeyPatch) -> None:
     # gradcheck back-propagates one graph several times: keep the gradients (no hand-over).
     keep = functools.partial(chunked_linear_loss, inplace_backward=False)
-    monkeypatch.setattr(emdlm.ops.from_hidden, "chunked_linear_loss", keep)
+    monkeypatch.setattr(emdlm.ops.chunked, "chunked_linear_loss", keep)
     gen = torch.Generator().manual_seed(5)
     hidden = torch.randn(2, 5, 4, generator=gen, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(V, 4, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -270,28 +269,32 @@ def test_backward_twice_raises() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("mode", ["emo1", "emo2", "static"])
-def test_emo_through_engine_equals_fused_and_logits(
+def test_emo_through_both_drivers_equals_reference(
     mode: str, reduction: str, dtype: torch.dtype
 ) -> None:
+    """EMO's one chunk objective from hidden states (chunked_linear_loss) and from logits
+    (chunked_logits_loss) equals the functional reference."""
     hidden, weight, bias = inputs(dtype)
     labels = make_labels(3, 11, seed=3)
     e_hat = F.normalize(torch.randn(V, 6, generator=torch.Generator().manual_seed(2)), dim=-1)
     kw = {"mode": mode, "reduction": reduction, "mu": 0.7 if mode == "static" else 1.0}
+    module = EMOLoss(e_hat, implementation="chunked", chunk_size=5, **kw)  # type: ignore[arg-type]
+    e_module = module.cost_embedding_normalized
     results, comps = [], []
-    for path in ("engine", "fused", "logits"):
+    for path in ("hidden", "logits", "reference"):
         h, w, b = (x.clone().requires_grad_() for x in (hidden, weight, bias))
-        if path == "engine":
-            out = emo_from_hidden(h, w, labels, e_hat, b, chunk_size=5, **kw)
-        elif path == "fused":
-            out = fused_linear_emo_loss(h, w, labels, e_hat, b, chunk_size=5, **kw)
+        if path == "hidden":
+            out = module.from_hidden(h, w, labels, b)
+        elif path == "logits":  # F.linear: one addmm, the rounding of the engine's head
+            out = module(F.linear(h, w, b), labels)
         else:
-            out = emo_loss(h @ w.T + b, labels, e_hat, **kw)
+            out = emo_loss(h @ w.T + b, labels, e_module, **kw)
         (2 * out.loss).backward()
         results.append((out.loss.detach(), h.grad, w.grad, b.grad))
         comps.append({k: float(v) for k, v in out.components.items()})
     tol = (2e-5, 2e-6) if dtype == torch.float32 else (2e-2, 1e-2)
-    assert_same(results[0], results[1], *tol, scaled=True)  # engine == fused_linear_emo
-    assert_same(results[0], results[2], *tol, scaled=True)  # engine == logits path
+    assert_same(results[0], results[1], *tol, scaled=True)  # from hidden == chunked logits
+    assert_same(results[0], results[2], *tol, scaled=True)  # from hidden == reference
     assert comps[0].keys() == comps[1].keys()
     for k in comps[0]:
         assert comps[0][k] == pytest.approx(comps[1][k], rel=1e-4, abs=1e-5), k

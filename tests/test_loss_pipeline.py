@@ -20,8 +20,6 @@ from emdlm.integrations.transformers import (
     EMDLMTrainer,
     emdlm_trainer,
     make_compute_loss_func,
-    with_number_mask,
-    with_teacher,
 )
 from emdlm.losses.base import EMDLMLoss
 from emdlm.losses.ce import CrossEntropyLoss
@@ -76,7 +74,7 @@ def _reference(model, loss_fn, batch, teacher=None) -> torch.Tensor:
     labels = batch["labels"][:, 1:]
     if teacher is not None:
         t = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        out = loss_fn(logits[:, :-1], labels, t[:, :-1])
+        out = loss_fn(logits[:, :-1], labels, teacher_logits=t[:, :-1])
     else:
         out = loss_fn(logits[:, :-1], labels, number_mask=batch["number_mask"][:, 1:])
     return out.loss / (labels != -100).sum()
@@ -189,15 +187,16 @@ def test_no_route_writes_fields_into_the_compute_loss(tmp_path, tok):
     assert not hasattr(distil, "teacher_logits")
 
 
-def test_old_trainer_factories_are_the_new_one(tok):
+def test_trainer_factory_keeps_its_teacher_and_the_old_aliases_are_gone(tok):
+    import emdlm.integrations.transformers as glue
+
     model = tiny_gpt2(len(tok))
-    cl = make_compute_loss_func(KLDistillLoss(reduction="sum"))
-    cls = with_number_mask(with_teacher(Trainer, model, cl), cl)
+    cls = emdlm_trainer(emdlm_trainer(Trainer, teacher=model))
     assert cls.teacher is model  # the outer factory keeps the inner one's teacher
     assert issubclass(cls, Trainer) and cls.compute_loss is EMDLMTrainer.compute_loss
     assert emdlm_trainer(cls) is cls
-    with pytest.raises(TypeError, match="needs the ComputeLoss"):
-        with_teacher(Trainer, model, object())
+    # the deprecated aliases (no warning, same class) are gone: one factory
+    assert not any(hasattr(glue, name) for name in ("with_teacher", "with_number_mask"))
 
 
 def test_loss_inputs_shift_once_by_hand():

@@ -97,7 +97,7 @@ def test_every_objective_on_heads_from_configs(
     else:
         with torch.no_grad():
             teacher_logits = teacher(input_ids=ids).logits[:, :-1]
-        out = loss_fn(logits, labels, teacher_logits)
+        out = loss_fn(logits, labels, teacher_logits=teacher_logits)
     assert torch.isfinite(out.loss) and float(out.loss.detach()) > 0
     model.zero_grad()
     out.loss.backward()

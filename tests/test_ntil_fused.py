@@ -1,4 +1,5 @@
-"""The fused CE + NTIL Function (emdlm.ops.ntil_fused) equals the reference autograd path."""
+"""NTIL's fused logits path (its chunk objective, emdlm.ops.objectives.ntil, on the engine's
+logits driver) equals the reference autograd path."""
 
 from __future__ import annotations
 
@@ -6,11 +7,11 @@ import pytest
 import torch
 
 from _number_tokens import TOKENS, VOCAB, V
-from emdlm.functional.ntil import NTILSettings, class_candidates, resolve_spans
+from emdlm.functional.ntil import resolve_spans
 from emdlm.losses.ntil import DigitEMDLoss, NTILLoss
 from emdlm.number_spans import SpanOptions
 from emdlm.numbers import NumberVocab
-from emdlm.ops.ntil_fused import ntil_fused
+from emdlm.ops.chunked import HeadOptions, chunked_logits_loss
 
 
 def random_labels(b: int, t: int, seed: int, numeric: float = 0.6) -> torch.Tensor:
@@ -116,20 +117,21 @@ def test_fused_digit_emd_loss_and_edge_cases(averaging: str | None) -> None:
 
 def test_fused_gradcheck_float64() -> None:
     labels = random_labels(2, 5, seed=6)
-    vocab = VOCAB
-    spans = resolve_spans(labels, vocab, SpanOptions(join_decimal=True, signed=True))
-    cands = class_candidates(vocab, spans)
+    spans = resolve_spans(labels, VOCAB, SpanOptions(join_decimal=True, signed=True))
     assert spans.n_tokens > 0
     for mode, averaging in (("expected", "batch"), ("argmax", "batch"), ("expected", "token")):
-        settings = NTILSettings(mix="static", value_mode=mode, sigma=0.2, averaging=averaging)
+        kw = {"mix": "static", "value_mode": mode, "sigma": 0.2, "averaging": averaging}
         if mode == "argmax":  # straight-through: only the EMD part has a true derivative
-            settings = NTILSettings(mix="static", value_mode=mode, alpha=0.0, beta=0.0)
+            kw = {"mix": "static", "value_mode": mode, "alpha": 0.0, "beta": 0.0}
+        loss_fn = NTILLoss(VOCAB, preset="paper", **kw)  # type: ignore[arg-type]
         logits = torch.randn(2, 5, V, dtype=torch.float64, requires_grad=True)
 
-        def f(z: torch.Tensor, s: NTILSettings = settings) -> torch.Tensor:
-            return ntil_fused(
-                z, labels, spans, cands, 2, s, chunk_elements=3 * V, inplace_backward=False
-            )[0]
+        def f(z: torch.Tensor, fn: NTILLoss = loss_fn) -> torch.Tensor:
+            # the fused path's objective and driver, keeping the gradient for gradcheck's
+            # repeated backward (inplace_backward=False)
+            objective, y = fn.chunk_objective(z, labels)
+            options = HeadOptions(chunk_size=3)
+            return chunked_logits_loss(z, y, objective, options, inplace_backward=False).loss
 
         assert torch.autograd.gradcheck(f, (logits,), fast_mode=True)
 

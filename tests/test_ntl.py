@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import emdlm.ops.from_hidden
+import emdlm.ops.chunked
 from _number_tokens import TOKENS, VOCAB, V
 from emdlm.losses.ntil import DigitEMDLoss
 from emdlm.losses.ntl import NTLMSELoss, NTLWASLoss, NumberLevelLoss
@@ -310,7 +310,7 @@ def test_gradcheck_float64(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """No stop-gradient in NTL: torch's gradcheck on the logits path and from hidden states
     (soft-cap and logit scale on; chunks of 3 rows split numbers)."""
     keep = functools.partial(chunked_linear_loss, inplace_backward=False)
-    monkeypatch.setattr(emdlm.ops.from_hidden, "chunked_linear_loss", keep)
+    monkeypatch.setattr(emdlm.ops.chunked, "chunked_linear_loss", keep)
     cls, options = CASES[case]
     fn = cls(VOCAB, **options)
     labels = _labels(2, 5, seed=6)

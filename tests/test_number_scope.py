@@ -19,8 +19,8 @@ from emdlm.data import DataCollator, build_dataset, tokenize_example
 from emdlm.functional.ntil import mix_coefficient
 from emdlm.integrations.transformers import (
     LossComponentsCallback,
+    emdlm_trainer,
     make_compute_loss_func,
-    with_number_mask,
 )
 from emdlm.losses.ce import CrossEntropyLoss
 from emdlm.losses.ntil import DigitEMDLoss, NTILLoss
@@ -328,7 +328,7 @@ def test_trainer_step_scores_only_box_numbers(
             logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
             disable_tqdm=True, remove_unused_columns=False,
         )  # fmt: skip
-        trainer = with_number_mask(Trainer, cl)(
+        trainer = emdlm_trainer(Trainer)(
             model=model, args=args, data_collator=DataCollator(tok.pad_token_id),
             train_dataset=build_dataset(rows, tok, max_length=64, number_scope=scope),
             compute_loss_func=cl, callbacks=[LossComponentsCallback(cl)],

@@ -112,7 +112,7 @@ def test_non_finite_logits_at_ignored_positions_do_not_leak(
 
 
 @pytest.mark.parametrize("fill", BAD_FILLS)
-def test_fused_linear_emo_ignores_non_finite_hidden_at_padding(fill: str) -> None:
+def test_emo_from_hidden_ignores_non_finite_hidden_at_padding(fill: str) -> None:
     """EMOLoss.from_hidden: a NaN / inf hidden state at a padding position changes nothing."""
     gen = torch.Generator().manual_seed(0)
     vocab, hidden_size = 23, 8

@@ -13,9 +13,9 @@ from emdlm.config import ModelConfig
 from emdlm.data import DataCollator, build_dataset
 from emdlm.integrations.transformers import (
     LossComponentsCallback,
+    emdlm_trainer,
     make_compute_loss_func,
     require_sum_reduction,
-    with_teacher,
 )
 from emdlm.losses.ce import CrossEntropyLoss
 from emdlm.models import build_model, model_vocab_size
@@ -135,7 +135,7 @@ def _trainer(
     )  # fmt: skip
     trainer_cls = Trainer
     if teacher is not None:  # the distillation objectives get the teacher's logits
-        trainer_cls = with_teacher(Trainer, teacher, compute_loss.inner)
+        trainer_cls = emdlm_trainer(Trainer, teacher=teacher)
     trainer = trainer_cls(
         model=_model(tok), args=args, train_dataset=ds,
         data_collator=DataCollator(tok.pad_token_id), compute_loss_func=compute_loss,
@@ -160,10 +160,10 @@ def test_trainer_loss_is_answer_token_sum_over_num_items(tmp_path, tok, vocab_si
     direct_total = 0.0
     for (logits, labels, n_items, loss), teacher in zip(rec.calls, rec.teacher_calls, strict=True):
         assert int(n_items) == answer_tokens  # the whole accumulated step's answer tokens
-        extra = () if teacher is None else (teacher[:, :-1],)
+        extra = {} if teacher is None else {"teacher_logits": teacher[:, :-1]}
         assert (teacher is not None) == (name in DISTILL)
         with torch.no_grad():
-            direct = loss_sum(logits[:, :-1], labels[:, 1:], *extra).loss
+            direct = loss_sum(logits[:, :-1], labels[:, 1:], **extra).loss
         torch.testing.assert_close(loss, direct / answer_tokens, rtol=1e-5, atol=1e-7)
         direct_total += float(direct)
     logged = [h for h in trainer.state.log_history if "loss" in h]
@@ -173,8 +173,9 @@ def test_trainer_loss_is_answer_token_sum_over_num_items(tmp_path, tok, vocab_si
     mean_fn = build_loss(name, "mean", tok, vocab_size)
     with torch.no_grad():
         logits, labels, _, loss = rec.calls[0]
-        extra = () if rec.teacher_calls[0] is None else (rec.teacher_calls[0][:, :-1],)
-        doubly_divided = mean_fn(logits[:, :-1], labels[:, 1:], *extra).loss / answer_tokens
+        first = rec.teacher_calls[0]
+        extra = {} if first is None else {"teacher_logits": first[:, :-1]}
+        doubly_divided = mean_fn(logits[:, :-1], labels[:, 1:], **extra).loss / answer_tokens
     assert float(doubly_divided) < 0.5 * float(loss)
 
 

@@ -71,8 +71,16 @@ class NumericWithoutLam(ScaledCE):
     def __init__(self, number_vocab, reduction: str = "mean", ignore_index: int = -100):
         super().__init__(reduction=reduction, ignore_index=ignore_index)
 
-    def forward(self, logits, labels, number_mask=None):
-        return super().forward(logits, labels)
+    def logits_loss(self, logits, labels, number_mask=None):
+        return super().logits_loss(logits, labels)
+
+
+class NoLoss(EMDLMLoss):
+    has_from_hidden = False
+
+    def __init__(self, reduction: str = "mean", ignore_index: int = -100):
+        super().__init__()
+        self.reduction, self.ignore_index = reduction, ignore_index
 
 
 class KeepsMean(ScaledCE):
@@ -155,6 +163,7 @@ def test_user_class_parameters_are_checked(user_module, char_tokenizer) -> None:
     ("scaled_ce:NoChunkObjective", r"declares has_from_hidden .* implements no "
                                    r"chunk_objective"),
     ("scaled_ce:KeepsMean", r"must keep reduction='sum' as built .* got 'mean'"),
+    ("scaled_ce:NoLoss", r"implements no logits_loss\(logits, labels, \.\.\.\) \(nor forward\)"),
 ])
 def test_each_broken_user_class_is_one_line(user_module, char_tokenizer, name, message):
     with pytest.raises(ConfigError, match=message) as caught:

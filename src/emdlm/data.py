@@ -451,7 +451,7 @@ class DataCollator:
     whose values are tensors is stacked and passed through (e.g. "pixel_values"). Items with a
     ``number_mask`` (a number scope, module docstring) give a [B, T] bool ``number_mask``,
     False on padding, for the numeric losses (the Trainer glue takes it out of the model's
-    inputs: :func:`emdlm.integrations.transformers.with_number_mask`).
+    inputs: :func:`emdlm.integrations.transformers.emdlm_trainer`).
 
     Position 0's label is set to -100: after the causal shift it is never a target, and this
     makes "count labels != -100" equal with or without the shift (so transformers'

@@ -244,14 +244,15 @@ def _check_before_building(cfg: ObjectiveConfig, spec: ObjectiveSpec, teacher: A
 
 def _check_contract(name: str, cls: type, loss: nn.Module) -> None:
     """What the training loop relies on of every loss (:class:`emdlm.losses.base.EMDLMLoss`),
-    checked of a user's class once built: ``forward`` implemented, ``reduction`` kept at
-    ``"sum"``, an integer ``ignore_index``, and a ``chunk_objective`` when the class declares
-    ``has_from_hidden`` (the base's default)."""
+    checked of a user's class once built: ``logits_loss`` implemented (what the base's
+    ``forward`` calls after checking the call's keywords; a class may instead override
+    ``forward`` itself), ``reduction`` kept at ``"sum"``, an integer ``ignore_index``, and a
+    ``chunk_objective`` when the class declares ``has_from_hidden`` (the base's default)."""
     from emdlm.losses.base import EMDLMLoss
 
     where = f"objective {name!r} ({cls.__qualname__})"
-    if cls.forward is EMDLMLoss.forward:
-        raise ConfigError(f"{where} implements no forward(logits, labels, ...)")
+    if cls.forward is EMDLMLoss.forward and cls.logits_loss is EMDLMLoss.logits_loss:
+        raise ConfigError(f"{where} implements no logits_loss(logits, labels, ...) (nor forward)")
     reduction = getattr(loss, "reduction", None)
     if reduction != "sum":
         raise ConfigError(f"{where} must keep reduction='sum' as built (the trainer divides the "

@@ -50,7 +50,7 @@ with any averaging; only ``mix="static", averaging="token"`` is.
 
 All NTIL math runs on the small [M, K] tensor of the class-candidate logits of the M number
 positions (float64), gathered once: :func:`ntil_terms` is shared by this reference and by the
-fused fast path :mod:`emdlm.ops.ntil_fused`. With no number in the batch, every NTIL term is an
+fused fast path :mod:`emdlm.ops.objectives.ntil`. With no number in the batch, every NTIL term is an
 explicit 0 and the loss equals CE.
 
 ``reduction="sum"`` returns n · (the mean-reduced total), n = number of counted labels: the CE
@@ -461,7 +461,7 @@ def ntil_loss(
     noise: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Reference CE + NTIL with plain autograd (the oracle of :mod:`emdlm.ops.ntil_fused`).
+    """Reference CE + NTIL with plain autograd (the oracle of :mod:`emdlm.ops.objectives.ntil`).
 
     Args:
         logits: [..., T, V] any float dtype (CE in float32, or float64 for float64 logits;

@@ -184,14 +184,15 @@ def aligned_hidden_loss(
 ) -> tuple[Any, torch.Tensor]:
     """Summed from-hidden loss of already aligned ``inputs`` (built by
     :func:`~emdlm.integrations.loss_contract.loss_inputs` with ``hidden`` and ``model``):
-    ``loss_fn.from_hidden(hidden, W, labels, b, ...)`` with the model's output embedding
-    (gathered under FSDP2 / ZeRO-3) and only the logit transforms the model has. Returns
+    ``loss_fn.from_hidden(hidden, W, labels, b, **inputs.call_keywords(), ...)`` with the
+    model's output embedding (gathered under FSDP2 / ZeRO-3) and only the logit transforms the
+    model has. Returns
     (LossOutput, count of scored labels). :func:`hidden_loss` and
     :meth:`~emdlm.integrations.transformers.ComputeLoss.step` both end here."""
     if inputs.hidden is None or inputs.model is None:
         raise ValueError("aligned_hidden_loss needs LossInputs built with hidden and model")
     head = output_head(inputs.model)
-    shift_hidden, shift_labels, number_mask = inputs.hidden, inputs.labels, inputs.number_mask
+    shift_hidden, shift_labels = inputs.hidden, inputs.labels
     # only the transforms the model has: a loss whose from_hidden lacks one is refused by name
     extra = {k: v for k, v in (("logit_scale", head.logit_scale), ("softcap", head.softcap))
              if v is not None}
@@ -202,12 +203,11 @@ def aligned_hidden_loss(
             f"the model's logits use {missing} (from its config), which "
             f"{type(loss_fn).__name__}.from_hidden does not take: use the logits path"
         )
-    if number_mask is not None:  # ComputeLoss passes it only to losses that take it
-        extra["number_mask"] = number_mask
     with gathered_head(head.weight, head.bias) as (weight, bias):
         check_head_weight(weight, bias, head.module, shift_hidden.shape[-1])
         out = loss_fn.from_hidden(
-            shift_hidden.to(weight.dtype), weight, shift_labels, bias, **extra
+            shift_hidden.to(weight.dtype), weight, shift_labels, bias, **extra,
+            **inputs.call_keywords(),
         )
     return out, (shift_labels != ignore_index).sum()
 

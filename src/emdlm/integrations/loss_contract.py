@@ -77,6 +77,14 @@ class LossInputs:
     number_mask: torch.Tensor | None = None
     teacher_logits: torch.Tensor | None = None
 
+    def call_keywords(self) -> dict[str, torch.Tensor]:
+        """The keywords of the one loss call of every route, ``loss(logits, labels, **kw)``
+        and ``loss.from_hidden(hidden, W, labels, b, **kw)`` (:class:`emdlm.losses.base.
+        EMDLMLoss`): ``number_mask`` and ``teacher_logits``, each only when the batch has it,
+        so a user's callable ``(logits, labels)`` that declares neither is called as it is."""
+        given = (("number_mask", self.number_mask), ("teacher_logits", self.teacher_logits))
+        return {k: v for k, v in given if v is not None}
+
 
 def loss_inputs(
     labels: torch.Tensor | None,

@@ -72,7 +72,8 @@ class ComputeLoss:
     by name.
 
     Args:
-        loss_fn: module called as ``loss_fn(logits [B, T-1, V], labels [B, T-1])`` returning a
+        loss_fn: module called as ``loss_fn(logits [B, T-1, V], labels [B, T-1], **kw)`` (``kw``:
+            ``number_mask`` / ``teacher_logits`` where the batch has them) returning a
             LossOutput whose ``loss`` is a sum over scored tokens; its ``reduction`` must be
             ``"sum"`` (checked here and at every call: :func:`require_sum_reduction`).
         ignore_index: label value that is not scored.
@@ -167,17 +168,14 @@ class ComputeLoss:
 
     def step(self, inputs: LossInputs) -> tuple[Any, torch.Tensor]:
         """The summed loss of aligned ``inputs`` and the count of scored tokens: the one
-        place a loss is called. From hidden states: :func:`aligned_hidden_loss` (the model's
-        output head, gathered under FSDP2 / ZeRO-3); from logits: ``loss_fn(logits, labels,
-        ...)`` with the teacher's logits or the number mask as the loss declares."""
+        place a loss is called, one way on both routes (:meth:`LossInputs.call_keywords
+        <emdlm.integrations.loss_contract.LossInputs.call_keywords>`: the teacher's logits and
+        the number mask as keywords). From hidden states: :func:`aligned_hidden_loss` (the
+        model's output head, gathered under FSDP2 / ZeRO-3); from logits: ``loss_fn(logits,
+        labels, **keywords)``."""
         if inputs.hidden is not None:
             return aligned_hidden_loss(self.loss_fn, inputs, self.ignore_index)
-        if inputs.teacher_logits is not None:
-            out = self.loss_fn(inputs.logits, inputs.labels, inputs.teacher_logits)
-        elif inputs.number_mask is not None:
-            out = self.loss_fn(inputs.logits, inputs.labels, number_mask=inputs.number_mask)
-        else:
-            out = self.loss_fn(inputs.logits, inputs.labels)
+        out = self.loss_fn(inputs.logits, inputs.labels, **inputs.call_keywords())
         return out, (inputs.labels != self.ignore_index).sum()
 
     def __call__(
@@ -445,27 +443,6 @@ class EMDLMTrainer(EMDLMTrainerMixin, Trainer):
             self.teacher = teacher
 
 
-def _check_compute_loss(who: str, compute_loss: Any) -> None:
-    if not isinstance(compute_loss, ComputeLoss):
-        raise TypeError(
-            f"{who} needs the ComputeLoss given to the Trainer, got {type(compute_loss).__name__}"
-        )
-
-
-def with_teacher(base: type, teacher: nn.Module, compute_loss: ComputeLoss) -> type:
-    """Deprecated alias of ``emdlm_trainer(base, teacher=teacher)`` (the teacher's logits of
-    every batch go to ``compute_loss`` as an argument)."""
-    _check_compute_loss("with_teacher", compute_loss)
-    return emdlm_trainer(base, teacher=teacher)
-
-
-def with_number_mask(base: type, compute_loss: ComputeLoss) -> type:
-    """Deprecated alias of ``emdlm_trainer(base)``: every batch's ``number_mask`` goes to
-    ``compute_loss`` as an argument, never to the model."""
-    _check_compute_loss("with_number_mask", compute_loss)
-    return emdlm_trainer(base)
-
-
 def make_compute_loss_func(
     loss_fn: nn.Module, ignore_index: int = IGNORE_INDEX, *, from_hidden: bool = False,
     model: nn.Module | None = None,
@@ -494,5 +471,5 @@ def make_compute_loss_func(
 __all__ = [
     "ComputeLoss", "EMDLMTrainer", "EMDLMTrainerMixin", "LossComponentsCallback",
     "emdlm_trainer", "loss_scale_across_devices", "make_compute_loss_func",
-    "require_sum_reduction", "teacher_logits_for", "with_number_mask", "with_teacher",
+    "require_sum_reduction", "teacher_logits_for",
 ]

@@ -135,7 +135,8 @@ class EMDLMSFTTrainer(EMDLMTrainerMixin, SFTTrainer):
 
     Args:
         loss_fn: an emdlm loss module with ``reduction="sum"``, called as
-            ``loss_fn(logits [B, T-1, V], labels [B, T-1])`` on the shifted batch.
+            ``loss_fn(logits [B, T-1, V], labels [B, T-1], number_mask=..., teacher_logits=...)``
+            on the shifted batch (the keywords only where the batch has them).
         teacher: the frozen teacher of a distillation loss (``needs_teacher``), run on every
             batch's inputs (:class:`~emdlm.integrations.transformers.EMDLMTrainerMixin`).
         from_hidden: train from the final hidden states (the model's forward runs the backbone

@@ -2,23 +2,35 @@
 
 Like torchtune's ``SFTLoss`` protocol, every objective is an :class:`EMDLMLoss` (an
 ``nn.Module``) that *declares* what it needs from a training loop in class attributes, and the
-integrations (:mod:`emdlm.integrations.loss_step`) read those declarations instead of trying
-attributes or signatures:
+integrations (:mod:`emdlm.integrations.loss_contract`, used by
+:class:`emdlm.integrations.transformers.ComputeLoss`) read those declarations instead of trying
+attributes or signatures. Every loss is called one way, on both routes::
+
+    loss(logits, labels, *, number_mask=None, teacher_logits=None, loss_weights=None)
+    loss.from_hidden(hidden, lm_head_weight, labels, lm_head_bias=None, *, number_mask=None,
+                     teacher_logits=None, loss_weights=None, logit_scale=None, softcap=None,
+                     chunk_size=None)
 
 ==========================  =====================================================================
-``needs_teacher``           ``forward(logits, labels, teacher_logits)``: distils from a frozen
-                            teacher's logits of the same inputs (shifted like the student's).
-``takes_number_mask``       ``forward(..., number_mask=m)`` and ``from_hidden(..., number_mask=m)``
-                            accept a bool mask aligned with ``labels``: which tokens may be scored
-                            as numbers (``data.number_scope``).
-``has_from_hidden``         ``from_hidden(hidden, lm_head_weight, labels, lm_head_bias=None, *,
-                            logit_scale=None, softcap=None, ...)``: the same loss from the final
-                            hidden state and the output embedding, never building [N, V] logits
-                            (given once, here, on the loss's ``chunk_objective``).
+``needs_teacher``           ``teacher_logits=`` is required: the loss distils from a frozen
+                            teacher's logits of the same inputs (shifted like the student's);
+                            a loss that does not declare it refuses them.
+``takes_number_mask``       ``number_mask=`` may be a bool mask aligned with ``labels``: which
+                            tokens may be scored as numbers (``data.number_scope``); a loss that
+                            does not declare it refuses a mask.
+``has_from_hidden``         ``from_hidden``: the same loss from the final hidden state and the
+                            output embedding, never building [N, V] logits (given once, here, on
+                            the loss's ``chunk_objective``).
 ``hidden_transforms``       the logit transforms ``from_hidden`` takes (every emdlm loss: both).
 ``reduction``, ``ignore_index``  set per instance: ``"mean"`` over scored tokens or ``"sum"``
                             (what a framework that divides by the token count needs).
 ==========================  =====================================================================
+
+``loss_weights`` (per-token weights, the labels' shape) is part of the signature and taken by
+no emdlm objective yet: a non-None value raises NotImplementedError naming the objective
+(:meth:`EMDLMLoss.check_call`), never silently ignored. Its meaning, for an objective that
+takes it: a weight scales each token's loss in the numerator and the token count becomes the
+sum of the weights, so a weight of 0 equals an ignored label.
 
 Every loss returns a :class:`~emdlm._output.LossOutput` (``loss`` and ``components``). The
 numeric parameters of a registered objective are checked against the registry's declared
@@ -53,7 +65,8 @@ class EMDLMLoss(nn.Module):
     """Base class of every emdlm loss: the declarations above, with their defaults, and the one
     ``from_hidden``.
 
-    A subclass sets ``reduction`` and ``ignore_index`` in ``__init__``, implements ``forward``
+    A subclass sets ``reduction`` and ``ignore_index`` in ``__init__``, implements
+    :meth:`logits_loss` (``forward``, the one call signature, checks the keywords and calls it)
     and, when ``has_from_hidden`` (the default), :meth:`chunk_objective`: the per-chunk function
     of :mod:`emdlm.ops.chunked` that ``from_hidden`` runs on the LM head's rows. A class that
     declares ``has_from_hidden = False`` gets a ``from_hidden`` that refuses by name.
@@ -78,8 +91,57 @@ class EMDLMLoss(nn.Module):
         if not cls.has_from_hidden and "from_hidden" not in cls.__dict__:
             cls.from_hidden = _refuse_from_hidden  # type: ignore[method-assign]
 
-    def forward(self, logits: Any, labels: Any, *args: Any, **kwargs: Any) -> LossOutput:
-        raise NotImplementedError(f"{type(self).__name__} implements no forward")
+    def forward(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        number_mask: torch.Tensor | None = None,
+        teacher_logits: torch.Tensor | None = None,
+        loss_weights: torch.Tensor | None = None,
+        **options: Any,
+    ) -> LossOutput:
+        """The loss of ``logits`` [..., V] against ``labels`` [...] (aligned, no shift inside):
+        the keywords checked against the declarations (:meth:`check_call`), then
+        :meth:`logits_loss` with those the loss declares and its own ``options``."""
+        self.check_call(number_mask, teacher_logits, loss_weights)
+        if self.takes_number_mask:
+            options["number_mask"] = number_mask
+        if self.needs_teacher:
+            options["teacher_logits"] = teacher_logits
+        return self.logits_loss(logits, labels, **options)
+
+    def logits_loss(self, logits: torch.Tensor, labels: torch.Tensor, **given: Any) -> LossOutput:
+        """What a subclass implements: the loss of given logits, with ``number_mask=`` when it
+        declares ``takes_number_mask``, ``teacher_logits=`` (never None) when it declares
+        ``needs_teacher``, and its own keywords (NTIL's ``generator=``)."""
+        raise NotImplementedError(f"{type(self).__name__} implements no logits_loss")
+
+    def check_call(
+        self,
+        number_mask: torch.Tensor | None,
+        teacher_logits: torch.Tensor | None,
+        loss_weights: torch.Tensor | None,
+    ) -> None:
+        """Refuse, by name, a call's keyword that this loss's declarations do not allow: a
+        ``number_mask`` without ``takes_number_mask``, teacher logits missing where
+        ``needs_teacher`` or given where not, and any ``loss_weights`` (no emdlm objective
+        takes per-token weights yet). Every ``forward`` and ``from_hidden`` calls it first."""
+        name = type(self).__name__
+        if loss_weights is not None:
+            raise NotImplementedError(
+                f"{name} takes no loss_weights (per-token weights): pass loss_weights=None"
+            )
+        if number_mask is not None and not self.takes_number_mask:
+            raise ValueError(
+                f"{name} scores no numbers (takes_number_mask is False): pass number_mask=None"
+            )
+        if self.needs_teacher and teacher_logits is None:
+            raise ValueError(f"{name} distils from a teacher: pass teacher_logits=")
+        if teacher_logits is not None and not self.needs_teacher:
+            raise ValueError(
+                f"{name} does not distil (needs_teacher is False): pass teacher_logits=None"
+            )
 
     def logged_loss_note(self) -> str | None:
         """One line saying how the logged ``loss`` relates to ``ce`` when a stop-gradient mix
@@ -97,7 +159,8 @@ class EMDLMLoss(nn.Module):
                 for the vocabulary size, shape, dtype and device only).
             labels: [...] integer labels aligned with ``logits``.
             options: the loss's own keywords of a call (``number_mask=`` for the losses that
-                declare ``takes_number_mask``, ``generator=`` for NTIL's Gumbel noise); a loss
+                declare ``takes_number_mask``, ``teacher_logits=`` for those that declare
+                ``needs_teacher``, ``generator=`` for NTIL's Gumbel noise); a loss
                 that takes none refuses them (TypeError).
 
         Returns:
@@ -113,6 +176,9 @@ class EMDLMLoss(nn.Module):
         labels: torch.Tensor,
         lm_head_bias: torch.Tensor | None = None,
         *,
+        number_mask: torch.Tensor | None = None,
+        teacher_logits: torch.Tensor | None = None,
+        loss_weights: torch.Tensor | None = None,
         logit_scale: float | None = None,
         softcap: float | None = None,
         chunk_size: int | None = None,
@@ -121,9 +187,9 @@ class EMDLMLoss(nn.Module):
         """The same loss from hidden states, never materializing the [N, V] logits.
 
         Value, components and gradients (hidden, weight, bias) equal those of
-        ``self(cap·tanh(s·(hidden @ W.T + b)/cap), labels, **options)`` (given the same noise,
-        for NTIL): :meth:`chunk_objective` runs through the chunked-loss engine
-        (:func:`emdlm.ops.from_hidden.loss_from_hidden`), over chunks of rows as Liger-Kernel's
+        ``self(cap·tanh(s·(hidden @ W.T + b)/cap), labels, number_mask=...)`` (given the same
+        noise, for NTIL): :meth:`chunk_objective` runs through the chunked-loss engine
+        (:func:`emdlm.ops.chunked.chunked_linear_loss`), over chunks of rows as Liger-Kernel's
         fused linear cross-entropy.
 
         Args:
@@ -131,51 +197,53 @@ class EMDLMLoss(nn.Module):
             lm_head_weight: [V, H] output embedding, same dtype as ``hidden``.
             labels: [...] integer labels.
             lm_head_bias: optional [V] head bias.
+            number_mask, teacher_logits, loss_weights: as in ``forward`` (:meth:`check_call`).
             logit_scale: s, logits s·(hWᵀ + b) (model families with a logit scale).
             softcap: cap, logits cap·tanh(z/cap) (Gemma-2's final logit soft-capping).
-            chunk_size: rows per chunk (default: 2^26 / V rows, :mod:`emdlm.ops.chunked`, so the
-                scratch stays a fixed size whatever the vocabulary; EMO: its own ``chunk_size``
-                first).
-            options: passed to :meth:`chunk_objective`: ``number_mask=`` (bool, the labels'
-                shape: which tokens may be scored as numbers, as in ``forward``) for the losses
-                that declare ``takes_number_mask``; ``generator=`` (NTIL's Gumbel noise).
+            chunk_size: rows per chunk (default: the loss's own chunk setting, see its
+                docstring, else ``DEFAULT_CHUNK_ELEMENTS // V`` rows, :mod:`emdlm.ops.chunked`,
+                so the scratch stays a fixed size whatever the vocabulary).
+            options: the loss's own keywords, passed to :meth:`chunk_objective` (NTIL's
+                ``generator=`` for the Gumbel noise).
         """
-        from emdlm.ops.chunked import check_linear_inputs
-        from emdlm.ops.from_hidden import loss_from_hidden
+        from emdlm.ops.chunked import (
+            HeadOptions,
+            check_linear_inputs,
+            chunked_linear_loss,
+            stand_in_logits,
+        )
 
+        self.check_call(number_mask, teacher_logits, loss_weights)
         # Shapes and dtypes only (the engine checks the label range in its one host sync).
         check_linear_inputs(
             hidden, lm_head_weight, labels, lm_head_bias, self.ignore_index, check_range=False
         )
-        # Zero-stride stand-in for the [..., V] logits: vocabulary size and shape checks only.
-        stand_in = hidden.new_zeros(()).expand(*hidden.shape[:-1], lm_head_weight.shape[0])
+        stand_in = stand_in_logits(hidden, lm_head_weight.shape[0])
+        if number_mask is not None:
+            options["number_mask"] = number_mask
+        if self.needs_teacher:  # a distilling loss with a from-hidden path reads them there
+            options["teacher_logits"] = teacher_logits
         objective, labels = self.chunk_objective(stand_in, labels, **options)
-        out = loss_from_hidden(
-            objective,
-            hidden,
-            lm_head_weight,
-            labels,
-            lm_head_bias,
+        if chunk_size is None:
+            chunk_size = self.from_hidden_chunk_rows(lm_head_weight.shape[0])
+        head = HeadOptions(
             ignore_index=self.ignore_index,
             reduction=self.reduction,  # type: ignore[arg-type]
-            chunk_size=self._from_hidden_chunk_size(chunk_size),
+            chunk_size=chunk_size,
             logit_scale=logit_scale,
             softcap=softcap,
         )
-        return self._after_from_hidden(
-            out, objective, hidden, lm_head_weight, lm_head_bias, logit_scale, softcap
-        )
-
-    def _from_hidden_chunk_size(self, chunk_size: int | None) -> int | None:
-        """Rows per chunk of ``from_hidden`` given the call's ``chunk_size`` (hook)."""
-        return chunk_size
+        out = chunked_linear_loss(hidden, lm_head_weight, lm_head_bias, labels, objective, head)
+        return self._after_from_hidden(out, objective, hidden, lm_head_weight, lm_head_bias, head)
 
     def from_hidden_chunk_rows(self, vocab: int) -> int:
-        """Rows per chunk that :meth:`from_hidden` uses on a ``vocab``-token output embedding
-        when the call gives no ``chunk_size`` (the loss's own, else the engine's default)."""
+        """Rows per chunk of :meth:`from_hidden` on a ``vocab``-token output embedding when
+        the call gives no ``chunk_size``: the engine's default ``DEFAULT_CHUNK_ELEMENTS // V``
+        (:func:`emdlm.ops.chunked.default_chunk_rows`); a loss with its own chunk setting
+        overrides this."""
         from emdlm.ops.chunked import default_chunk_rows
 
-        return self._from_hidden_chunk_size(None) or default_chunk_rows(vocab)
+        return default_chunk_rows(vocab)
 
     def _after_from_hidden(
         self,
@@ -184,10 +252,10 @@ class EMDLMLoss(nn.Module):
         hidden: torch.Tensor,
         lm_head_weight: torch.Tensor,
         lm_head_bias: torch.Tensor | None,
-        logit_scale: float | None,
-        softcap: float | None,
+        head: Any,
     ) -> LossOutput:
-        """Hook: a term the engine leaves to the loss (number-level NTL's dense lse rows)."""
+        """Hook: a term the engine leaves to the loss (number-level NTL's dense lse rows);
+        ``head`` the call's :class:`emdlm.ops.chunked.HeadOptions`."""
         return out
 
 
@@ -216,8 +284,23 @@ def check_declared_params(cls: type, args: tuple[Any, ...], kwargs: dict[str, An
         raise ValueError(f"{cls.__name__}: {'; '.join(problems)}")
 
 
-def _refuse_from_hidden(self: EMDLMLoss, *args: Any, **kwargs: Any) -> LossOutput:
-    """``from_hidden`` of a loss that declares ``has_from_hidden = False``: refuses by name."""
+def _refuse_from_hidden(
+    self: EMDLMLoss,
+    hidden: Any = None,
+    lm_head_weight: Any = None,
+    labels: Any = None,
+    lm_head_bias: Any = None,
+    *,
+    number_mask: Any = None,
+    teacher_logits: Any = None,
+    loss_weights: Any = None,
+    logit_scale: Any = None,
+    softcap: Any = None,
+    chunk_size: Any = None,
+    **options: Any,
+) -> LossOutput:
+    """``from_hidden`` of a loss that declares ``has_from_hidden = False`` (the one signature,
+    :meth:`EMDLMLoss.from_hidden`): refuses by name."""
     raise NotImplementedError(
         f"{type(self).__name__} has no from-hidden path (has_from_hidden is False): use the "
         "logits path (from_hidden=False, train.fused_linear: false)"

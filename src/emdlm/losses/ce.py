@@ -35,7 +35,7 @@ class CrossEntropyLoss(EMDLMLoss):
 
     averaged over the counted tokens (ignored positions take no part, in the smoothing term
     too). s·lse² is PaLM's z-loss (Chowdhery et al. 2022, Sec. 5), Liger's ``lse_square_scale``.
-    The defaults (ε = 0, s = 0) are plain CE, computed exactly as before the options existed.
+    The defaults (ε = 0, s = 0) are plain CE, ``F.nll_loss`` of the log-softmax.
 
     float64 logits are computed and returned in float64, as every other emdlm loss does
     (:func:`emdlm.functional._common.compute_dtype`). Ignored positions get an exact zero
@@ -82,7 +82,7 @@ class CrossEntropyLoss(EMDLMLoss):
         self.z_loss = float(z_loss)
         self.token_accuracy = bool(token_accuracy)
 
-    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> LossOutput:
+    def logits_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> LossOutput:
         check_logits_labels(logits, labels, self.ignore_index)
         flat_logits = logits.reshape(-1, logits.shape[-1]).to(compute_dtype(logits.dtype))
         flat_labels = labels.reshape(-1).long()  # [N]
@@ -128,8 +128,8 @@ class CrossEntropyLoss(EMDLMLoss):
     def chunk_objective(
         self, logits: torch.Tensor, labels: torch.Tensor
     ) -> tuple[ChunkObjective, torch.Tensor]:
-        """A :class:`~emdlm.ops.from_hidden.WeightedCEObjective` (weight local to each token)."""
-        from emdlm.ops.from_hidden import WeightedCEObjective
+        """A :class:`~emdlm.ops.objectives.ce.WeightedCEObjective` (weight local to each token)."""
+        from emdlm.ops.objectives.ce import WeightedCEObjective
 
         eps = self.label_smoothing
         objective = WeightedCEObjective(

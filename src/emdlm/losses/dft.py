@@ -46,14 +46,14 @@ class DFTLoss(EMDLMLoss):
         self.ignore_index = ignore_index
         self.reduction = reduction
 
-    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> LossOutput:
+    def logits_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> LossOutput:
         return dft_loss(logits, labels, ignore_index=self.ignore_index, reduction=self.reduction)
 
     def chunk_objective(
         self, logits: torch.Tensor, labels: torch.Tensor
     ) -> tuple[ChunkObjective, torch.Tensor]:
-        """A :class:`~emdlm.ops.from_hidden.WeightedCEObjective` (weight local to each token)."""
-        from emdlm.ops.from_hidden import WeightedCEObjective, dft_weights
+        """A :class:`~emdlm.ops.objectives.ce.WeightedCEObjective` (weight local to each token)."""
+        from emdlm.ops.objectives.ce import WeightedCEObjective, dft_weights
 
         return WeightedCEObjective(dft_weights()), labels
 

@@ -3,8 +3,10 @@
 The formulas, their sources and the official codes' behaviour are documented in
 :mod:`emdlm.functional.emo` (the reference). This module stores the row-normalized cost
 embedding once and picks an implementation: the chunked fast path
-(:func:`emdlm.ops.emo_chunked.emo_loss_chunked`, tested equal to the reference) or the reference;
-``from_hidden`` runs the same per-chunk objective from hidden states (:mod:`emdlm.ops.chunked`).
+(:class:`emdlm.ops.objectives.emo.EMOObjective` run by
+:func:`emdlm.ops.chunked.chunked_logits_loss`, tested equal to the reference) or the reference;
+``from_hidden`` runs the same objective from hidden states
+(:func:`emdlm.ops.chunked.chunked_linear_loss`).
 """
 
 from __future__ import annotations
@@ -15,13 +17,18 @@ import torch
 from torch import nn
 
 from emdlm._output import LossOutput
-from emdlm.functional._common import IGNORE_INDEX, Reduction, check_reduction
+from emdlm.functional._common import (
+    IGNORE_INDEX,
+    Reduction,
+    check_logits_labels_shapes,
+    check_reduction,
+)
 from emdlm.functional.emo import EMOMode, check_emo_options, emo_loss, normalize_cost_embedding
 from emdlm.losses.base import EMDLMLoss
 from emdlm.ops._chunking import check_chunk_size
 
 if TYPE_CHECKING:
-    from emdlm.ops.from_hidden import EMOObjective
+    from emdlm.ops.objectives.emo import EMOObjective
 
 Implementation = Literal["chunked", "reference"]
 
@@ -81,9 +88,11 @@ class EMOLoss(EMDLMLoss):
             global token count).
         implementation: "chunked" (fast path, less memory) or "reference"; ``None`` picks
             "chunked" when the logits require grad and "reference" otherwise.
-        chunk_size: positions per chunk of both chunked paths; None (default): 1024 on logits
-            (:data:`LOGITS_CHUNK_SIZE`), 2^26 / V rows from hidden states
-            (:mod:`emdlm.ops.chunked`), a scratch of fixed size whatever the vocabulary.
+        chunk_size: the loss's one chunk setting, positions per chunk of both chunked paths
+            (scratch: one [chunk_size, V] float32 buffer beyond the gradient buffer on logits,
+            two from hidden states; one more for half precision); None (default): 1024 on
+            logits (:data:`LOGITS_CHUNK_SIZE`), ``DEFAULT_CHUNK_ELEMENTS // V`` rows from hidden
+            states (:mod:`emdlm.ops.chunked`: a scratch of fixed size whatever the vocabulary).
         max_ratio: cap on the emo1 ratio sg(CE/DEMD); 3.0 reproduces the ``emoloss`` package
             (v0.0.3); ``None`` (default) is the paper / DRSY/EMO (no cap).
 
@@ -147,22 +156,19 @@ class EMOLoss(EMDLMLoss):
             return "chunked"
         return "reference"
 
-    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> LossOutput:
+    def logits_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> LossOutput:
         if self.resolved_implementation(logits) == "chunked":
-            # Lazy import: the fast path is optional at import time of emdlm.losses.
-            from emdlm.ops.emo_chunked import emo_loss_chunked
+            # Lazy import: the engine is loaded on first use, not with emdlm.losses.
+            from emdlm.ops.chunked import HeadOptions, chunked_logits_loss
 
-            return emo_loss_chunked(
-                logits,
-                labels,
-                self.cost_embedding_normalized,
-                mode=self.mode,
-                mu=self.mu,
+            check_logits_labels_shapes(logits, labels)  # label range: in the engine's one sync
+            objective, labels = self.chunk_objective(logits, labels)
+            options = HeadOptions(
                 ignore_index=self.ignore_index,
                 reduction=self.reduction,
                 chunk_size=self.chunk_size or LOGITS_CHUNK_SIZE,
-                max_ratio=self.max_ratio,
             )
+            return chunked_logits_loss(logits, labels, objective, options)
         return emo_loss(
             logits,
             labels,
@@ -177,25 +183,18 @@ class EMOLoss(EMDLMLoss):
     def chunk_objective(
         self, logits: torch.Tensor, labels: torch.Tensor
     ) -> tuple[EMOObjective, torch.Tensor]:
-        """:class:`emdlm.ops.from_hidden.EMOObjective` (EMO Eq. 14, 19 per chunk) for logits
+        """:class:`emdlm.ops.objectives.emo.EMOObjective` (EMO Eq. 14, 19 per chunk) for logits
         ``logits`` [..., V] (or ``from_hidden``'s stand-in): Ê checked against V and cast for
-        the S matmul."""
-        from emdlm.ops.from_hidden import emo_objective
+        the S matmul (:func:`emdlm.ops.objectives.emo.emo_cost`); the options were checked at
+        construction."""
+        from emdlm.ops.objectives.emo import EMOObjective, emo_cost
 
-        objective = emo_objective(
-            self.cost_embedding_normalized,
-            logits.shape[-1],
-            logits,
-            mode=self.mode,
-            mu=self.mu,
-            max_ratio=self.max_ratio,
-            reduction=self.reduction,
-        )
-        return objective, labels
+        cost = emo_cost(self.cost_embedding_normalized, logits, logits.shape[-1])
+        return EMOObjective(cost, self.mode, self.mu, self.max_ratio), labels
 
-    def _from_hidden_chunk_size(self, chunk_size: int | None) -> int | None:
-        """The call's ``chunk_size``, else the module's (else the engine's 2^26 / V rows)."""
-        return chunk_size or self.chunk_size
+    def from_hidden_chunk_rows(self, vocab: int) -> int:
+        """The module's ``chunk_size``, else the engine's ``DEFAULT_CHUNK_ELEMENTS // V``."""
+        return self.chunk_size or super().from_hidden_chunk_rows(vocab)
 
     def extra_repr(self) -> str:
         vocab, width = self.cost_embedding_normalized.shape

@@ -1,32 +1,36 @@
 """Distillation losses: EMO's generalized DEMD to a teacher (EMO Eq. 15) and the CE + KL baseline.
 
-Both are called as ``loss_fn(logits, labels, teacher_logits)`` with labels and teacher logits
+Both are called as ``loss_fn(logits, labels, teacher_logits=u)`` with labels and teacher logits
 aligned to the student logits (no shift inside) and carry ``needs_teacher = True``: the
 ``transformers`` integration (:class:`emdlm.integrations.transformers.ComputeLoss`) then passes
-the teacher's logits, computed on the same inputs (see ``with_teacher`` there). Formulas and
-sources: :mod:`emdlm.functional.emo_dense`.
+the teacher's logits, computed on the same inputs (``emdlm_trainer(..., teacher=...)`` there).
+Formulas and sources: :mod:`emdlm.functional.emo_dense`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from emdlm._output import LossOutput
-from emdlm.functional._common import IGNORE_INDEX, Reduction, check_reduction
+from emdlm.functional._common import (
+    IGNORE_INDEX,
+    Reduction,
+    check_logits_labels_shapes,
+    check_reduction,
+)
 from emdlm.functional.emo import EMOMode, normalize_cost_embedding
 from emdlm.functional.emo_dense import (
     DistillBase,
     check_distill_options,
+    check_teacher_logits,
     emo_distill_loss,
     kl_distill_loss,
 )
 from emdlm.losses.base import EMDLMLoss
-from emdlm.losses.emo import check_implementation, cost_embedding_from
-
-Implementation = Literal["chunked", "reference"]
+from emdlm.losses.emo import Implementation, check_implementation, cost_embedding_from
 
 
 class EMODistillLoss(EMDLMLoss):
@@ -43,11 +47,14 @@ class EMODistillLoss(EMDLMLoss):
             "static"; temperature: τ of the teacher's softmax (the student is not softened);
             max_ratio: cap of emo1's ratio.
         ignore_index, reduction: as every emdlm loss ("sum" for the Trainer integration).
-        implementation: "chunked" (custom autograd, O(chunk·V) scratch), "reference" (plain
-            autograd) or None ("chunked" when the logits require grad).
-        chunk_size: positions per chunk of the chunked path.
+        implementation: "chunked" (:class:`emdlm.ops.objectives.emo_distill.EMODistillObjective`
+            run by :func:`emdlm.ops.chunked.chunked_logits_loss`, O(chunk·V) scratch),
+            "reference" (plain autograd) or None ("chunked" when the logits require grad).
+        chunk_size: the loss's one chunk setting, positions per chunk of the chunked path
+            (default 512: its scratch is about six [chunk_size, V] float32 tensors).
 
-    Call: ``out = loss_fn(logits [B, T, V], labels [B, T], teacher_logits [B, T, V])``;
+    The options are checked here, where the loss is built (the objective does not check them
+    again). Call: ``out = loss_fn(logits [B, T, V], labels [B, T], teacher_logits=u [B, T, V])``;
     ``out.components``: "base", "demd" (means over scored tokens), "n_tokens".
 
     Example:
@@ -97,22 +104,36 @@ class EMODistillLoss(EMDLMLoss):
         teacher's)."""
         return cls(cost_embedding_from(model), **kwargs)
 
-    def forward(
-        self, logits: torch.Tensor, labels: torch.Tensor, teacher_logits: torch.Tensor
+    def logits_loss(
+        self, logits: torch.Tensor, labels: torch.Tensor, *, teacher_logits: torch.Tensor
     ) -> LossOutput:
-        kwargs: dict[str, Any] = dict(
-            base=self.base, mode=self.mode, mu=self.mu, temperature=self.temperature,
-            ignore_index=self.ignore_index, reduction=self.reduction, max_ratio=self.max_ratio,
-        )  # fmt: skip
         cost = self.cost_embedding_normalized
         impl = self.implementation or ("chunked" if logits.requires_grad else "reference")
         if impl == "chunked":
-            from emdlm.ops.emo_dense_chunked import emo_distill_loss_chunked
+            from emdlm.ops.chunked import HeadOptions, chunked_logits_loss
+            from emdlm.ops.objectives.emo import emo_cost
+            from emdlm.ops.objectives.emo_distill import EMODistillObjective
 
-            return emo_distill_loss_chunked(
-                logits, teacher_logits, labels, cost, chunk_size=self.chunk_size, **kwargs
+            check_logits_labels_shapes(logits, labels)  # label range: in the engine's one sync
+            check_teacher_logits(logits, teacher_logits)
+            opts = {
+                "base": self.base, "mode": self.mode, "mu": self.mu,
+                "temperature": self.temperature, "max_ratio": self.max_ratio,
+            }  # fmt: skip
+            objective = EMODistillObjective(
+                teacher_logits, emo_cost(cost, logits, logits.shape[-1]), opts
             )
-        return emo_distill_loss(logits, teacher_logits, labels, cost, **kwargs)
+            options = HeadOptions(
+                ignore_index=self.ignore_index,
+                reduction=self.reduction,
+                chunk_size=self.chunk_size,
+            )
+            return chunked_logits_loss(logits, labels, objective, options)
+        return emo_distill_loss(
+            logits, teacher_logits, labels, cost, base=self.base, mode=self.mode, mu=self.mu,
+            temperature=self.temperature, ignore_index=self.ignore_index,
+            reduction=self.reduction, max_ratio=self.max_ratio,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         vocab, width = self.cost_embedding_normalized.shape
@@ -128,7 +149,7 @@ class KLDistillLoss(EMDLMLoss):
 
     Hinton, Vinyals & Dean 2015 (Sec. 2): teacher and student both softened by τ, the KL scaled
     by τ². Plain autograd (:func:`emdlm.functional.emo_dense.kl_distill_loss`). Called as
-    ``loss_fn(logits, labels, teacher_logits)``; components "ce", "kl", "n_tokens".
+    ``loss_fn(logits, labels, teacher_logits=u)``; components "ce", "kl", "n_tokens".
     """
 
     needs_teacher = True
@@ -152,8 +173,8 @@ class KLDistillLoss(EMDLMLoss):
         self.ignore_index = ignore_index
         self.reduction = reduction
 
-    def forward(
-        self, logits: torch.Tensor, labels: torch.Tensor, teacher_logits: torch.Tensor
+    def logits_loss(
+        self, logits: torch.Tensor, labels: torch.Tensor, *, teacher_logits: torch.Tensor
     ) -> LossOutput:
         return kl_distill_loss(
             logits, teacher_logits, labels, alpha=self.alpha, temperature=self.temperature,

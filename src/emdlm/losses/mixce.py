@@ -41,7 +41,7 @@ class MixCELoss(EMDLMLoss):
         self.ignore_index = ignore_index
         self.reduction = reduction
 
-    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> LossOutput:
+    def logits_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> LossOutput:
         return mixce_loss(
             logits, labels, eta=self.eta, ignore_index=self.ignore_index, reduction=self.reduction
         )
@@ -49,8 +49,8 @@ class MixCELoss(EMDLMLoss):
     def chunk_objective(
         self, logits: torch.Tensor, labels: torch.Tensor
     ) -> tuple[ChunkObjective, torch.Tensor]:
-        """A :class:`~emdlm.ops.from_hidden.WeightedCEObjective` (weight local to each token)."""
-        from emdlm.ops.from_hidden import WeightedCEObjective, mixce_weights
+        """A :class:`~emdlm.ops.objectives.ce.WeightedCEObjective` (weight local to each token)."""
+        from emdlm.ops.objectives.ce import WeightedCEObjective, mixce_weights
 
         return WeightedCEObjective(mixce_weights(self.eta)), labels
 

@@ -2,12 +2,13 @@
 
 Source: NTIL paper (Fei et al., ACL 2025) Eq. 1–4 and Appendix A/C/D.3; official code
 xfey/NTIL (ntil.py for NTIL, emd.py for the EMD baseline). Formulas live in
-:mod:`emdlm.functional.ntil` (reference) and :mod:`emdlm.ops.ntil_fused` (fast path).
+:mod:`emdlm.functional.ntil` (reference) and :mod:`emdlm.ops.objectives.ntil` (the chunk
+objective of the fast logits path and of ``from_hidden``).
 
 Presets (explicit keyword arguments override them):
 
-* ``"stable"`` (the default): the ``"paper"`` preset below with three stabilisers (issue 12,
-  measured in docs/results/ntil_grad_norms.md; each can be switched off by its keyword):
+* ``"stable"`` (the default): the ``"paper"`` preset below with three stabilisers (measured in
+  docs/results/ntil_grad_norms.md; each can be switched off by its keyword):
   NOTE: the dynamic ratio sg(CE/NTIL) is capped at ``max_ratio`` = 10 (its unbounded growth as
   NTIL → 0 multiplied NTIL's gradient by up to thousands).
   NOTE: W·EMD is averaged within each number with normalised weights Σ W·EMD / Σ W, then over
@@ -76,15 +77,21 @@ from emdlm.functional.ntil import (
 )
 from emdlm.losses._number_vocab import NumberVocabSource, NumericLoss
 from emdlm.number_spans import SpanOptions
-from emdlm.ops.from_hidden import NTILObjective
-from emdlm.ops.ntil_fused import DEFAULT_CHUNK_ELEMENTS, ntil_fused_objective
+from emdlm.ops.chunked import (
+    DEFAULT_CHUNK_ELEMENTS,
+    HeadOptions,
+    chunked_logits_loss,
+    default_chunk_rows,
+)
+from emdlm.ops.objectives.ntil import NTILObjective
 
 Preset = Literal["stable", "paper", "official"]
 Implementation = Literal["fused", "reference"]
 
-#: Stable preset's cap on the dynamic ratio sg(CE/NTIL) (issue 12; docs/results/ntil_grad_norms.md).
+#: Stable preset's cap on the dynamic ratio sg(CE/NTIL) (docs/results/ntil_grad_norms.md).
 STABLE_MAX_RATIO = 10.0
-#: Stable preset's ρ in the magnitude smoothing u = max(unit, ρ·|Y|) (issue 12).
+#: Stable preset's ρ in the magnitude smoothing u = max(unit, ρ·|Y|)
+#: (docs/results/ntil_grad_norms.md).
 STABLE_MAGNITUDE_FLOOR = 0.1
 #: Default of ``max_ratio``: take the preset's value (None means "no cap", as in EMOLoss).
 _FROM_PRESET = "preset"
@@ -169,7 +176,10 @@ class NTILLoss(NumericLoss):
             when the logits require grad) or "reference" (plain autograd).
         generator: torch.Generator for the Gumbel noise (reproducible runs); a call may pass
             its own.
-        chunk_elements: float32 elements per CE chunk of the fused path.
+        chunk_elements: the loss's one chunk setting: about V x rows values per chunk of both
+            chunked paths, the fused logits path and ``from_hidden`` (rows =
+            chunk_elements // V; default ``DEFAULT_CHUNK_ELEMENTS`` = 2^26, 256 MiB of float32,
+            :mod:`emdlm.ops.chunked`); a ``chunk_size`` given to ``from_hidden`` wins there.
         max_ratio: cap of the dynamic ratio sg(CE/NTIL) ("preset": 10 for "stable", no cap for
             "paper" and "official"; None: no cap).
         per_number: W·EMD averaged within each number with normalised weights, then over
@@ -195,9 +205,6 @@ class NTILLoss(NumericLoss):
 
     Shape notation: B batch, T time, V vocabulary rows.
     """
-
-    #: ``forward`` / ``from_hidden`` take ``number_mask=`` (the Trainer glue passes a batch's
-    #: mask only to losses that say so).
 
     def __init__(
         self,
@@ -305,7 +312,7 @@ class NTILLoss(NumericLoss):
 
         Shape checks only, and the spans drafted without a host sync: the engine reads the
         label-range check, the span sizes and the chunk bounds in the one host sync of the call
-        (:meth:`emdlm.ops.from_hidden.NTILObjective.from_draft`). ``number_mask`` and
+        (:class:`emdlm.ops.objectives.ntil.NTILObjective`). ``number_mask`` and
         ``generator`` as in ``forward``."""
         settings = self.settings
         check_logits_labels_shapes(logits, labels)
@@ -315,18 +322,18 @@ class NTILLoss(NumericLoss):
             labels, vocab, self.span_options, ignore_index=settings.ignore_index,
             number_mask=number_mask,
         )
-        objective = NTILObjective.from_draft(
+        objective = NTILObjective(
             draft, vocab, self._n_rows(labels), settings, generator or self.generator
         )
         return objective, labels
 
-    def forward(
+    def logits_loss(
         self,
         logits: torch.Tensor,
         labels: torch.Tensor,
         *,
-        generator: torch.Generator | None = None,
         number_mask: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
     ) -> LossOutput:
         """The loss of ``logits`` [..., T, V] against ``labels`` [..., T] (class docstring).
 
@@ -343,10 +350,12 @@ class NTILLoss(NumericLoss):
             objective, labels = self.chunk_objective(
                 logits, labels, number_mask=number_mask, generator=generator
             )
-            loss, components = ntil_fused_objective(
-                logits, labels, objective, settings, self.chunk_elements
+            options = HeadOptions(
+                ignore_index=settings.ignore_index,
+                reduction=settings.reduction,
+                chunk_size=self.from_hidden_chunk_rows(logits.shape[-1]),
             )
-            return LossOutput(loss=loss, components=components)
+            return chunked_logits_loss(logits, labels, objective, options)
         check_logits_labels(logits, labels, settings.ignore_index)
         vocab = self._vocab_for(logits)
         labels = labels.to(logits.device)
@@ -357,6 +366,10 @@ class NTILLoss(NumericLoss):
         noise = sample_noise(class_candidates(vocab, spans), settings, generator or self.generator)
         loss, components = ntil_loss(logits, labels, vocab, spans, settings, noise=noise)
         return LossOutput(loss=loss, components=components)
+
+    def from_hidden_chunk_rows(self, vocab: int) -> int:
+        """Rows per chunk of both chunked paths: ``chunk_elements // V``."""
+        return default_chunk_rows(vocab, self.chunk_elements)
 
     @staticmethod
     def _n_rows(labels: torch.Tensor) -> int:

@@ -3,7 +3,7 @@ tokenizer.
 
 Formulas, ntloss's semantics and emdlm's departures (NOTE lines): :mod:`emdlm.functional.ntl`.
 The logits path is the plain-autograd reference (:func:`emdlm.functional.ntl.ntl_loss`); the
-from-hidden path runs :class:`emdlm.ops.from_hidden.NTLObjective` through the chunked engine.
+from-hidden path runs :class:`emdlm.ops.objectives.ntl.NTLObjective` through the chunked engine.
 
 Presets (explicit keyword arguments override them):
 
@@ -18,22 +18,19 @@ Presets (explicit keyword arguments override them):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
 from emdlm._output import LossOutput
-from emdlm.functional._common import (
-    IGNORE_INDEX,
-    Reduction,
-    check_logits_labels_shapes,
-    compute_dtype,
-)
+from emdlm.functional._common import IGNORE_INDEX, Reduction, check_logits_labels_shapes
 from emdlm.functional.ntil import draft_spans
 from emdlm.functional.ntl import (
     DistanceKind,
     NTLAveraging,
+    NTLLevel,
     NTLSettings,
+    TokenLoss,
     first_tokens,
     ntl_loss,
     resolve_with_width,
@@ -41,32 +38,52 @@ from emdlm.functional.ntl import (
 from emdlm.losses._number_vocab import NumberVocabSource, NumericLoss
 from emdlm.number_spans import SpanOptions
 from emdlm.numbers import NumberVocab
-from emdlm.ops.from_hidden import NTLObjective
+from emdlm.ops.chunked import head_logits
+from emdlm.ops.objectives.ntl import NTLObjective
 
 NTLPreset = Literal["classes", "ntloss"]
 _DIGITS_ONLY = {"classes": False, "ntloss": True}
 
 
 class _NTLBase(NumericLoss):
-    """What both NTL losses share: the number vocabulary, presets, the two paths."""
+    """What the NTL losses share: the number vocabulary, presets, settings and the two paths.
 
+    Each subclass fixes the ``level`` ("token" or "number") and passes its own options (the
+    token distance ``loss``, number level's ``join_decimal``) to this one constructor.
+    """
 
+    level: ClassVar[NTLLevel]
     settings: NTLSettings
     span_options: SpanOptions
 
-    def _setup(
+    def __init__(
         self,
         tokenizer_or_number_vocab: Any,
         preset: str,
-        settings: NTLSettings,
+        lam: float,
+        reweigh: bool,
+        averaging: NTLAveraging,
+        ignore_index: int,
+        reduction: Reduction,
         vocab_size: int | None,
         digits_only: bool | None,
-        join_decimal: bool,
+        *,
+        loss: TokenLoss = "mse",
+        join_decimal: bool = False,
     ) -> None:
+        super().__init__()
         if preset not in _DIGITS_ONLY:
             raise ValueError(f"preset must be one of {tuple(_DIGITS_ONLY)}, got {preset!r}")
         self.preset = preset
-        self.settings = settings
+        self.settings = NTLSettings(
+            lam=lam,
+            level=self.level,
+            loss=loss,
+            reweigh=bool(reweigh),
+            averaging=averaging,
+            reduction=reduction,
+            ignore_index=ignore_index,
+        )
         self.span_options = SpanOptions(
             digits_only=_DIGITS_ONLY[preset] if digits_only is None else bool(digits_only),
             join_decimal=bool(join_decimal),
@@ -92,12 +109,8 @@ class _NTLBase(NumericLoss):
         )
         return draft, vocab, labels
 
-    def forward(
-        self,
-        logits: torch.Tensor,
-        labels: torch.Tensor,
-        *,
-        number_mask: torch.Tensor | None = None,
+    def logits_loss(
+        self, logits: torch.Tensor, labels: torch.Tensor, *, number_mask: torch.Tensor | None = None
     ) -> LossOutput:
         """CE + λ·NTL of ``logits`` [..., V] against ``labels`` [...] (aligned, no shift).
 
@@ -116,7 +129,7 @@ class _NTLBase(NumericLoss):
         *,
         number_mask: torch.Tensor | None = None,
     ) -> tuple[NTLObjective, torch.Tensor]:
-        """:class:`emdlm.ops.from_hidden.NTLObjective` of ``labels`` against ``logits`` [..., V]
+        """:class:`emdlm.ops.objectives.ntl.NTLObjective` of ``labels`` against ``logits`` [..., V]
         (or ``from_hidden``'s stand-in) and the labels on the logits' device; ``number_mask``
         as in ``forward``."""
         draft, vocab, labels = self._draft(logits, labels, number_mask)
@@ -129,8 +142,7 @@ class _NTLBase(NumericLoss):
         hidden: torch.Tensor,
         lm_head_weight: torch.Tensor,
         lm_head_bias: torch.Tensor | None,
-        logit_scale: float | None,
-        softcap: float | None,
+        head: Any,
     ) -> LossOutput:
         """Adds number level's reweigh term through the head (value 0, see below)."""
         if objective.lse_grad is None:
@@ -138,21 +150,14 @@ class _NTLBase(NumericLoss):
         # Number level with reweigh: ∂L/∂lse at each number's first token reaches every logit
         # of that row (∂lse/∂z = q). Those S rows are scored again through the head here, with
         # value 0 and gradient g·q (no host sync: S was read in the engine's one sync).
-        spans = objective.spans
+        spans = objective.kept.spans
         assert spans is not None and objective.count is not None
         rows = spans.flat_index.index_select(0, first_tokens(spans))  # [S]
         grad = objective.lse_grad.index_select(0, first_tokens(spans))  # [S] sum units
         if self.settings.reduction == "mean":
             grad = grad / objective.count.clamp_min(1).double()
         h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)  # [S, H]
-        z = h @ lm_head_weight.T  # [S, V], as the engine's head: input dtype
-        if lm_head_bias is not None:
-            z = z + lm_head_bias
-        z = z.to(compute_dtype(hidden.dtype))
-        if logit_scale is not None:
-            z = z * logit_scale
-        if softcap is not None:
-            z = softcap * torch.tanh(z / softcap)
+        z = head_logits(h, lm_head_weight, lm_head_bias, head)  # [S, V], as the engine's head
         lse = torch.logsumexp(z, dim=-1)  # [S]
         term = (grad.to(lse.dtype) * (lse - lse.detach())).sum()  # value 0
         return LossOutput(loss=out.loss + term.to(out.loss.dtype), components=out.components)
@@ -200,6 +205,8 @@ class NTLMSELoss(_NTLBase):
     Shape notation: B batch, T time, V vocabulary rows, M number tokens.
     """
 
+    level: ClassVar[NTLLevel] = "token"
+
     def __init__(
         self,
         tokenizer_or_number_vocab: Any,
@@ -214,17 +221,10 @@ class NTLMSELoss(_NTLBase):
         *,
         digits_only: bool | None = None,
     ) -> None:
-        super().__init__()
-        settings = NTLSettings(
-            lam=lam,
-            level="token",
-            loss=loss,
-            reweigh=bool(reweigh),
-            averaging=averaging,
-            reduction=reduction,
-            ignore_index=ignore_index,
+        super().__init__(
+            tokenizer_or_number_vocab, preset, lam, reweigh, averaging, ignore_index, reduction,
+            vocab_size, digits_only, loss=loss,
         )
-        self._setup(tokenizer_or_number_vocab, preset, settings, vocab_size, digits_only, False)
 
 
 class NTLWASLoss(_NTLBase):
@@ -249,6 +249,8 @@ class NTLWASLoss(_NTLBase):
         >>> out = loss_fn(logits[:, :-1], input_ids[:, 1:])       # doctest: +SKIP
     """
 
+    level: ClassVar[NTLLevel] = "token"
+
     def __init__(
         self,
         tokenizer_or_number_vocab: Any,
@@ -262,17 +264,10 @@ class NTLWASLoss(_NTLBase):
         *,
         digits_only: bool | None = None,
     ) -> None:
-        super().__init__()
-        settings = NTLSettings(
-            lam=lam,
-            level="token",
-            loss="was",
-            reweigh=bool(reweigh),
-            averaging=averaging,
-            reduction=reduction,
-            ignore_index=ignore_index,
+        super().__init__(
+            tokenizer_or_number_vocab, preset, lam, reweigh, averaging, ignore_index, reduction,
+            vocab_size, digits_only, loss="was",
         )
-        self._setup(tokenizer_or_number_vocab, preset, settings, vocab_size, digits_only, False)
 
 
 class NumberLevelLoss(_NTLBase):
@@ -293,6 +288,8 @@ class NumberLevelLoss(_NTLBase):
     :class:`NTLMSELoss` plus "n_numbers" (S); "number_mass" is the mean μ at first tokens.
     """
 
+    level: ClassVar[NTLLevel] = "number"
+
     def __init__(
         self,
         tokenizer_or_number_vocab: Any,
@@ -307,17 +304,9 @@ class NumberLevelLoss(_NTLBase):
         *,
         digits_only: bool | None = None,
     ) -> None:
-        super().__init__()
-        settings = NTLSettings(
-            lam=lam,
-            level="number",
-            reweigh=bool(reweigh),
-            averaging=averaging,
-            reduction=reduction,
-            ignore_index=ignore_index,
-        )
-        self._setup(
-            tokenizer_or_number_vocab, preset, settings, vocab_size, digits_only, float_level
+        super().__init__(
+            tokenizer_or_number_vocab, preset, lam, reweigh, averaging, ignore_index, reduction,
+            vocab_size, digits_only, join_decimal=float_level,
         )
 
 

@@ -58,7 +58,7 @@ class TaiLrLoss(EMDLMLoss):
         self.ignore_index = ignore_index
         self.reduction = reduction
 
-    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> LossOutput:
+    def logits_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> LossOutput:
         return tailr_loss(
             logits,
             labels,
@@ -74,8 +74,8 @@ class TaiLrLoss(EMDLMLoss):
     def chunk_objective(
         self, logits: torch.Tensor, labels: torch.Tensor
     ) -> tuple[ChunkObjective, torch.Tensor]:
-        """A :class:`~emdlm.ops.from_hidden.WeightedCEObjective` (weight local to each token)."""
-        from emdlm.ops.from_hidden import WeightedCEObjective, tailr_weights
+        """A :class:`~emdlm.ops.objectives.ce.WeightedCEObjective` (weight local to each token)."""
+        from emdlm.ops.objectives.ce import WeightedCEObjective, tailr_weights
 
         weights = tailr_weights(
             self.preset, self.gamma, self.min_weight, self.label_smoothing, self.mixing_ratio

@@ -25,15 +25,10 @@ import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-from emdlm.functional._common import check_reduction
-from emdlm.functional.emo import check_emo_options
-
-EMOMode = Literal["emo1", "emo2", "static"]
-MODES: tuple[str, ...] = ("emo1", "emo2", "static")
+from emdlm.functional.emo import EMOMode
 
 # The official codes' guard: sg(CE / (DEMD + 1e-10)) and sg(DEMD / (CE + 1e-10)), with DEMD clamped
 # at 0 first (as in emdlm.functional.emo.mix_emo): finite everywhere, and a term whose value is 0
@@ -55,13 +50,8 @@ class ChunkSums:
         return cls(loss=z.clone(), ce=z.clone(), demd=z.clone())
 
 
-def check_mode(mode: str, reduction: str, mu: float = 1.0, max_ratio: float | None = None) -> None:
-    """Same option rules as the reference (``emdlm.functional.emo.check_emo_options``)."""
-    check_emo_options(mode, mu, max_ratio)
-    check_reduction(reduction)
-
-
 def check_chunk_size(chunk_size: int) -> None:
+    """ValueError unless ``chunk_size`` (rows per chunk) is a positive int."""
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
 
@@ -138,7 +128,7 @@ def mode_coefficients(
         a = torch.ones_like(ce)
         b = torch.full_like(ce, float(mu))
         value = ce + mu * demd
-    else:  # pragma: no cover - guarded by check_mode
+    else:  # pragma: no cover - the loss checks the mode at construction (check_emo_options)
         raise ValueError(f"unknown mode {mode!r}")
     return (
         torch.where(valid, a, zero),
@@ -164,7 +154,7 @@ def emo_chunk(
 ) -> torch.Tensor | None:
     """Process one chunk: add its sums to ``sums``; return d(loss)/dz in ``q_out`` if asked.
 
-    The per-chunk function of :class:`emdlm.ops.from_hidden.EMOObjective` (the chunked-loss
+    The per-chunk function of :class:`emdlm.ops.objectives.emo.EMOObjective` (the chunked-loss
     engine's EMO). The caller owns every [n, V] buffer, so a call allocates nothing of size V
     (on CPU a fresh large tensor costs page faults comparable to an elementwise pass; reusing
     buffers across chunks avoids them). Passes over [n, V]: log-softmax, exp, the S matmul,

@@ -43,12 +43,10 @@ value: no ``nonzero`` / ``unique`` / ``.item()``, no host→device copy of a Pyt
 backward never reads grad_output on an accelerator (:func:`_grad_output_is_one`).
 tests/test_host_syncs.py pins this for every registered objective.
 
-Users: CE, TaiLr, MixCE (:class:`emdlm.ops.from_hidden.WeightedCEObjective`), NTIL and digit
-EMD (``NTILObjective``) and EMO (``EMOObjective``) from hidden states (every loss's
-``from_hidden``, :func:`emdlm.ops.fused_linear_emo.fused_linear_emo_loss`,
-``fused_linear_cross_entropy``); EMO (:func:`emdlm.ops.emo_chunked.emo_loss_chunked`,
-``demd_chunked``), NTIL (:func:`emdlm.ops.ntil_fused.ntil_fused`) and EMO distillation
-(:func:`emdlm.ops.emo_dense_chunked.emo_distill_loss_chunked`) from logits.
+Users: one :class:`ChunkObjective` per family in :mod:`emdlm.ops.objectives` (CE, TaiLr,
+MixCE, DFT; NTIL and digit EMD; the NTL losses; EMO; EMO distillation), built by each loss's
+``chunk_objective`` and run from hidden states by ``EMDLMLoss.from_hidden`` and from logits by
+the losses' chunked logits paths.
 
 Memory of the hidden driver beyond the inputs and their gradients: one [n, V] buffer of the head
 output (input dtype; the CE family computes its softmax and gradient in it, in place), one
@@ -87,7 +85,7 @@ from emdlm.functional._common import (
     compute_dtype,
     label_range_error,
 )
-from emdlm.ops._chunking import row_chunks
+from emdlm.ops._chunking import check_chunk_size, row_chunks
 from emdlm.ops._compile import eager_under_compile
 from emdlm.ops._handover import hand_over_gradients
 
@@ -237,14 +235,19 @@ class HeadOptions:
 def check_head_options(options: HeadOptions) -> None:
     """Clear errors for bad head options."""
     check_reduction(options.reduction)
-    if options.chunk_size is not None and (
-        not isinstance(options.chunk_size, int) or options.chunk_size < 1
-    ):
-        raise ValueError(f"chunk_size must be a positive int or None, got {options.chunk_size!r}")
+    if options.chunk_size is not None:
+        check_chunk_size(options.chunk_size)
     for name in ("logit_scale", "softcap"):
         value = getattr(options, name)
         if value is not None and not (0 < float(value) < float("inf")):
             raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}")
+
+
+def stand_in_logits(hidden: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A zero-stride [..., V] stand-in for the logits of the head over ``hidden`` [..., H]
+    (no memory): what the shape checks and a loss's ``chunk_objective`` read of the logits
+    (shape, vocabulary size, dtype, device) when there are none."""
+    return hidden.new_zeros(()).expand(*hidden.shape[:-1], vocab)
 
 
 def check_linear_inputs(
@@ -274,8 +277,7 @@ def check_linear_inputs(
             f"bias must have shape [V] = {tuple(weight.shape[:1])} and dtype {weight.dtype}, "
             f"got {tuple(bias.shape)} {bias.dtype}"
         )
-    # Shape / range checks of the labels against a zero-stride stand-in for the logits.
-    stand_in = hidden.new_zeros(()).expand(*hidden.shape[:-1], weight.shape[0])
+    stand_in = stand_in_logits(hidden, weight.shape[0])
     if check_range:
         check_logits_labels(stand_in, labels, ignore_index)
     else:  # the drivers fold the range check into the one host sync of their call
@@ -375,6 +377,33 @@ def _unpack(names: list[tuple[str, torch.dtype]], packed: torch.Tensor) -> dict[
 # ----------------------------------------------------------------------------------------------
 
 
+def _logit_transforms(
+    z: torch.Tensor, options: HeadOptions, tanh_buf: torch.Tensor | None = None
+) -> torch.Tensor:
+    """z ← cap·tanh(s·z/cap) (scale and soft-cap as ``options`` ask), in place on ``z``; tanh
+    kept in ``tanh_buf`` when given (the driver's buffer), else out of place (autograd)."""
+    if options.logit_scale is not None:
+        z = z.mul_(options.logit_scale)
+    if options.softcap is not None:
+        cap = float(options.softcap)
+        if tanh_buf is None:
+            return cap * torch.tanh(z / cap)
+        torch.tanh(torch.div(z, cap, out=tanh_buf), out=tanh_buf)
+        z = torch.mul(tanh_buf, cap, out=z)
+    return z
+
+
+def head_logits(
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, options: HeadOptions
+) -> torch.Tensor:
+    """z = cap·tanh(s·(h Wᵀ + b)/cap) [n, V] in the compute dtype, with autograd: the head the
+    from-hidden driver applies chunk by chunk (same dtypes and order of operations), for a
+    caller that needs a few rows of it again (number-level NTL's reweigh term)."""
+    raw = h @ weight.T if bias is None else torch.addmm(bias, h, weight.T)  # input dtype
+    z = raw.to(compute_dtype(h.dtype))
+    return _logit_transforms(z, options)
+
+
 def _head_chunk(
     h_c: torch.Tensor,
     weight: torch.Tensor,
@@ -384,19 +413,14 @@ def _head_chunk(
     tanh_buf: torch.Tensor | None,
     options: HeadOptions,
 ) -> torch.Tensor:
-    """z_c = cap·tanh(s·(h_c Wᵀ + b)/cap) in the compute dtype; tanh kept in ``tanh_buf``."""
+    """:func:`head_logits` of chunk ``h_c`` in the driver's buffers (``raw`` the head output,
+    ``staged`` its compute-dtype copy, ``tanh_buf`` tanh for the soft-cap's backward)."""
     if bias is None:
         torch.mm(h_c, weight.T, out=raw)  # [n, V]
     else:
         torch.addmm(bias, h_c, weight.T, out=raw)
     z = raw if staged is None else staged.copy_(raw)  # [n, V] compute dtype
-    if options.logit_scale is not None:
-        z.mul_(options.logit_scale)
-    if tanh_buf is not None:
-        cap = float(options.softcap)  # type: ignore[arg-type]
-        torch.tanh(torch.div(z, cap, out=tanh_buf), out=tanh_buf)
-        torch.mul(tanh_buf, cap, out=z)
-    return z
+    return _logit_transforms(z, options, tanh_buf)
 
 
 def _add_sparse(
@@ -782,4 +806,6 @@ __all__ = [
     "chunked_logits_loss",
     "counts_before",
     "default_chunk_rows",
+    "head_logits",
+    "stand_in_logits",
 ]

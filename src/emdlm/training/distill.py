@@ -1,6 +1,6 @@
 """Distillation as its own piece of the ``emdlm train`` recipe: the teacher (``teacher:`` in
 the config), loaded and checked against the student before training. Its logits reach the loss
-through :func:`emdlm.integrations.transformers.with_teacher`."""
+through :func:`emdlm.integrations.transformers.emdlm_trainer` (``teacher=``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""Chunked EMO distillation (dense target): a user of the chunked-loss engine, O(chunk·V) scratch.
+"""EMO distillation per chunk (:class:`EMODistillObjective`) for
+:func:`emdlm.ops.chunked.chunked_logits_loss`: a dense teacher target, O(chunk·V) scratch.
 
 Same values and gradients as the reference :func:`emdlm.functional.emo_dense.emo_distill_loss`
-(formulas and sources there; EMO, ICLR 2024, Eq. 15 and Eq. 19). Per position, with
+(formulas and sources there; EMO, Ren et al., ICLR 2024, Eq. 15 and Eq. 19). Per position, with
 q = softmax(z), p = softmax(u / τ) and w = C p = (Σp) - Ê (Êᵀ p):
 
     DEMD = Σ_i |q_i - p_i| · w_i            d DEMD / d q_i = sign(q_i - p_i) · w_i =: g_i
@@ -9,18 +10,15 @@ q = softmax(z), p = softmax(u / τ) and w = C p = (Σp) - Ê (Êᵀ p):
 (sign(0) = 0: at q_i = p_i the subgradient 0 is taken, as autograd's ``abs`` does), and through
 the softmax  d DEMD / d z = q ⊙ (g - q·g).  The base terms' gradients w.r.t. z:
 KL(p ‖ q) → (Σp)·q - p, CE(y) → q - onehot(y). With detached per-token coefficients (a, b) of the
-mode (``emdlm.ops._chunking.mode_coefficients``), the gradient is a·∇B + b·∇DEMD.
+mode (:func:`emdlm.ops._chunking.mode_coefficients`), the gradient is a·∇B + b·∇DEMD.
 
-Design (as :mod:`emdlm.ops.emo_chunked`): :class:`EMODistillObjective` is the per-chunk function
-of :func:`emdlm.ops.chunked.chunked_logits_loss`, which writes the gradient w.r.t. the student
-logits into one [N, V] buffer (logits' dtype) during forward, chunk by chunk; backward only
-scales it by grad_output and hands it over (so backward runs once per forward unless
-``inplace_backward=False``). The teacher's rows of each chunk are views of its logits (one
-flattening copy only when its strides split rows differently from the student's).
-w is needed twice (value and gradient), so it is computed once per chunk with two matmuls,
-Êᵀp ([n, V] × [V, d']) and (Êᵀp) Êᵀ ([n, d'] × [d', V]); no V x V matrix.
-Scratch per chunk: about six [chunk, V] compute-dtype tensors (log q / q, log p / w, p, q - p, g,
-and float32 copies of half-precision inputs). No gradient flows to the teacher or to Ê.
+The engine writes the gradient w.r.t. the student logits into one [N, V] buffer during forward;
+the teacher's rows of each chunk are views of its logits (one flattening copy only when its
+strides split rows differently from the student's). w is needed twice (value and gradient), so
+it is computed once per chunk with two matmuls, Êᵀp ([n, V] × [V, d']) and (Êᵀp) Êᵀ
+([n, d'] × [d', V]); no V x V matrix. Scratch per chunk: about six [chunk, V] compute-dtype
+tensors (log q / q, log p / w, p, q - p, g, and float32 copies of half-precision inputs). No
+gradient flows to the teacher or to Ê.
 
 Shape notation: N positions, n positions in a chunk, V vocabulary, d' cost-embedding width.
 """
@@ -31,28 +29,8 @@ from typing import Any
 
 import torch
 
-from emdlm._output import LossOutput
-from emdlm.functional._common import (
-    IGNORE_INDEX,
-    Reduction,
-    check_logits_labels_shapes,
-    compute_dtype,
-)
-from emdlm.functional.emo import EMOMode
-from emdlm.functional.emo_dense import (
-    DistillBase,
-    check_distill_options,
-    check_teacher_logits,
-)
-from emdlm.ops._chunking import (
-    check_chunk_size,
-    check_cost_embedding,
-    check_mode,
-    mode_coefficients,
-    prepare_cost,
-    row_blocks,
-)
-from emdlm.ops.chunked import ChunkObjective, ChunkOut, Finish, HeadOptions, chunked_logits_loss
+from emdlm.ops._chunking import mode_coefficients, row_blocks
+from emdlm.ops.chunked import ChunkObjective, ChunkOut, Finish
 
 
 def _chunk(
@@ -123,8 +101,10 @@ class EMODistillObjective(ChunkObjective):
 
     Args:
         teacher_logits: u [..., V] aligned with the student logits (any dtype and strides).
-        cost: Ê [V, d'] cast to the compute dtype (``prepare_cost``).
-        opts: base, mode, mu, temperature, max_ratio (see :func:`emo_distill_loss_chunked`).
+        cost: Ê [V, d'] cast to the compute dtype (:func:`emdlm.ops.objectives.emo.emo_cost`).
+        opts: base, mode, mu, temperature, max_ratio, checked where the loss is built
+            (:class:`emdlm.losses.emo_distill.EMODistillLoss`; their meaning:
+            :mod:`emdlm.functional.emo_dense`).
     """
 
     n_stats = 2
@@ -167,54 +147,5 @@ class EMODistillObjective(ChunkObjective):
         return Finish(extra_loss=stats.new_zeros(()), sparse=None, components=components)
 
 
-def emo_distill_loss_chunked(
-    logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
-    labels: torch.Tensor,
-    cost_embedding: torch.Tensor,
-    *,
-    base: DistillBase = "kl",
-    mode: EMOMode = "static",
-    mu: float = 1.0,
-    temperature: float = 1.0,
-    ignore_index: int = IGNORE_INDEX,
-    reduction: Reduction = "mean",
-    chunk_size: int = 512,
-    max_ratio: float | None = None,
-    inplace_backward: bool = True,
-) -> LossOutput:
-    """EMO distillation loss, chunked over positions; equal to ``emo_distill_loss``.
 
-    Args:
-        logits: student z [..., V], any float dtype and strides (computed in float32, float64
-            kept); teacher_logits: u [..., V], same shape and device, detached (any dtype).
-        labels: [...] aligned with the logits; ``ignore_index`` marks unscored positions.
-        cost_embedding: Ê [V, d'] row-normalized (``normalize_cost_embedding``), frozen.
-        base, mode, mu, temperature, max_ratio: see :mod:`emdlm.functional.emo_dense`.
-        chunk_size: positions per chunk (scratch about six [chunk_size, V] float32 tensors).
-        inplace_backward: hand the gradient buffer over in backward (one backward per forward);
-            False allows a second backward at the cost of one [N, V] copy.
-
-    Returns:
-        LossOutput: loss (0-d), components "base", "demd" (means over scored positions,
-        detached) and "n_tokens".
-    """
-    check_distill_options(base, mode, mu, max_ratio, temperature)
-    check_mode(mode, reduction, mu, max_ratio)
-    check_chunk_size(chunk_size)
-    check_logits_labels_shapes(logits, labels)  # label range: in the engine's one host sync
-    check_teacher_logits(logits, teacher_logits)
-    check_cost_embedding(cost_embedding, logits.shape[-1], logits.device)
-    cost = prepare_cost(cost_embedding, None, compute_dtype(logits.dtype))
-    opts = {
-        "base": base, "mode": mode, "mu": mu, "temperature": float(temperature),
-        "max_ratio": max_ratio,
-    }  # fmt: skip
-    options = HeadOptions(ignore_index=ignore_index, reduction=reduction, chunk_size=chunk_size)
-    objective = EMODistillObjective(teacher_logits, cost, opts)
-    return chunked_logits_loss(
-        logits, labels, objective, options, inplace_backward=inplace_backward
-    )
-
-
-__all__ = ["EMODistillObjective", "emo_distill_loss_chunked"]
+__all__ = ["EMODistillObjective"]
