@@ -262,14 +262,20 @@ def test_one_call_signature(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_call_keywords_not_declared_are_refused_by_name(name: str) -> None:
     """A keyword the objective does not take is an error naming it, on both routes: loss
-    weights (no objective takes them yet: never silently ignored), a number mask without
-    ``takes_number_mask``, teacher logits without ``needs_teacher`` (and none with it)."""
+    weights without ``takes_loss_weights`` (never silently ignored; where taken, weights of 1
+    give the unweighted loss), a number mask without ``takes_number_mask``, teacher logits
+    without ``needs_teacher`` (and none with it)."""
     fn = build(name)
     cls_name = type(fn).__name__
     teacher = {"teacher_logits": TEACHER[:, :T]} if fn.needs_teacher else {}
     x = LOGITS.clone().requires_grad_()
-    with pytest.raises(NotImplementedError, match=f"{cls_name} takes no loss_weights"):
-        fn(x, LABELS, loss_weights=torch.ones(B, T, dtype=F64), **teacher)
+    ones = torch.ones(B, T, dtype=F64)
+    if fn.takes_loss_weights:
+        got = fn(x, LABELS, loss_weights=ones, **teacher).loss
+        torch.testing.assert_close(got, fn(x, LABELS, **teacher).loss)
+    else:
+        with pytest.raises(NotImplementedError, match=f"{cls_name} takes no loss_weights"):
+            fn(x, LABELS, loss_weights=ones, **teacher)
     if not fn.takes_number_mask:
         with pytest.raises(ValueError, match=f"{cls_name} scores no numbers"):
             fn(x, LABELS, number_mask=torch.ones(B, T, dtype=torch.bool), **teacher)
@@ -281,8 +287,12 @@ def test_call_keywords_not_declared_are_refused_by_name(name: str) -> None:
             fn(x, LABELS, teacher_logits=LOGITS)
     if fn.has_from_hidden:
         h, w, b = hidden_inputs()
-        with pytest.raises(NotImplementedError, match=f"{cls_name} takes no loss_weights"):
-            fn.from_hidden(h, w, LABELS, b, loss_weights=torch.ones(B, T, dtype=F64))
+        if fn.takes_loss_weights:
+            got = fn.from_hidden(h, w, LABELS, b, loss_weights=ones).loss
+            torch.testing.assert_close(got, fn.from_hidden(h, w, LABELS, b).loss)
+        else:
+            with pytest.raises(NotImplementedError, match=f"{cls_name} takes no loss_weights"):
+                fn.from_hidden(h, w, LABELS, b, loss_weights=ones)
         if not fn.takes_number_mask:
             with pytest.raises(ValueError, match=f"{cls_name} scores no numbers"):
                 fn.from_hidden(h, w, LABELS, b, number_mask=torch.ones(B, T, dtype=torch.bool))

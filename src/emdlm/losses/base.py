@@ -18,6 +18,8 @@ attributes or signatures. Every loss is called one way, on both routes::
 ``takes_number_mask``       ``number_mask=`` may be a bool mask aligned with ``labels``: which
                             tokens may be scored as numbers (``data.number_scope``); a loss that
                             does not declare it refuses a mask.
+``takes_loss_weights``      ``loss_weights=`` may be per-token weights (below); a loss that does
+                            not declare it refuses them (NotImplementedError naming it).
 ``has_from_hidden``         ``from_hidden``: the same loss from the final hidden state and the
                             output embedding, never building [N, V] logits (given once, here, on
                             the loss's ``chunk_objective``).
@@ -26,11 +28,23 @@ attributes or signatures. Every loss is called one way, on both routes::
                             (what a framework that divides by the token count needs).
 ==========================  =====================================================================
 
-``loss_weights`` (per-token weights, the labels' shape) is part of the signature and taken by
-no emdlm objective yet: a non-None value raises NotImplementedError naming the objective
-(:meth:`EMDLMLoss.check_call`), never silently ignored. Its meaning, for an objective that
-takes it: a weight scales each token's loss in the numerator and the token count becomes the
-sum of the weights, so a weight of 0 equals an ignored label.
+``loss_weights`` (per-token weights w, a floating-point tensor of the labels' shape, finite
+and ≥ 0) is taken by the losses that declare ``takes_loss_weights`` (the weighted-CE family:
+CE, DFT, MixCE, TaiLr); any other raises NotImplementedError naming itself
+(:meth:`EMDLMLoss.check_call`), never silently ignoring them. Over the counted tokens C (labels
+not ``ignore_index``), with l_t the loss's own per-token term::
+
+    "sum":  Σ_{t∈C} w_t·l_t          "mean":  Σ_{t∈C} w_t·l_t / Σ_{t∈C} w_t   (0 when Σ w = 0)
+
+and the components (``ce``, ``token_accuracy``, ...) are the same weighted means, with
+``n_tokens`` = Σ_{t∈C} w_t: a weight of 0 scores a token exactly as an ignored label (loss and
+gradient), weights of 1 are the unweighted loss. ntloss's ``loss_weights`` (AI4SD/
+number-token-loss, ``ntloss/core.py``) is the same weighted mean, Σ w·l / max(Σ w, eps), but
+over its number tokens only; Liger-Kernel has no per-token weights (linkedin/Liger-Kernel issue
+338, open), only torch's per-class ``weight`` (``ce_weight``: Σ w_{y_t}·l_t / Σ w_{y_t}).
+Both routes run the same chunk objective (:mod:`emdlm.ops.chunked`), the weights'
+value check folded into its one host sync. A trainer's ``num_items_in_batch`` counts labels,
+not weights: a caller that weights tokens and divides a "sum" itself divides by Σ w.
 
 Every loss returns a :class:`~emdlm._output.LossOutput` (``loss`` and ``components``). The
 numeric parameters of a registered objective are checked against the registry's declared
@@ -74,6 +88,7 @@ class EMDLMLoss(nn.Module):
 
     needs_teacher: ClassVar[bool] = False
     takes_number_mask: ClassVar[bool] = False
+    takes_loss_weights: ClassVar[bool] = False
     has_from_hidden: ClassVar[bool] = True
     hidden_transforms: ClassVar[tuple[str, ...]] = HIDDEN_TRANSFORMS
 
@@ -109,7 +124,27 @@ class EMDLMLoss(nn.Module):
             options["number_mask"] = number_mask
         if self.needs_teacher:
             options["teacher_logits"] = teacher_logits
+        if loss_weights is not None:
+            return self.weighted_logits_loss(logits, labels, loss_weights, **options)
         return self.logits_loss(logits, labels, **options)
+
+    def weighted_logits_loss(
+        self, logits: torch.Tensor, labels: torch.Tensor, loss_weights: torch.Tensor, **given: Any
+    ) -> LossOutput:
+        """The loss of given logits with per-token ``loss_weights`` (a loss that declares
+        ``takes_loss_weights``): its :meth:`chunk_objective`, weighted, run over the logits by
+        :func:`emdlm.ops.chunked.chunked_logits_loss` (the same objective ``from_hidden``
+        runs, so both routes agree)."""
+        from emdlm.ops.chunked import HeadOptions, chunked_logits_loss
+
+        objective, labels = self.chunk_objective(logits, labels, **given)
+        _weigh(objective, loss_weights, labels, logits)
+        head = HeadOptions(
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,  # type: ignore[arg-type]
+            chunk_size=self.from_hidden_chunk_rows(logits.shape[-1]),
+        )
+        return chunked_logits_loss(logits, labels, objective, head)
 
     def logits_loss(self, logits: torch.Tensor, labels: torch.Tensor, **given: Any) -> LossOutput:
         """What a subclass implements: the loss of given logits, with ``number_mask=`` when it
@@ -125,12 +160,14 @@ class EMDLMLoss(nn.Module):
     ) -> None:
         """Refuse, by name, a call's keyword that this loss's declarations do not allow: a
         ``number_mask`` without ``takes_number_mask``, teacher logits missing where
-        ``needs_teacher`` or given where not, and any ``loss_weights`` (no emdlm objective
-        takes per-token weights yet). Every ``forward`` and ``from_hidden`` calls it first."""
+        ``needs_teacher`` or given where not, and ``loss_weights`` without
+        ``takes_loss_weights`` (NotImplementedError). Every ``forward`` and ``from_hidden``
+        calls it first."""
         name = type(self).__name__
-        if loss_weights is not None:
+        if loss_weights is not None and not self.takes_loss_weights:
             raise NotImplementedError(
-                f"{name} takes no loss_weights (per-token weights): pass loss_weights=None"
+                f"{name} takes no loss_weights (per-token weights; takes_loss_weights is "
+                "False): pass loss_weights=None"
             )
         if number_mask is not None and not self.takes_number_mask:
             raise ValueError(
@@ -224,6 +261,8 @@ class EMDLMLoss(nn.Module):
         if self.needs_teacher:  # a distilling loss with a from-hidden path reads them there
             options["teacher_logits"] = teacher_logits
         objective, labels = self.chunk_objective(stand_in, labels, **options)
+        if loss_weights is not None:
+            _weigh(objective, loss_weights, labels, stand_in)
         if chunk_size is None:
             chunk_size = self.from_hidden_chunk_rows(lm_head_weight.shape[0])
         head = HeadOptions(
@@ -284,6 +323,33 @@ def check_declared_params(cls: type, args: tuple[Any, ...], kwargs: dict[str, An
         raise ValueError(f"{cls.__name__}: {'; '.join(problems)}")
 
 
+def check_loss_weights(loss_weights: Any, labels: torch.Tensor) -> None:
+    """ValueError unless ``loss_weights`` is a floating-point tensor of the labels' shape (its
+    values, finite and ≥ 0, are checked in the chunk engine's one host sync)."""
+    if not isinstance(loss_weights, torch.Tensor) or not torch.is_floating_point(loss_weights):
+        got = loss_weights.dtype if isinstance(loss_weights, torch.Tensor) else type(loss_weights)
+        raise ValueError(f"loss_weights must be a floating-point tensor, got {got}")
+    if loss_weights.shape != labels.shape:
+        raise ValueError(
+            f"loss_weights must have the labels' shape {tuple(labels.shape)}, got "
+            f"{tuple(loss_weights.shape)}"
+        )
+
+
+def _weigh(objective: Any, loss_weights: Any, labels: torch.Tensor, like: torch.Tensor) -> None:
+    """Check ``loss_weights`` against ``labels`` and hand them, flat, in the compute dtype on
+    ``like``'s device, to ``objective.weigh_tokens``."""
+    from emdlm.functional._common import compute_dtype
+
+    check_loss_weights(loss_weights, labels)
+    weigh = getattr(objective, "weigh_tokens", None)
+    if weigh is None:
+        raise NotImplementedError(
+            f"{type(objective).__name__} has no weigh_tokens: per-token weights are not supported"
+        )
+    weigh(loss_weights.to(device=like.device, dtype=compute_dtype(like.dtype)).reshape(-1))
+
+
 def _refuse_from_hidden(
     self: EMDLMLoss,
     hidden: Any = None,
@@ -307,4 +373,4 @@ def _refuse_from_hidden(
     )
 
 
-__all__ = ["HIDDEN_TRANSFORMS", "EMDLMLoss", "check_declared_params"]
+__all__ = ["HIDDEN_TRANSFORMS", "EMDLMLoss", "check_declared_params", "check_loss_weights"]

@@ -62,6 +62,8 @@ class CrossEntropyLoss(EMDLMLoss):
         1.0
     """
 
+    takes_loss_weights = True  # per-token weights (EMDLMLoss.weighted_logits_loss)
+
     def __init__(
         self,
         ignore_index: int = IGNORE_INDEX,

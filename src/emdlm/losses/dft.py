@@ -40,6 +40,8 @@ class DFTLoss(EMDLMLoss):
         0.3466
     """
 
+    takes_loss_weights = True  # per-token weights (EMDLMLoss.weighted_logits_loss)
+
     def __init__(self, ignore_index: int = IGNORE_INDEX, reduction: Reduction = "mean") -> None:
         super().__init__()
         check_reduction(reduction)

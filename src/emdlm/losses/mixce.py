@@ -31,6 +31,8 @@ class MixCELoss(EMDLMLoss):
     ``out.components``: "ce", "weight_mean", "n_tokens".
     """
 
+    takes_loss_weights = True  # per-token weights (EMDLMLoss.weighted_logits_loss)
+
     def __init__(
         self, eta: float = 0.3, ignore_index: int = IGNORE_INDEX, reduction: Reduction = "mean"
     ) -> None:

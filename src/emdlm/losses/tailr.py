@@ -37,6 +37,8 @@ class TaiLrLoss(EMDLMLoss):
     ``out.components``: "ce", "weight_mean", "n_tokens".
     """
 
+    takes_loss_weights = True  # per-token weights (EMDLMLoss.weighted_logits_loss)
+
     def __init__(
         self,
         gamma: float = 1e-7,

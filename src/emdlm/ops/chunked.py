@@ -183,6 +183,11 @@ class ChunkObjective:
         """Called once before the first chunk: the first row of every chunk, N rows in all, and
         the values of :meth:`host_sizes` (empty when it gave None)."""
 
+    def counted(self, valid: torch.Tensor) -> torch.Tensor:
+        """0-d count the "mean" reduction divides by (and ``finish`` gets): the counted labels
+        Σ valid, or a per-token weighted objective's Σ_t w_t over them."""
+        return valid.sum()
+
     def chunk(
         self,
         z: torch.Tensor,
@@ -304,7 +309,7 @@ class _Pass:
 
     labels: torch.Tensor  # [N] long
     valid: torch.Tensor  # [N] bool
-    count: torch.Tensor  # 0-d long, counted labels
+    count: torch.Tensor  # 0-d: counted labels (long) or their weight sum (objective.counted)
     scale: torch.Tensor  # 0-d compute dtype: k = 1/count ("mean") or 1 ("sum")
     ignored: torch.Tensor | None  # [I] long rows of ignored labels, ascending (None: not asked)
     cut: list[int]  # ignored[cut[i] : cut[i + 1]] lie in [ignore_bounds[i], ignore_bounds[i + 1])
@@ -327,9 +332,9 @@ class _Pass:
         ``objective.host_sizes`` for the chunk ``bounds``."""
         flat = labels.reshape(-1).long()
         valid = flat != options.ignore_index
-        count = valid.sum()
-        if options.reduction == "mean":
-            scale = 1.0 / count.clamp_min(1).to(cdtype)
+        count = objective.counted(valid)
+        if options.reduction == "mean":  # a count of 0 (or a weight sum of 0) divides by 1
+            scale = 1.0 / torch.where(count > 0, count, 1).to(cdtype)
         else:
             scale = torch.ones((), dtype=cdtype, device=labels.device)
         parts = [bad_label_count(flat, vocab, options.ignore_index).reshape(1)]

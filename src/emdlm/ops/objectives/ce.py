@@ -139,6 +139,10 @@ class WeightedCEObjective(ChunkObjective):
     Per counted token, L_t = a_t·CE_t + ε·(lse_t − mean_v z_tv) + s·lse_t² (+ a subclass's
     row term) and dL_t/dz_t = (a_t + ε + 2s·lse_t + c_t)·q_t − a_t·onehot(y_t) − ε/V (+ the
     row term's sparse part), c_t the row term's ∂/∂lse_t.
+
+    Per-token weights w_t (:meth:`weigh_tokens`, no row term): every token's L_t, gradient and
+    stats are multiplied by w_t and the count is Σ_t w_t over the counted tokens
+    (:meth:`counted`), so w_t = 0 scores the token exactly as an ignored label.
     """
 
     n_stats = 4
@@ -157,6 +161,36 @@ class WeightedCEObjective(ChunkObjective):
         self.gold_scale = float(gold_scale)
         self.z_loss = float(z_loss)
         self.token_accuracy = bool(token_accuracy)
+        self.token_weights: torch.Tensor | None = None
+
+    def weigh_tokens(self, weights: torch.Tensor) -> None:
+        """Score each flattened token t with weight w_t (``weights`` [N] floating point on the
+        logits' device; checked finite and ≥ 0 in the call's one host sync, :meth:`begin`)."""
+        if type(self)._row_terms is not WeightedCEObjective._row_terms:
+            raise NotImplementedError(
+                f"{type(self).__name__} adds a row term: per-token weights are not supported"
+            )
+        self.token_weights = weights.reshape(-1)
+
+    def counted(self, valid: torch.Tensor) -> torch.Tensor:
+        if self.token_weights is None:
+            return valid.sum()
+        return torch.where(valid, self.token_weights, 0.0).sum()
+
+    def host_sizes(
+        self, labels: torch.Tensor, valid: torch.Tensor, bounds: list[int], vocab: int
+    ) -> torch.Tensor | None:
+        if self.token_weights is None:
+            return None
+        w = self.token_weights
+        return (~torch.isfinite(w) | (w < 0)).sum().reshape(1)  # read in the call's one sync
+
+    def begin(self, starts: list[int], n_rows: int, sizes: list[int]) -> None:
+        if self.token_weights is not None and sizes[0]:
+            raise ValueError(
+                f"loss_weights must be finite and >= 0: {sizes[0]} of "
+                f"{self.token_weights.numel()} entries are negative, NaN or inf"
+            )
 
     def _row_terms(
         self, lse: torch.Tensor, valid: torch.Tensor, start: int
@@ -177,8 +211,13 @@ class WeightedCEObjective(ChunkObjective):
         safe = torch.where(valid, labels, 0).unsqueeze(1)  # [n, 1]
         zero = out.new_zeros(())
         eps, s = self.label_smoothing, self.z_loss
+        w = None  # per-token weights of the chunk [n], 0 where ignored
+        if self.token_weights is not None:
+            w_c = self.token_weights[start : start + labels.shape[0]].to(out.dtype)
+            w = torch.where(valid, w_c, zero)
         if self.token_accuracy:  # before z may be overwritten (z is out from hidden states)
-            correct = ((z.argmax(dim=-1) == labels) & valid).sum().to(out.dtype)
+            hits = (z.argmax(dim=-1) == labels) & valid
+            correct = hits.sum().to(out.dtype) if w is None else torch.where(hits, w, zero).sum()
         else:
             correct = zero
         ce_raw, smooth_raw, e, total, lse_raw = _log_softmax_parts(z, out, safe, eps > 0.0)
@@ -202,35 +241,39 @@ class WeightedCEObjective(ChunkObjective):
         extra = self._row_terms(lse, valid, start)
         if extra is not None:
             per_token = per_token + extra.loss
+        if w is not None:  # w_t·L_t, and the stats weighted alike
+            per_token, ce, reported, lse_sq = per_token * w, ce * w, reported * w, lse_sq * w
         base = [ce.sum(), reported.sum(), lse_sq.sum(), correct]
         stats = torch.stack(base if extra is None else [*base, *extra.stats.to(out.dtype)])
         if grad_scale is None:
             return ChunkOut(loss=per_token.sum(), grad=None, stats=stats)
         a_col = torch.ones_like(ce) if a is None else a  # [n]
+        # k·w_t per row with weights (k·(w_t·dL_t/dz_t)), else the 0-d k
+        row_scale = grad_scale if w is None else grad_scale * w
         q_coef = a_col + eps
         if s > 0.0:
             q_coef = q_coef + (2.0 * s) * lse
         if extra is not None:
             q_coef = q_coef + extra.q_coef
-        plain = a is None and eps == 0.0 and s == 0.0 and extra is None
+        plain = a is None and eps == 0.0 and s == 0.0 and extra is None and w is None
         if total is not None:  # the 1/Σe normalization carries k·(a + ε + ...) (no extra pass)
-            g = e.mul_((q_coef * grad_scale / total).unsqueeze(1))  # [n, V]
+            g = e.mul_((q_coef * row_scale / total).unsqueeze(1))  # [n, V]
         elif plain:  # plain CE on given logits: q − onehot; k comes later
             g = e.scatter_add_(1, safe, -a_col.unsqueeze(1))
             return ChunkOut(loss=per_token.sum(), grad=g, stats=stats, scaled=False)
         else:
-            g = e.mul_((q_coef * grad_scale).unsqueeze(1))  # [n, V]
+            g = e.mul_((q_coef * row_scale).unsqueeze(1))  # [n, V]
         # k·((a + ε + 2s·lse + c)·q − a·onehot(y) − ε/V)
-        g.scatter_add_(1, safe, -(a_col * grad_scale).unsqueeze(1))
+        g.scatter_add_(1, safe, -(a_col * row_scale).unsqueeze(1))
         if eps > 0.0:
-            g.sub_(grad_scale * (eps / z.shape[-1]))
+            g.sub_((row_scale * (eps / z.shape[-1])).reshape(-1, 1))
         if extra is not None:  # the row term's sparse part, k·∂term/∂z[rows, ids]
             rows = extra.rows.unsqueeze(1).expand_as(extra.ids)  # [m, K]
             g.index_put_((rows, extra.ids), (extra.grad * grad_scale).to(g.dtype), accumulate=True)
         return ChunkOut(loss=per_token.sum(), grad=g, stats=stats)
 
     def finish(self, stats: torch.Tensor, count: torch.Tensor, want_grad: bool) -> Finish:
-        denom = count.clamp_min(1).to(stats.dtype)
+        denom = torch.where(count > 0, count, 1).to(stats.dtype)  # a weight sum may be < 1
         components = {"ce": stats[0] / denom, "n_tokens": count}
         if self.weights is not None:
             components["weight_mean"] = stats[1] / denom
