@@ -40,8 +40,9 @@ and the components (``ce``, ``token_accuracy``, ...) are the same weighted means
 ``n_tokens`` = Σ_{t∈C} w_t: a weight of 0 scores a token exactly as an ignored label (loss and
 gradient), weights of 1 are the unweighted loss. ntloss's ``loss_weights`` (AI4SD/
 number-token-loss, ``ntloss/core.py``) is the same weighted mean, Σ w·l / max(Σ w, eps), but
-over its number tokens only; Liger-Kernel has no per-token weights (linkedin/Liger-Kernel issue
-338, open), only torch's per-class ``weight`` (``ce_weight``: Σ w_{y_t}·l_t / Σ w_{y_t}).
+over its number tokens only; Liger-Kernel has no per-token weights
+(https://github.com/linkedin/Liger-Kernel/issues/338, open), only torch's per-class ``weight``
+(``ce_weight``: Σ w_{y_t}·l_t / Σ w_{y_t}).
 Both routes run the same chunk objective (:mod:`emdlm.ops.chunked`), the weights'
 value check folded into its one host sync. A trainer's ``num_items_in_batch`` counts labels,
 not weights: a caller that weights tokens and divides a "sum" itself divides by Σ w.
@@ -134,7 +135,8 @@ class EMDLMLoss(nn.Module):
         """The loss of given logits with per-token ``loss_weights`` (a loss that declares
         ``takes_loss_weights``): its :meth:`chunk_objective`, weighted, run over the logits by
         :func:`emdlm.ops.chunked.chunked_logits_loss` (the same objective ``from_hidden``
-        runs, so both routes agree)."""
+        runs, so both routes agree). A class that declares ``takes_loss_weights`` without a
+        weighable chunk objective (one with ``weigh_tokens``) overrides this."""
         from emdlm.ops.chunked import HeadOptions, chunked_logits_loss
 
         objective, labels = self.chunk_objective(logits, labels, **given)
