@@ -30,7 +30,7 @@ from emdlm.number_spans import SpanDraft
 from emdlm.numbers import NumberVocab
 from emdlm.ops.chunked import Finish, SparseLogitGrad
 from emdlm.ops.objectives.candidates import CandidateCEObjective
-from emdlm.ops.objectives.ce import RowTerms
+from emdlm.ops.objectives.ce import RowTerms, WeightedCEObjective
 
 
 def token_ntl_with_grad(
@@ -99,7 +99,9 @@ class NTLObjective(CandidateCEObjective):
     def __init__(self, draft: SpanDraft, vocab: NumberVocab, settings: NTLSettings) -> None:
         super().__init__(draft, vocab)
         self.ntl = settings
-        self.n_stats = 6 if settings.level == "token" else 4
+        # the base's stats, then Σℓ and Σμ at token level (:meth:`_row_terms`)
+        self.n_base_stats = WeightedCEObjective.n_stats
+        self.n_stats = self.n_base_stats + (2 if settings.level == "token" else 0)
         self.n_counted = 0
         self.item_weight = 0.0
         self.lse_kept: torch.Tensor | None = None
@@ -185,7 +187,8 @@ class NTLObjective(CandidateCEObjective):
         extra = stats.new_zeros(())
         sparse = None
         if settings.level == "token":
-            ntl_sum, mass_sum, n_items = stats[4].double(), stats[5], spans.n_tokens
+            first = self.n_base_stats
+            ntl_sum, mass_sum, n_items = stats[first].double(), stats[first + 1], spans.n_tokens
         else:
             n_items = spans.n_numbers
             need = want_grad and n_items > 0
