@@ -114,6 +114,7 @@ SPECS: dict[str, ObjectiveSpec] = {
                 "default": {},
                 "smoothing-zloss-accuracy": {
                     "label_smoothing": 0.1, "z_loss": 1e-3, "token_accuracy": True,
+                    "entropy": True,
                 },
             },
         ),

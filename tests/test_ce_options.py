@@ -1,4 +1,4 @@
-"""CrossEntropyLoss's options (label smoothing, z-loss, token accuracy) against torch and
+"""CrossEntropyLoss's options (label smoothing, z-loss, token accuracy, entropy) against torch and
 Liger-Kernel's definitions restated, equal on the logits path and from hidden states, float64
 gradcheck; the defaults are today's CE exactly."""
 
@@ -103,6 +103,55 @@ def test_token_accuracy() -> None:
     assert float(none.components["token_accuracy"]) == 0.0
 
 
+def _entropy_reference(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """Mean over the counted tokens of −Σ_v q_v·log q_v, one token at a time in float64
+    (0·log 0 taken as 0)."""
+    total, count = 0.0, 0
+    for row, label in zip(logits.reshape(-1, logits.shape[-1]).double(), labels.reshape(-1),
+                          strict=True):
+        if int(label) == -100:
+            continue
+        q = torch.softmax(row, dim=0)
+        total += -sum(float(p) * float(torch.log(p)) for p in q if float(p) > 0.0)
+        count += 1
+    return total / max(count, 1)
+
+
+def test_entropy_equals_a_hand_reference_on_every_route() -> None:
+    """"entropy" is the mean predicted-distribution entropy over counted tokens: a uniform
+    row over V ids is log V, a one-hot-like row ~0; equal to the token-by-token float64
+    reference on the logits route, from hidden states (chunks of 4 rows, e = exp(z − max)) and
+    through chunked_logits_loss (given logits, e = q); a −inf logit and NaN in an ignored row
+    add nothing; no counted token gives 0."""
+    from emdlm.ops.chunked import HeadOptions, chunked_logits_loss
+    from emdlm.ops.objectives.ce import WeightedCEObjective
+
+    logits, labels = _case(7)
+    logits[1, 0] = 0.0  # uniform: log 13
+    logits[1, 1] = 0.0
+    logits[1, 1, 4] = 80.0  # almost one-hot
+    logits[2, 2, 5] = float("-inf")
+    want = _entropy_reference(logits, labels)
+    uniform = torch.zeros(1, 1, 13, dtype=F64)
+    out = CrossEntropyLoss(entropy=True)(uniform, torch.tensor([[3]]))
+    assert float(out.components["entropy"]) == pytest.approx(float(torch.log(torch.tensor(13.0))))
+    fn = CrossEntropyLoss(entropy=True)
+    padded = logits.clone()
+    padded[0, 3:] = float("nan")  # the ignored positions
+    got = fn(padded, labels).components["entropy"]
+    assert float(got) == pytest.approx(want, rel=1e-12)
+    chunked = chunked_logits_loss(
+        padded, labels, WeightedCEObjective(entropy=True), HeadOptions(chunk_size=4)
+    )
+    assert float(chunked.components["entropy"]) == pytest.approx(want, rel=1e-12)
+    finite = torch.where(torch.isfinite(logits), logits, -1e4)  # the head cannot give -inf
+    eye = torch.eye(13, dtype=F64)
+    hidden = fn.from_hidden(finite, eye, labels, chunk_size=4).components["entropy"]
+    assert float(hidden) == pytest.approx(want, rel=1e-10)
+    assert float(fn(logits, torch.full_like(labels, -100)).components["entropy"]) == 0.0
+    assert "entropy" not in CrossEntropyLoss()(logits, labels).components
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize(("eps", "s"), [(0.1, 0.0), (0.0, 1e-2), (0.2, 1e-3)])
 def test_from_hidden_equals_logits(eps: float, s: float, reduction: str) -> None:
@@ -113,7 +162,7 @@ def test_from_hidden_equals_logits(eps: float, s: float, reduction: str) -> None
     w0, b0 = torch.randn(13, 8, generator=gen, dtype=f64), None
     _, labels = _case(3)
     fn = CrossEntropyLoss(
-        label_smoothing=eps, z_loss=s, token_accuracy=True, reduction=reduction
+        label_smoothing=eps, z_loss=s, token_accuracy=True, entropy=True, reduction=reduction
     )
     results = []
     for path in ("hidden", "logits"):
@@ -151,7 +200,7 @@ def test_gradcheck_float64(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_nan_padding_and_half_precision() -> None:
-    fn = CrossEntropyLoss(label_smoothing=0.1, z_loss=1e-3, token_accuracy=True)
+    fn = CrossEntropyLoss(label_smoothing=0.1, z_loss=1e-3, token_accuracy=True, entropy=True)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         logits, labels = _case(6, torch.float32)
         logits[0, 3:] = float("nan")  # the ignored positions
@@ -159,6 +208,7 @@ def test_nan_padding_and_half_precision() -> None:
         out = fn(x, labels)
         out.loss.backward()
         assert torch.isfinite(out.loss) and torch.isfinite(x.grad).all()
+        assert torch.isfinite(out.components["entropy"])
         assert torch.equal(x.grad[0, 3:], torch.zeros_like(x.grad[0, 3:]))
 
 

@@ -144,13 +144,15 @@ def test_ray_retries_a_killed_worker_from_its_checkpoint(ray_cluster, local_rows
 def test_sigterm_cancels_a_ray_grid_that_resumes_where_it_stopped(tmp_path):
     """`emdlm experiment launcher=ray` starting its own local Ray (address=local): SIGTERM to
     it mid-cell cancels the task, whose training saves a checkpoint at its stop, and the
-    command exits 130; the same command resumes the cell from that checkpoint. 300 steps: the
-    stop must reach the worker before its training ends."""
+    command exits 130; the same command resumes the cell from that checkpoint. 1000 steps: the
+    stop must reach the worker before its training ends (with 300, a loaded 2-core machine once
+    finished the cell, 21.5 s of training, before Ray delivered the cancel)."""
     pytest.importorskip("ray")
     path = _experiment_file(
         tmp_path, "grid", {"name": "ray", "address": "local", "num_cpus": 1},
         variants={"ce": GRID["variants"]["ce"]}, eval={"checkpoints": "final"},
-        base_overrides=["train.max_steps=300", "train.save_steps=20", "train.logging_steps=50"])
+        base_overrides=["train.max_steps=1000", "train.save_steps=20",
+                        "train.logging_steps=50"])
     command = [sys.executable, "-m", "emdlm.cli", "experiment", "-c", str(path),
                "--no-progress"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

@@ -141,6 +141,21 @@ def test_equals_hand_written_reference(name: str, path: str, reduction: str, rou
 
 
 @pytest.mark.parametrize("route", sorted(ROUTES))
+def test_entropy_is_weighted_like_the_other_components(route: str) -> None:
+    """CE's entropy component with weights: Σ w_t·H_t / Σ w_t over counted tokens."""
+    from emdlm.losses.ce import CrossEntropyLoss
+
+    d = inputs(4)
+    got, _ = ROUTES[route](CrossEntropyLoss(entropy=True), d, loss_weights=d["weights"])
+    y, wt = d["labels"].reshape(-1), d["weights"].reshape(-1)
+    logq = torch.log_softmax((d["hidden"] @ d["weight"].T + d["bias"]).reshape(-1, V), dim=-1)
+    ent = -(logq.exp() * logq).sum(-1)
+    keep = y != -100
+    torch.testing.assert_close(got.components["entropy"],
+                               (ent[keep] * wt[keep]).sum() / wt[keep].sum())
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
 @pytest.mark.parametrize(("name", "path"), WEIGHTED)
 def test_weight_zero_equals_ignored_label(name: str, path: str, route: str) -> None:
     """w_t = 0 at a scored token == that label ignored (same weights elsewhere): loss,

@@ -85,12 +85,16 @@ def test_ntl_mse_equals_ntloss(tok_name: str, loss: str, reweigh: bool) -> None:
 
 @pytest.mark.parametrize("tok_name", ["char", "gpt2"])
 @pytest.mark.parametrize("reweigh", [True, False])
-def test_ntl_was_equals_ntloss(tok_name: str, reweigh: bool) -> None:
+@pytest.mark.parametrize("squash_factor", [None, 1.5, 30.0])
+def test_ntl_was_equals_ntloss(tok_name: str, reweigh: bool, squash_factor: float | None) -> None:
     """preset "ntloss": the NTL term is ntloss's NTLoss (NTL-WAS; value to 1e-12 in float64,
-    1e-6 relative in float32) and CE + 0.3·NTL its recommended total, gradient included."""
+    1e-6 relative in float32) and CE + 0.3·NTL its recommended total, gradient included;
+    ``squash_factor`` as ntloss's (its squashed distance table, R = s in the reweigh)."""
     tok = _real(tok_name)
-    theirs_fn = ntloss.NTLoss(tok, vocab_size=len(tok), reweigh=reweigh)
-    ours_fn = NTLWASLoss(tok, preset="ntloss", reweigh=reweigh)
+    theirs_fn = ntloss.NTLoss(
+        tok, vocab_size=len(tok), reweigh=reweigh, squash_factor=squash_factor
+    )
+    ours_fn = NTLWASLoss(tok, preset="ntloss", reweigh=reweigh, squash_factor=squash_factor)
     for dtype, rel in ((F64, 1e-12), (torch.float32, 1e-6)):
         logits, labels = _batch(tok, seed=3, dtype=dtype)
         x1, x2 = logits.clone().requires_grad_(), logits.clone().requires_grad_()
@@ -197,6 +201,61 @@ def test_hand_worked_was() -> None:
     assert float(out.components["ntl"]) == pytest.approx(0.5 + 1.01 * 9 * 0.5)
 
 
+def test_hand_worked_squash_factor() -> None:
+    """ntloss's squashed distances, 1 + (d − d_min)·(s − 1)/(d_max − d_min) for d > 0:
+
+    * digits (d_min 1, d_max 9), s = 5: p = ½·'3' + ½·'9' against gold '1' has distances 2 and
+      8, squashed to 1.5 and 4.5, so NTL-WAS = 3 (unsquashed 5); s = 9 is the unsquashed loss;
+      with half the mass on 'a' the reweighed value is 3·½ + 1.01·5·½ (R = s).
+    * the class {'00', '12', '34', '99'} (leading-place units 0, 1.2, 3.4, 9.9: d_min 1.2,
+      d_max 9.9), s = 5: p = ½·'34' + ½·'99' against gold '12' has distances 2.2 and 8.7,
+      squashed to 1 + 1.0·4/8.7 and 1 + 7.5·4/8.7: NTL-WAS = 1 + 17/8.7.
+    * a class of one token ('Ġ123'): no wrong candidate, NTL-WAS 0 (finite) with reweigh."""
+    probs = [0, 0, 0, 0.5, 0, 0, 0, 0, 0, 0.5]
+    gold = torch.tensor([[1]])
+    for s_, want in ((5.0, 3.0), (9.0, 5.0), (None, 5.0)):
+        out = NTLWASLoss(VOCAB, reweigh=False, squash_factor=s_)(_digit_logits(probs), gold)
+        assert float(out.components["ntl"]) == pytest.approx(want, rel=1e-12)
+    z = _digit_logits(probs)
+    z[0, 0, TOKENS.index("a")] = torch.logsumexp(z[0, 0, :10], 0)  # as much mass on 'a'
+    out = NTLWASLoss(VOCAB, squash_factor=5.0)(z, gold)
+    assert float(out.components["ntl"]) == pytest.approx(3.0 * 0.5 + 1.01 * 5.0 * 0.5)
+    z = torch.full((1, 1, V), -60.0, dtype=F64)
+    z[0, 0, [TOKENS.index("34"), TOKENS.index("99")]] = 0.0
+    out = NTLWASLoss(VOCAB, reweigh=False, squash_factor=5.0)(z, torch.tensor([[20]]))
+    assert TOKENS[20] == "12"
+    assert float(out.components["ntl"]) == pytest.approx(1 + 17 / 8.7, rel=1e-12)
+    z = torch.randn(1, 1, V, dtype=F64)
+    out = NTLWASLoss(VOCAB, squash_factor=5.0)(z, torch.tensor([[TOKENS.index("Ġ123")]]))
+    assert float(out.components["ntl"]) == 0.0
+
+
+@pytest.mark.parametrize(
+    "bad", [1.0, 1, 0.5, 0.0, -3.0, float("nan"), float("inf"), True, "2"]
+)
+def test_squash_factor_out_of_domain_is_refused(bad: Any) -> None:
+    """ntloss asserts squash_factor > 1 (at 1 every wrong digit costs the same); emdlm also
+    refuses NaN, ±inf and non-numbers, when the loss is built and in the settings alone."""
+    from emdlm.functional.ntl import NTLSettings
+
+    want = r"squash_factor must be a finite number > 1, or None"
+    with pytest.raises(ValueError, match=want):
+        NTLWASLoss(VOCAB, squash_factor=bad)
+    with pytest.raises(ValueError, match=want):
+        NTLSettings(loss="was", squash_factor=bad)
+
+
+def test_squash_factor_is_ntl_was_only() -> None:
+    """ntloss takes it on NTLoss (NTL-WAS) only: the other losses have no such parameter, and
+    settings that pair it with another token loss are refused."""
+    from emdlm.functional.ntl import NTLSettings
+
+    with pytest.raises(ValueError, match="squash_factor applies to NTL-WAS"):
+        NTLSettings(loss="mse", squash_factor=2.0)
+    with pytest.raises(TypeError, match="squash_factor"):
+        NTLMSELoss(VOCAB, squash_factor=2.0)  # type: ignore[call-arg]
+
+
 def test_hand_worked_number_level() -> None:
     """Gold "12" with '1' sure and p('2') = p('4') = ½ at the units: Ŷ = 13, |13−12|/25."""
     z = torch.full((1, 2, V), -60.0, dtype=F64)
@@ -298,6 +357,10 @@ CASES = {
     "was": (NTLWASLoss, {}),
     "was-ntloss-token-no-reweigh": (
         NTLWASLoss, {"preset": "ntloss", "averaging": "token", "reweigh": False}
+    ),
+    "was-squash": (NTLWASLoss, {"squash_factor": 3.0}),
+    "was-ntloss-squash-no-reweigh": (
+        NTLWASLoss, {"preset": "ntloss", "reweigh": False, "squash_factor": 20.0}
     ),
     "number": (NumberLevelLoss, {}),
     "number-float-token": (NumberLevelLoss, {"float_level": True, "averaging": "token"}),

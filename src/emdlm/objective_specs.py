@@ -127,7 +127,7 @@ OBJECTIVE_SPECS: dict[str, ObjectiveSpec] = {
         ObjectiveSpec(
             "ce", "emdlm.losses.ce", "CrossEntropyLoss",
             "cross-entropy, the baseline (optional label smoothing, z-loss, token accuracy)",
-            ("ignore_index", "label_smoothing", "z_loss", "token_accuracy"),
+            ("ignore_index", "label_smoothing", "z_loss", "token_accuracy", "entropy"),
             domains={"label_smoothing": UNIT, "z_loss": NONNEGATIVE, **_IGNORE},
         ),
         ObjectiveSpec(
@@ -189,9 +189,10 @@ OBJECTIVE_SPECS: dict[str, ObjectiveSpec] = {
             "ntl_was", "emdlm.losses.ntl", "NTLWASLoss",
             "CE + ntloss's NTL-WAS: Wasserstein-1 distance of each number token to the gold",
             ("preset", "lam", "reweigh", "averaging", "ignore_index", "vocab_size",
-             "digits_only"),
+             "digits_only", "squash_factor"),
             numeric=True,
-            domains=_NTL_DOMAINS,
+            # ntloss NTLoss: the farthest wrong digit costs squash_factor x the closest
+            domains={**_NTL_DOMAINS, "squash_factor": Domain(low=1.0, low_open=True).or_(None)},
         ),
         ObjectiveSpec(
             "number_level", "emdlm.losses.ntl", "NumberLevelLoss",

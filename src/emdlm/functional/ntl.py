@@ -56,6 +56,8 @@ per token (widest class present), S numbers.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Literal
 
@@ -99,6 +101,9 @@ class NTLSettings:
         averaging: "number" (mean over the scored items, ntloss) or "token" (Σ / n).
         reduction: "mean" or "sum".
         ignore_index: label value that is not scored.
+        squash_factor: "was" only (ntloss ``NTLoss``'s ``squash_factor``): None keeps the
+            distances |u_k − u_y|; a number s > 1 maps them affinely so that the closest wrong
+            candidate costs 1 and the farthest s (:func:`squash_distance`).
     """
 
     lam: float = 0.3
@@ -108,6 +113,7 @@ class NTLSettings:
     averaging: NTLAveraging = "number"
     reduction: Reduction = "mean"
     ignore_index: int = IGNORE_INDEX
+    squash_factor: float | None = None
 
     def __post_init__(self) -> None:
         check_reduction(self.reduction)
@@ -119,6 +125,71 @@ class NTLSettings:
             raise ValueError(f"averaging must be 'number' or 'token', got {self.averaging!r}")
         if not (float(self.lam) >= 0.0 and float(self.lam) < float("inf")):
             raise ValueError(f"lam must be a finite number >= 0, got {self.lam!r}")
+        check_squash_factor(self.squash_factor, self.loss)
+
+
+def check_squash_factor(squash_factor: float | None, loss: TokenLoss) -> None:
+    """Raises ValueError unless ``squash_factor`` is None or a finite real > 1 with loss "was"
+    (ntloss takes it on ``NTLoss`` only, and asserts > 1: at 1 every wrong digit costs the same,
+    the loss of CE's shape)."""
+    if squash_factor is None:
+        return
+    real = isinstance(squash_factor, numbers.Real) and not isinstance(squash_factor, bool)
+    if not (real and math.isfinite(float(squash_factor)) and float(squash_factor) > 1.0):
+        raise ValueError(
+            f"squash_factor must be a finite number > 1, or None, got {squash_factor!r}"
+        )
+    if loss != "was":
+        raise ValueError(f"squash_factor applies to NTL-WAS (loss 'was') only, got loss {loss!r}")
+
+
+@dataclass(frozen=True)
+class SquashTable:
+    """Per number token m, the affine map of :func:`squash_distance`: d_min [M] (the smallest
+    nonzero distance between two candidates of its class) and scale [M] (s − 1)/(d_max − d_min),
+    d_max the class's value range (0 when d_max = d_min: every wrong candidate then costs 1)."""
+
+    d_min: torch.Tensor
+    scale: torch.Tensor
+
+    def row_slice(self, lo: int, hi: int) -> SquashTable:
+        """The rows [lo, hi) (a chunk's number tokens)."""
+        return SquashTable(d_min=self.d_min[lo:hi], scale=self.scale[lo:hi])
+
+
+def squash_table(
+    values: torch.Tensor, mask: torch.Tensor, squash_factor: float
+) -> SquashTable:
+    """The :class:`SquashTable` of candidate values u [M, K] (sorted within the class, real
+    members left, ``mask`` [M, K]) for factor s.
+
+    ntloss 0.3.2 (``NTLoss.setup_distance_lookup``) takes d_min and d_max over its one table of
+    number tokens (1 and 9 on the ten digits); emdlm takes them per class (the NOTE above). The
+    smallest nonzero distance of sorted values is the smallest positive gap of neighbours."""
+    gaps = values[:, 1:] - values[:, :-1]  # [M, K-1]
+    real = mask[:, 1:] & mask[:, :-1] & (gaps > 0)
+    d_min = gaps.masked_fill(~real, float("inf")).amin(dim=1) if gaps.shape[1] else (
+        values.new_full(values.shape[:1], float("inf")))
+    top = values.masked_fill(~mask, float("-inf")).amax(dim=1)  # [M]
+    low = values.masked_fill(~mask, float("inf")).amin(dim=1)  # [M]
+    d_max = top - low
+    has_gap = torch.isfinite(d_min)
+    d_min = torch.where(has_gap, d_min, torch.zeros_like(d_min))
+    spread = d_max - d_min
+    scale = torch.where(
+        spread > 0, (squash_factor - 1.0) / spread.clamp_min(1e-300), torch.zeros_like(spread)
+    )
+    return SquashTable(d_min=d_min, scale=scale)
+
+
+def squash_distance(d: torch.Tensor, table: SquashTable) -> torch.Tensor:
+    """ntloss's squashed distance: 0 at d = 0, else 1 + (d − d_min)·(s − 1)/(d_max − d_min), so
+    d_min ↦ 1 and d_max ↦ s (Zausinger et al., ICML 2025; ntloss 0.3.2
+    ``NTLoss.setup_distance_lookup``). ``d`` [M, K] or [M]; the table's rows broadcast."""
+    d_min, scale = table.d_min, table.scale
+    if d.dim() == 2:
+        d_min, scale = d_min.unsqueeze(1), scale.unsqueeze(1)
+    return torch.where(d > 0, 1.0 + (d - d_min) * scale, torch.zeros_like(d))
 
 
 def distance(d: torch.Tensor, kind: DistanceKind) -> torch.Tensor:
@@ -146,32 +217,46 @@ def leading_units(candidates: ClassCandidates, spans: NumberSpans) -> torch.Tens
 
 
 def worst_distance(
-    candidates: ClassCandidates, unit: torch.Tensor, kind: TokenLoss
+    candidates: ClassCandidates,
+    unit: torch.Tensor,
+    kind: TokenLoss,
+    squash: SquashTable | None = None,
 ) -> torch.Tensor:
     """[M] R = f((max − min of the class values) / unit): the largest value ℓ can take ("was":
-    the range itself, as "l1").
+    the range itself, as "l1"; squashed by ``squash`` if given).
 
     ntloss: max(|f(min, max)|, |f(max, min)|) over its number tokens (81 for MSE on 0..9); its
-    ``NTLoss``: the largest entry of its distance table (9 on 0..9)."""
+    ``NTLoss``: the largest entry of its distance table (9 on 0..9, s when squashed)."""
     values = candidates.values  # [M, K] sorted by value within the class, real members left
     top = values.masked_fill(~candidates.mask, float("-inf")).amax(dim=1)  # [M]
     low = values.masked_fill(~candidates.mask, float("inf")).amin(dim=1)  # [M]
-    return distance((top - low) / unit.squeeze(1), "l1" if kind == "was" else kind)
+    worst = distance((top - low) / unit.squeeze(1), "l1" if kind == "was" else kind)
+    return worst if squash is None else squash_distance(worst, squash)
 
 
 def token_base(
-    p: torch.Tensor, values: torch.Tensor, gold: torch.Tensor, kind: TokenLoss, *, grad: bool
+    p: torch.Tensor,
+    values: torch.Tensor,
+    gold: torch.Tensor,
+    kind: TokenLoss,
+    *,
+    grad: bool,
+    squash: SquashTable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """ℓ⁰_m before reweigh and, if ``grad``, ∂ℓ⁰/∂c [M, K] (c the candidates' logits,
     p = softmax(c)) in closed form:
 
         f(ŷ − u_y):          ∂/∂c_k = f'(ŷ − u_y) · p_k (u_k − ŷ)       ("mse" / "l1" / "huber")
-        Σ_k p_k |u_k − u_y|: ∂/∂c_k = p_k (|u_k − u_y| − ℓ⁰)            ("was")
+        Σ_k p_k·d_k:         ∂/∂c_k = p_k (d_k − ℓ⁰)                    ("was")
 
-    Args (float64): p [M, K] (0 on padding), values u [M, K], gold u_y [M], kind.
+    with d_k = |u_k − u_y|, or its :func:`squash_distance` when ``squash`` is given ("was").
+
+    Args (float64): p [M, K] (0 on padding), values u [M, K], gold u_y [M], kind, squash.
     """
     if kind == "was":
         cost = (values - gold.unsqueeze(1)).abs()  # [M, K]
+        if squash is not None:
+            cost = squash_distance(cost, squash)
         base = (p * cost).sum(dim=-1)  # [M]
         return base, p * (cost - base.unsqueeze(1)) if grad else None
     y_hat = (p * values).sum(dim=-1)  # [M]
@@ -180,6 +265,16 @@ def token_base(
         return distance(d, kind), None
     dy = p * (values - y_hat.unsqueeze(1))  # [M, K] ∂ŷ/∂c
     return distance(d, kind), distance_slope(d, kind).unsqueeze(1) * dy
+
+
+def token_squash(
+    values: torch.Tensor, candidates: ClassCandidates, settings: NTLSettings
+) -> SquashTable | None:
+    """The :class:`SquashTable` of the candidates' values u [M, K] when ``settings`` squash
+    (None otherwise)."""
+    if settings.squash_factor is None:
+        return None
+    return squash_table(values, candidates.mask, float(settings.squash_factor))
 
 
 def log_mass(class_logits: torch.Tensor, mask: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -208,10 +303,11 @@ def token_ntl(
     values = candidates.values / unit  # [M, K] u, leading-place units
     gold = values.gather(1, spans.gold_column.unsqueeze(1)).squeeze(1)  # [M]
     p = masked_class_softmax(z, candidates.mask)  # [M, K]
-    per_token, _ = token_base(p, values, gold, settings.loss, grad=False)  # [M] (autograd)
+    squash = token_squash(values, candidates, settings)
+    per_token, _ = token_base(p, values, gold, settings.loss, grad=False, squash=squash)  # [M]
     mass = torch.exp(log_mass(z, candidates.mask, lse.double()))  # [M]
     if settings.reweigh:
-        worst = REWEIGH_FACTOR * worst_distance(candidates, unit, settings.loss)  # [M]
+        worst = REWEIGH_FACTOR * worst_distance(candidates, unit, settings.loss, squash)  # [M]
         per_token = per_token * mass + worst * (1.0 - mass)
     return per_token, mass
 
@@ -368,7 +464,9 @@ __all__ = [
     "REWEIGH_FACTOR",
     "DistanceKind",
     "NTLSettings",
+    "SquashTable",
     "TokenLoss",
+    "check_squash_factor",
     "class_width",
     "distance",
     "distance_slope",
@@ -381,7 +479,10 @@ __all__ = [
     "ntl_terms",
     "number_ntl",
     "resolve_with_width",
+    "squash_distance",
+    "squash_table",
     "token_base",
     "token_ntl",
+    "token_squash",
     "worst_distance",
 ]

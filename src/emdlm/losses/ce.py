@@ -50,10 +50,13 @@ class CrossEntropyLoss(EMDLMLoss):
         token_accuracy: report "token_accuracy", the share of counted tokens whose argmax is the
             label (ties: the first maximal id, as ``torch.argmax``); costs one more read of the
             logits.
+        entropy: report "entropy", the mean over counted tokens of the predicted distribution's
+            entropy H_t = −Σ_v q_t(v)·log q_t(v) (nats; TRL's logged entropy), from the fused
+            from-hidden path's chunks as well (no [N, V] logits).
 
     Call: ``out = loss_fn(logits [B, T, V], labels [B, T])`` with labels aligned to the logits
     (no shift inside). ``out.components``: "ce" (mean plain CE over counted tokens), "n_tokens",
-    and "z_loss" (mean s·lse²) when s > 0, "token_accuracy" when asked.
+    and "z_loss" (mean s·lse²) when s > 0, "token_accuracy" and "entropy" when asked.
 
     Example:
         >>> loss_fn = CrossEntropyLoss(label_smoothing=0.1, token_accuracy=True)
@@ -71,6 +74,7 @@ class CrossEntropyLoss(EMDLMLoss):
         label_smoothing: float = 0.0,
         z_loss: float = 0.0,
         token_accuracy: bool = False,
+        entropy: bool = False,
     ) -> None:
         super().__init__()
         check_reduction(reduction)
@@ -83,6 +87,7 @@ class CrossEntropyLoss(EMDLMLoss):
         self.label_smoothing = float(label_smoothing)
         self.z_loss = float(z_loss)
         self.token_accuracy = bool(token_accuracy)
+        self.entropy = bool(entropy)
 
     def logits_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> LossOutput:
         check_logits_labels(logits, labels, self.ignore_index)
@@ -119,6 +124,12 @@ class CrossEntropyLoss(EMDLMLoss):
             with torch.no_grad():
                 hits = (logits.reshape(-1, logits.shape[-1]).argmax(dim=-1) == flat_labels) & valid
                 components["token_accuracy"] = hits.sum().to(mean.dtype) / count.clamp_min(1)
+        if self.entropy:
+            with torch.no_grad():
+                q = log_q.exp()
+                h = -torch.special.xlogy(q, q).sum(dim=-1)  # [N]
+                h = torch.where(valid, h, h.new_zeros(()))
+                components["entropy"] = h.sum() / count.clamp_min(1).to(h.dtype)
         if eps == 0.0 and s == 0.0:
             loss = total if self.reduction == "sum" else mean
         else:
@@ -140,11 +151,12 @@ class CrossEntropyLoss(EMDLMLoss):
             gold_scale=1.0 - eps,
             z_loss=self.z_loss,
             token_accuracy=self.token_accuracy,
+            entropy=self.entropy,
         )
         return objective, labels
 
     def extra_repr(self) -> str:
         return (
             f"reduction={self.reduction!r}, label_smoothing={self.label_smoothing}, "
-            f"z_loss={self.z_loss}, token_accuracy={self.token_accuracy}"
+            f"z_loss={self.z_loss}, token_accuracy={self.token_accuracy}, entropy={self.entropy}"
         )

@@ -70,6 +70,7 @@ class _NTLBase(NumericLoss):
         *,
         loss: TokenLoss = "mse",
         join_decimal: bool = False,
+        squash_factor: float | None = None,
     ) -> None:
         super().__init__()
         if preset not in _DIGITS_ONLY:
@@ -83,6 +84,7 @@ class _NTLBase(NumericLoss):
             averaging=averaging,
             reduction=reduction,
             ignore_index=ignore_index,
+            squash_factor=squash_factor,
         )
         self.span_options = SpanOptions(
             digits_only=_DIGITS_ONLY[preset] if digits_only is None else bool(digits_only),
@@ -241,8 +243,16 @@ class NTLWASLoss(_NTLBase):
     NTIL paper's baseline (:class:`emdlm.DigitEMDLoss`); this class adds ntloss's averaging
     (the mean over number tokens) and ``reweigh``.
 
-    Takes the arguments of :class:`NTLMSELoss` except ``loss``. Components: those of
-    :class:`NTLMSELoss`.
+    Takes the arguments of :class:`NTLMSELoss` except ``loss``, and:
+
+    Args:
+        squash_factor: None (default: the distances |u_k − u_y|) or s > 1 (ntloss ``NTLoss``'s
+            ``squash_factor``): each distance d > 0 becomes 1 + (d − d_min)·(s − 1)/(d_max −
+            d_min), so the closest wrong candidate costs 1 and the farthest s (R becomes s);
+            d_min, d_max per class (on the ten digits 1 and 9, ntloss's table; s = 9 there is
+            the unsquashed loss).
+
+    Components: those of :class:`NTLMSELoss`.
 
     Example:
         >>> loss_fn = NTLWASLoss(tokenizer, preset="ntloss")        # doctest: +SKIP
@@ -263,10 +273,11 @@ class NTLWASLoss(_NTLBase):
         vocab_size: int | None = None,
         *,
         digits_only: bool | None = None,
+        squash_factor: float | None = None,
     ) -> None:
         super().__init__(
             tokenizer_or_number_vocab, preset, lam, reweigh, averaging, ignore_index, reduction,
-            vocab_size, digits_only, loss="was",
+            vocab_size, digits_only, loss="was", squash_factor=squash_factor,
         )
 
 

@@ -101,6 +101,28 @@ def _log_softmax_parts(
     return lse - gold, None if mean_z is None else lse - mean_z, e, total, lse
 
 
+def chunk_entropy(
+    e: torch.Tensor,
+    total: torch.Tensor | None,
+    valid: torch.Tensor,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Σ over the counted rows of the entropy H_t = −Σ_v q_tv·log q_tv (0-d, detached), each
+    row times its weight w_t when per-token ``weights`` [n] are given.
+
+    ``e`` [n, V] is q (``total`` None) or exp(z − max) with q = e / total [n]; then
+    H_t = log total_t − Σ_v e_tv·log e_tv / total_t (xlogy: 0·log 0 = 0, so a −inf logit adds
+    nothing). One [n, V] temporary of the chunk; ignored rows count 0 (``where``: they may hold
+    NaN).
+    """
+    with torch.no_grad():
+        plogp = torch.special.xlogy(e, e).sum(dim=-1)  # [n]
+        h = -plogp if total is None else total.log() - plogp / total
+        if weights is not None:
+            h = h * weights
+        return torch.where(valid, h, h.new_zeros(())).sum()
+
+
 @dataclass
 class RowTerms:
     """A token-local term a subclass of :class:`WeightedCEObjective` adds to a chunk.
@@ -125,8 +147,8 @@ class RowTerms:
 class WeightedCEObjective(ChunkObjective):
     """Σ_t a_t·CE_t (+ label smoothing ε, + z-loss s·lse_t²) per chunk.
 
-    stats [Σ CE_t, Σ reported weight, Σ lse_t², Σ 1(argmax z_t = y_t)], then a subclass's own
-    (:meth:`_row_terms`).
+    stats [Σ CE_t, Σ reported weight, Σ lse_t², Σ 1(argmax z_t = y_t), Σ H_t] (the last two 0
+    unless asked), then a subclass's own (:meth:`_row_terms`) from index :attr:`n_stats` on.
 
     Args:
         weights: f(q_y) -> (a, reported weight), or None for plain CE (a = 1).
@@ -135,6 +157,8 @@ class WeightedCEObjective(ChunkObjective):
         z_loss: s, the weight of lse_t² (Liger's ``lse_square_scale``; PaLM's z-loss).
         token_accuracy: count argmax z_t == y_t (an extra read of the chunk, before z may be
             overwritten); reported as "token_accuracy".
+        entropy: report "entropy", the mean over counted tokens of H_t = −Σ_v q_tv·log q_tv
+            (TRL's logged entropy), taken from the chunk's softmax (:func:`chunk_entropy`).
 
     Per counted token, L_t = a_t·CE_t + ε·(lse_t − mean_v z_tv) + s·lse_t² (+ a subclass's
     row term) and dL_t/dz_t = (a_t + ε + 2s·lse_t + c_t)·q_t − a_t·onehot(y_t) − ε/V (+ the
@@ -145,7 +169,7 @@ class WeightedCEObjective(ChunkObjective):
     (:meth:`counted`), so w_t = 0 scores the token exactly as an ignored label.
     """
 
-    n_stats = 4
+    n_stats = 5
 
     def __init__(
         self,
@@ -155,6 +179,7 @@ class WeightedCEObjective(ChunkObjective):
         gold_scale: float = 1.0,
         z_loss: float = 0.0,
         token_accuracy: bool = False,
+        entropy: bool = False,
     ) -> None:
         self.weights = weights
         self.label_smoothing = float(label_smoothing)
@@ -162,6 +187,7 @@ class WeightedCEObjective(ChunkObjective):
         self.z_loss = float(z_loss)
         self.token_accuracy = bool(token_accuracy)
         self.token_weights: torch.Tensor | None = None
+        self.entropy = bool(entropy)
 
     def weigh_tokens(self, weights: torch.Tensor) -> None:
         """Score each flattened token t with weight w_t (``weights`` [N] floating point on the
@@ -241,9 +267,11 @@ class WeightedCEObjective(ChunkObjective):
         extra = self._row_terms(lse, valid, start)
         if extra is not None:
             per_token = per_token + extra.loss
+        # before e becomes the gradient in place; weighted like the other stats
+        entropy = chunk_entropy(e, total, valid, w) if self.entropy else zero
         if w is not None:  # w_t·L_t, and the stats weighted alike
             per_token, ce, reported, lse_sq = per_token * w, ce * w, reported * w, lse_sq * w
-        base = [ce.sum(), reported.sum(), lse_sq.sum(), correct]
+        base = [ce.sum(), reported.sum(), lse_sq.sum(), correct, entropy]
         stats = torch.stack(base if extra is None else [*base, *extra.stats.to(out.dtype)])
         if grad_scale is None:
             return ChunkOut(loss=per_token.sum(), grad=None, stats=stats)
@@ -281,6 +309,8 @@ class WeightedCEObjective(ChunkObjective):
             components["z_loss"] = self.z_loss * stats[2] / denom
         if self.token_accuracy:
             components["token_accuracy"] = stats[3] / denom
+        if self.entropy:
+            components["entropy"] = stats[4] / denom
         return Finish(extra_loss=stats.new_zeros(()), sparse=None, components=components)
 
 

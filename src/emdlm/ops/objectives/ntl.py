@@ -17,18 +17,20 @@ import torch
 from emdlm.functional.ntl import (
     REWEIGH_FACTOR,
     NTLSettings,
+    SquashTable,
     TokenLoss,
     leading_units,
     ntl_denominator,
     number_ntl,
     token_base,
+    token_squash,
     worst_distance,
 )
 from emdlm.number_spans import SpanDraft
 from emdlm.numbers import NumberVocab
 from emdlm.ops.chunked import Finish, SparseLogitGrad
 from emdlm.ops.objectives.candidates import CandidateCEObjective
-from emdlm.ops.objectives.ce import RowTerms
+from emdlm.ops.objectives.ce import RowTerms, WeightedCEObjective
 
 
 def token_ntl_with_grad(
@@ -40,6 +42,7 @@ def token_ntl_with_grad(
     worst: torch.Tensor,
     kind: TokenLoss,
     reweigh: bool,
+    squash: SquashTable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """ℓ_m of :func:`emdlm.functional.ntl.token_ntl` with its gradient in closed form.
 
@@ -52,7 +55,8 @@ def token_ntl_with_grad(
                                               ∂ℓ/∂lse = (R − ℓ⁰)·μ
 
     Args (float64, M rows): class_logits [M, K], lse [M], mask [M, K], values u [M, K] (leading-
-    place units), gold u_y [M], worst R [M] (1.01·the largest ℓ⁰), kind, reweigh.
+    place units), gold u_y [M], worst R [M] (1.01·the largest ℓ⁰), kind, reweigh, squash (the
+    "was" distances' :class:`~emdlm.functional.ntl.SquashTable`, None: unsquashed).
 
     Returns:
         (ℓ [M], ∂ℓ/∂c [M, K] (0 on padding), ∂ℓ/∂lse [M], μ [M]).
@@ -60,7 +64,7 @@ def token_ntl_with_grad(
     masked = class_logits.masked_fill(~mask, float("-inf"))  # [M, K]
     lse_c = torch.logsumexp(masked, dim=-1)  # [M]
     p = torch.exp(masked - lse_c.unsqueeze(1))  # [M, K], 0 on padding
-    base, grad_base = token_base(p, values, gold, kind, grad=True)
+    base, grad_base = token_base(p, values, gold, kind, grad=True, squash=squash)
     assert grad_base is not None
     mass = torch.exp(lse_c - lse)  # [M]
     if not reweigh:
@@ -95,13 +99,17 @@ class NTLObjective(CandidateCEObjective):
     def __init__(self, draft: SpanDraft, vocab: NumberVocab, settings: NTLSettings) -> None:
         super().__init__(draft, vocab)
         self.ntl = settings
-        self.n_stats = 6 if settings.level == "token" else 4
+        # the base's stats, then Σℓ and Σμ at token level (:meth:`_row_terms`)
+        self.n_base_stats = WeightedCEObjective.n_stats
+        self.n_stats = self.n_base_stats + (2 if settings.level == "token" else 0)
         self.n_counted = 0
         self.item_weight = 0.0
         self.lse_kept: torch.Tensor | None = None
         self.lse_grad: torch.Tensor | None = None  # [M] float64, number level with reweigh
         self.count: torch.Tensor | None = None
-        self.token_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.token_tables: (
+            tuple[torch.Tensor, torch.Tensor, torch.Tensor, SquashTable | None] | None
+        ) = None
 
     def host_sizes(
         self, labels: torch.Tensor, valid: torch.Tensor, bounds: list[int], vocab: int
@@ -127,8 +135,9 @@ class NTLObjective(CandidateCEObjective):
             unit = leading_units(candidates, spans)  # [M, 1]
             values = candidates.values / unit  # [M, K]
             gold = values.gather(1, spans.gold_column.unsqueeze(1)).squeeze(1)  # [M]
-            worst = REWEIGH_FACTOR * worst_distance(candidates, unit, settings.loss)
-            self.token_tables = (values, gold, worst)
+            squash = token_squash(values, candidates, settings)
+            worst = REWEIGH_FACTOR * worst_distance(candidates, unit, settings.loss, squash)
+            self.token_tables = (values, gold, worst, squash)
 
     def _row_terms(
         self, lse: torch.Tensor, valid: torch.Tensor, start: int
@@ -143,7 +152,7 @@ class NTLObjective(CandidateCEObjective):
             self.lse_kept[lo:hi] = lse_m
             return None
         assert self.token_tables is not None and kept.logits is not None
-        values, gold, worst = self.token_tables
+        values, gold, worst, squash = self.token_tables
         ell, grad_c, grad_lse, mass = token_ntl_with_grad(
             kept.logits[lo:hi],
             lse_m,
@@ -153,6 +162,7 @@ class NTLObjective(CandidateCEObjective):
             worst[lo:hi],
             self.ntl.loss,
             self.ntl.reweigh,
+            squash.row_slice(lo, hi) if squash is not None else None,
         )
         w, n = self.item_weight, lse.shape[0]
         loss = lse.new_zeros(n).index_add(0, local, (w * ell).to(lse.dtype))  # [n]
@@ -177,7 +187,8 @@ class NTLObjective(CandidateCEObjective):
         extra = stats.new_zeros(())
         sparse = None
         if settings.level == "token":
-            ntl_sum, mass_sum, n_items = stats[4].double(), stats[5], spans.n_tokens
+            first = self.n_base_stats
+            ntl_sum, mass_sum, n_items = stats[first].double(), stats[first + 1], spans.n_tokens
         else:
             n_items = spans.n_numbers
             need = want_grad and n_items > 0
