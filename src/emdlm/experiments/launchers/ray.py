@@ -35,6 +35,8 @@ from emdlm.experiments.launchers.base import (
 from emdlm.experiments.launchers.cell_task import run_cell_task
 from emdlm.experiments.runner import CellOutcome, run_cells
 
+#: how often the dispatch loop returns from ``ray.wait`` to Python (where signals are handled)
+WAIT_POLL_S = 0.5
 #: how long a cancelled grid waits for its running cells to save their checkpoint
 CANCEL_GRACE_S = 120.0
 
@@ -99,7 +101,10 @@ def _dispatch(ray: Any, task: Any, cells: list[Cell], threads: int,
     pending = list(refs)
     try:
         while pending:
-            finished, pending = ray.wait(pending, num_returns=1)
+            # a timeout, so that the main thread is back in Python twice a second: a signal
+            # (Ctrl-C, SIGTERM) is handled only there, and a wait for the next task to finish
+            # could otherwise hold it until that cell has trained to its end
+            finished, pending = ray.wait(pending, num_returns=1, timeout=WAIT_POLL_S)
             for ref in finished:
                 record(_outcome(ray, ref, refs[ref]), len(pending))
     except BaseException:
