@@ -200,7 +200,7 @@ class WeightedCEObjective(ChunkObjective):
 
     def counted(self, valid: torch.Tensor) -> torch.Tensor:
         if self.token_weights is None:
-            return valid.sum()
+            return super().counted(valid)
         return torch.where(valid, self.token_weights, 0.0).sum()
 
     def host_sizes(
