@@ -59,6 +59,14 @@ def test_ties_go_to_the_most_sampled_value_then_the_earliest_sample() -> None:
     assert choice.index == 2 and choice.risk == 540.0
 
 
+def test_a_sample_beyond_float_range_keeps_an_exact_pick_and_an_infinite_risk() -> None:
+    # "9e999" is a legal sample (six characters); its distances to the others overflow a float.
+    choice = mbr_select(["9e999", "3", "4", "9e999", "5"], "number")
+    assert choice.index == 4  # "5": the median of 3, 4, 5, 9e999, 9e999, found on exact values
+    assert choice.risk == float("inf")
+    assert choice.n_parsed == 5
+
+
 def test_clock_distance_is_cyclic_on_the_dial() -> None:
     # 11_50 and 0_10 are 20 minutes apart across 12, not 700: risk(11_50) = 20 + 350 = 370 =
     # risk(0_10), risk(6_00) = 350 + 350 = 700. A linear median would answer 6_00.

@@ -40,6 +40,7 @@ Rules, all deterministic given the samples:
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -154,7 +155,17 @@ def mbr_select(candidates: Sequence[str], kind: str) -> MbrChoice:
         return MbrChoice(best, 0, None)
     risk = {v: sum(n * rule.distance(v, u) for u, n in count.items()) for v in first}
     best_value = min(first, key=lambda v: (risk[v], -count[v], first[v]))
-    return MbrChoice(first[best_value], sum(count.values()), float(risk[best_value]))
+    return MbrChoice(first[best_value], sum(count.values()), _as_float(risk[best_value]))
+
+
+def _as_float(risk: float | int | Fraction) -> float:
+    """``risk`` as a float, ``inf`` where it is beyond a float's range (a sampled answer such
+    as ``9e999`` parses to an exact rational whose distances no float holds; the pick, made on
+    the exact values, stands)."""
+    try:
+        return float(risk)
+    except OverflowError:
+        return math.inf
 
 
 @dataclass(frozen=True)
