@@ -70,7 +70,8 @@ def test_report_numbers_are_the_paired_statistics(made):
     report = result.report.read_text()
     final = compare_paired(ERRORS["ce"][20], ERRORS["ntil"][20])
     row = (f"| abs_error_mean | ntil | {final.mean_diff:.4g} | [{final.ci_low:.4g}, "
-           f"{final.ci_high:.4g}] | {final.p_wilcoxon:.3g} | {final.p_ttest:.3g} | 6 |  |")
+           f"{final.ci_high:.4g}] | {final.p_wilcoxon:.3g} | {final.p_ttest:.3g} | "
+           f"{final.p_ttest:.3g} | 6 |  |")  # one variant: Holm leaves its p as it is
     assert row in report
     # six seeds: no too-few-seeds note; the Wilcoxon p here is the exact 2/64 (all better)
     assert final.p_wilcoxon == pytest.approx(2 / 64, rel=1e-6)
@@ -82,6 +83,46 @@ def test_report_numbers_are_the_paired_statistics(made):
     mean, std, _ = mean_std(ERRORS["ntil"][20])
     assert f"| ntil | {mean:.4g} ± {std:.4g} (6) |" in report
     assert "Sum of the finished cells' wall times: 24 s" in report
+
+
+def test_holm_column_adjusts_the_paired_t_within_each_metric(tmp_path):
+    # three variants against ce on one metric: Holm multiplies the smallest p by 3, the next
+    # by 2 (never below the one before), the largest by 1; a second metric is its own family
+    seeds = [0, 1, 2, 3, 4]
+    base = [10.0, 12.0, 9.0, 11.0, 13.0]
+    shifts = {"a": [-2.0, -2.5, -1.5, -2.2, -1.8], "b": [-0.5, 0.4, -0.9, 0.1, -0.6],
+              "c": [-1.0, -0.2, -1.4, -0.9, -0.3]}
+    exp = parse_experiment({"name": "h", "base": FAKE_BASE, "seeds": seeds,
+                            "variants": {"ce": [], **{v: ["objective.name=ce"] for v in shifts}},
+                            "eval": {"checkpoints": "final"},
+                            "output_dir": str(tmp_path / "out")})
+    cells = expand_grid(exp)
+    value = {(v, s): base[s] + (shifts[v][s] if v in shifts else 0.0)
+             for v in ["ce", *shifts] for s in seeds}
+    for cell in cells:
+        folder = eval_dir(cell.folder, 20)
+        folder.mkdir(parents=True)
+        err = value[(cell.variant, cell.seed)]
+        (folder / "metrics.json").write_text(json.dumps(
+            {"abs_error_mean": err, "exact_match": 1.0 / err, "n": 1}))
+        (folder / "predictions.jsonl").write_text(json.dumps(
+            {"prompt": "1+1=", "reference": "2", "prediction": "2", "correct": True,
+             "abs_error": 0.0}) + "\n")
+        (cell.folder / CELL_DONE).write_text(json.dumps({"wall_s": 1.0}))
+    report = write_outputs(exp, cells, command="emdlm experiment -c h").report.read_text()
+    raw = {v: compare_paired(base, [value[(v, s)] for s in seeds]).p_ttest for v in shifts}
+    order = sorted(shifts, key=raw.get)
+    by_hand, running = {}, 0.0
+    for rank, v in enumerate(order):
+        running = max(running, min(1.0, (3 - rank) * raw[v]))
+        by_hand[v] = running
+    assert by_hand[order[0]] == pytest.approx(3 * raw[order[0]])
+    for v in shifts:
+        rows = [line for line in report.splitlines()
+                if line.startswith(f"| abs_error_mean | {v} |")]
+        cells_of_row = [c.strip() for c in rows[0].split("|")]
+        assert cells_of_row[6] == f"{raw[v]:.3g}" and cells_of_row[7] == f"{by_hand[v]:.3g}"
+    assert "Holm-adjusted over the variants compared on the same metric" in report
 
 
 def test_csv_has_extras_and_null_metrics_as_nan(made):

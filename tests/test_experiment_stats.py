@@ -13,6 +13,7 @@ from emdlm.experiments.stats import (
     bootstrap_ci,
     compare_paired,
     detectable_difference,
+    holm_adjust,
     mean_std,
     normalized_auc,
     paired_differences,
@@ -97,6 +98,16 @@ def test_compare_paired_and_edge_cases():
     assert paired_t_test([2.0, 2.0, 2.0]) == (math.inf, 0.0)
     with pytest.raises(ValueError, match="equal 1-D shapes"):
         paired_differences([1.0, 2.0], [1.0])
+
+
+def test_holm_adjust_hand_worked():
+    # sorted 0.01, 0.03, 0.04 -> 3 * 0.01, 2 * 0.03, max(0.06, 1 * 0.04); back in input order
+    assert holm_adjust([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert holm_adjust([0.4, 0.5]) == pytest.approx([0.8, 0.8])  # 2 * 0.4, then max(0.8, 1 * 0.5)
+    assert holm_adjust([0.6, 0.9]) == pytest.approx([1.0, 1.0])  # min(1, 2 * 0.6)
+    adjusted = holm_adjust([math.nan, 0.02, 0.01])  # NaN: no test, not in the family (m = 2)
+    assert math.isnan(adjusted[0]) and adjusted[1:] == pytest.approx([0.02, 0.02])
+    assert holm_adjust([]) == [] and holm_adjust([0.03]) == [0.03]
 
 
 def test_mean_std_and_auc_hand_worked():

@@ -77,7 +77,7 @@ def test_one_seed_verdict_has_no_paired_statistics(tmp_path):
     assert "1 seed: no paired statistics at all (no interval, no test, no power figure)" in verdict
     assert "- Tests: none run (a test needs 2 paired seeds)." in verdict
     # nothing paired is printed: no interval, no p-value of either test, no power table
-    assert _row(report, FINAL) == ("| abs_error_mean | ntil | -1 | [–, –] | – | – | 1 | "
+    assert _row(report, FINAL) == ("| abs_error_mean | ntil | -1 | [–, –] | – | – | – | 1 | "
                                    "1 paired seed(s): no test possible |")
     assert "### Power of the final comparison" not in report
     # the floor and plateau sentences hold for one seed too
@@ -101,8 +101,10 @@ def test_two_seed_verdict_calls_nothing_significant(tmp_path):
     # 4 key metrics x 1 variant, final and area under the curve, x 2 p-values; the paired t of
     # abs_error_mean at both is below 0.05, and still not evidence
     assert ("- Tests: 16 (4 final-checkpoint rows + 4 area-under-curve rows, each with a "
-            "Wilcoxon and a paired-t p-value), run without multiplicity correction: with no "
-            "true difference anywhere, expect about 0.8 of them below 0.05 by chance; here 2 "
+            "Wilcoxon and a paired-t p-value), run without multiplicity correction (the "
+            "tables' \"p t Holm\" column corrects the paired t within each metric, not across "
+            "metrics): with no true difference anywhere, expect about 0.8 of them below 0.05 by "
+            "chance; here 2 "
             "are. At 2 seeds none of them is evidence.") in verdict
     assert ("- Floor: the baseline `ce` does NOT beat the constant-answer floor: abs_error_mean "
             "195 (mean of 2 seeds) against 8 for always answering the test median (10). It has "
@@ -120,7 +122,7 @@ def test_two_seed_interval_is_paired_t_not_bootstrap(tmp_path):
     assert p_t == pytest.approx(0.0167, abs=1e-4)
     row = _row(report, FINAL)
     assert row.startswith(f"| abs_error_mean | ntil | -133.5 | [{lo:.4g}, {hi:.4g}] | 0.5 | "
-                          f"{p_t:.3g} | 2 |")
+                          f"{p_t:.3g} | {p_t:.3g} | 2 |")  # one variant: Holm = raw
     # ten times wider than the two differences' range, which the bootstrap printed; it
     # excludes 0 exactly as the paired t beside it has p < 0.05
     assert lo < -137.0 and hi > -130.0 and hi - lo > 10 * 7.0 and hi < 0.0
@@ -155,7 +157,7 @@ def test_five_seed_verdict_and_unchanged_bootstrap(tmp_path):
     assert "| 95% bootstrap CI |" in report and "paired-t CI" not in report
     assert _row(report, FINAL).startswith(
         f"| abs_error_mean | ntil | {d.mean():.4g} | [{lo:.4g}, {hi:.4g}] | 0.0625 | "
-        f"{stats.ttest_1samp(d, 0.0).pvalue:.3g} | 5 |")
+        f"{stats.ttest_1samp(d, 0.0).pvalue:.3g} | {stats.ttest_1samp(d, 0.0).pvalue:.3g} | 5 |")
     assert "Intervals from fewer than 5 paired seeds" not in report
     assert "- Paired seeds: 5," in verdict
     assert ("- Conclusions: 5 seeds: a difference with paired-t p < 0.05, an interval excluding "

@@ -39,6 +39,7 @@ from emdlm.experiments.stats import (
     MIN_BOOTSTRAP_SEEDS,
     POWER,
     detectable_difference,
+    holm_adjust,
     mean_std,
     paired_differences,
     seeds_for_power,
@@ -86,19 +87,41 @@ T_INTERVAL_NOTE = (
     "than 95% (about half the time at 2 seeds).")
 
 
+def _holm_by_metric(comparisons: Sequence[Comparison]) -> list[float]:
+    """Each row's paired-t p-value Holm-adjusted over the rows of its metric (the variants
+    compared with the baseline on that metric: :func:`emdlm.experiments.stats.holm_adjust`)."""
+    adjusted = [math.nan] * len(comparisons)
+    by_metric: dict[str, list[int]] = {}
+    for i, (metric, _, _) in enumerate(comparisons):
+        by_metric.setdefault(metric, []).append(i)
+    for rows in by_metric.values():
+        for i, p in zip(rows, holm_adjust([comparisons[i][2].p_ttest for i in rows]), strict=True):
+            adjusted[i] = p
+    return adjusted
+
+
+HOLM_NOTE = (
+    "p t Holm: the paired-t p-value Holm-adjusted over the variants compared on the same "
+    "metric (one family per metric and table; the other metrics are not in the family).")
+
+
 def _comparison_table(comparisons: Sequence[Comparison]) -> list[str]:
-    """Markdown rows: variant - baseline per metric with CI, p-values, n and note; then a note
-    when an interval is a paired-t one (:func:`emdlm.experiments.stats.compare_paired`)."""
+    """Markdown rows: variant - baseline per metric with CI, p-values (the paired t also
+    Holm-adjusted within its metric), n and note; then a note when an interval is a paired-t
+    one (:func:`emdlm.experiments.stats.compare_paired`)."""
     header, mark = _ci_header(comparisons)
     lines = [f"| metric | variant | mean diff (variant − baseline) | {header} | "
-             "p Wilcoxon | p paired t | seeds | note |", "|---|---|---|---|---|---|---|---|"]
-    for metric, variant, c in comparisons:
+             "p Wilcoxon | p paired t | p t Holm | seeds | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (metric, variant, c), p_holm in zip(comparisons, _holm_by_metric(comparisons),
+                                             strict=True):
         kind = " (t)" if mark and c.ci_kind == "t" and c.n >= 2 else ""
         lines.append(
             f"| {metric} | {variant} | {fmt(c.mean_diff)} | [{fmt(c.ci_low)}, "
-            f"{fmt(c.ci_high)}]{kind} | {fmt_p(c.p_wilcoxon)} | {fmt_p(c.p_ttest)} | {c.n} | "
-            f"{c.note} |"
+            f"{fmt(c.ci_high)}]{kind} | {fmt_p(c.p_wilcoxon)} | {fmt_p(c.p_ttest)} | "
+            f"{fmt_p(p_holm)} | {c.n} | {c.note} |"
         )
+    lines += ["", HOLM_NOTE]
     if any(c.ci_kind == "t" and c.n >= 2 for _, _, c in comparisons):
         lines += ["", T_INTERVAL_NOTE]
     return lines

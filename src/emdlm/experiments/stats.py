@@ -176,6 +176,24 @@ def compare_paired(
     )
 
 
+def holm_adjust(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values, in the input's order; NaN entries (no test) stay NaN
+    and do not count towards the family size m.
+
+    With the m finite p-values sorted ascending, p_(1) <= ... <= p_(m):
+    adj_(i) = max_{j <= i} min(1, (m - j + 1) * p_(j)). Rejecting where adj < alpha controls the
+    family-wise error rate at alpha under any dependence. Source: S. Holm, "A Simple
+    Sequentially Rejective Multiple Test Procedure", Scand. J. Statistics 6 (1979) 65-70.
+    """
+    finite = sorted((p, i) for i, p in enumerate(p_values) if math.isfinite(p))
+    adjusted = [math.nan] * len(p_values)
+    m, running = len(finite), 0.0
+    for rank, (p, i) in enumerate(finite):
+        running = max(running, min(1.0, (m - rank) * p))
+        adjusted[i] = running
+    return adjusted
+
+
 def mean_std(values: Sequence[float]) -> tuple[float, float, int]:
     """(mean, sample std with ddof=1, n) over the finite values; std NaN for n < 2."""
     v = np.asarray(values, dtype=np.float64)

@@ -123,8 +123,9 @@ def _tests_verdict(st: TaskStats, n_max: int) -> list[str]:
     n_tests = count_tests(st)
     nominal = sum(p < ALPHA for c in tested for p in (c.p_wilcoxon, c.p_ttest))
     line = (f"Tests: {n_tests} ({rows}, each with a Wilcoxon and a paired-t p-value), run "
-            f"without multiplicity correction: with no true difference anywhere, expect about "
-            f"{n_tests * ALPHA:.2g} of them below 0.05 by chance; here "
+            f"without multiplicity correction (the tables' \"p t Holm\" column corrects the "
+            f"paired t within each metric, not across metrics): with no true difference "
+            f"anywhere, expect about {n_tests * ALPHA:.2g} of them below 0.05 by chance; here "
             f"{nominal} {'is' if nominal == 1 else 'are'}.")
     if n_max < MIN_BOOTSTRAP_SEEDS:
         return [line + f" At {n_max} seeds none of them is evidence."]
