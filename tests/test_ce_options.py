@@ -217,3 +217,104 @@ def test_bad_options_raise() -> None:
         CrossEntropyLoss(label_smoothing=1.5)
     with pytest.raises(ValueError, match="z_loss"):
         CrossEntropyLoss(z_loss=-1.0)
+
+
+def _hand_argmax(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The predicted token at each position, one position at a time: the lowest id whose logit
+    is the row's maximum; -100 where the label is ignored."""
+    out = torch.full(labels.shape, -100, dtype=torch.long)
+    for index in torch.cartesian_prod(*[torch.arange(n) for n in labels.shape]):
+        pos = tuple(int(i) for i in index)
+        if int(labels[pos]) == -100:
+            continue
+        row = logits[pos].tolist()
+        out[pos] = row.index(max(row))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32, torch.bfloat16])
+def test_predicted_tokens_equal_a_hand_argmax_on_every_route(dtype: torch.dtype) -> None:
+    """``out.predicted_tokens``: the argmax id per position (labels' shape, -100 where ignored)
+    on the logits route (with and without options), through the chunk engine (per-token
+    weights), and from hidden states (chunks of 4 rows, a bias, a soft-cap), equal to a hand
+    argmax of the same logits; not asked: None.
+
+    In bf16 the unfused head (``F.linear`` over [B, T, H]) and the fused one (``addmm`` per
+    chunk) may round a logit differently, so there each route is held to the hand argmax of
+    its own logits (the fused one's: :func:`head_logits`, the engine's head)."""
+    from emdlm.ops.chunked import HeadOptions, head_logits
+
+    gen = torch.Generator().manual_seed(11)
+    hidden = torch.randn(3, 6, 8, generator=gen, dtype=F64).to(dtype)
+    weight = torch.randn(13, 8, generator=gen, dtype=F64).to(dtype)
+    bias = torch.randn(13, generator=gen, dtype=F64).to(dtype)
+    _, labels = _case(5)
+    logits = F.linear(hidden, weight, bias)  # the unfused head, as a model computes it
+    want = _hand_argmax(logits.float(), labels)
+    fused_logits = head_logits(hidden.reshape(-1, 8), weight, bias, HeadOptions()).view(3, 6, 13)
+    want_fused = _hand_argmax(fused_logits.float(), labels)
+    if dtype != torch.bfloat16:
+        assert torch.equal(want_fused, want)  # the same logits, so the same argmax
+    assert int((want != -100).sum()) == int((labels != -100).sum())
+    for options in ({}, {"label_smoothing": 0.1, "z_loss": 1e-3, "token_accuracy": True}):
+        fn = CrossEntropyLoss(predicted_tokens=True, **options)
+        got = fn(logits, labels).predicted_tokens
+        assert got is not None and got.dtype == torch.long and got.shape == labels.shape
+        assert torch.equal(got, want), options
+        weighted = fn(logits, labels, loss_weights=torch.rand(labels.shape, generator=gen))
+        assert torch.equal(weighted.predicted_tokens, want), options
+        fused = fn.from_hidden(hidden, weight, labels, bias, chunk_size=4)
+        assert torch.equal(fused.predicted_tokens, want_fused), options
+    capped = CrossEntropyLoss(predicted_tokens=True).from_hidden(
+        hidden, weight, labels, bias, softcap=2.0, chunk_size=4)
+    z = head_logits(hidden.reshape(-1, 8), weight, bias, HeadOptions(softcap=2.0))
+    assert torch.equal(capped.predicted_tokens, _hand_argmax(z.view(3, 6, 13), labels))
+    assert CrossEntropyLoss()(logits, labels).predicted_tokens is None
+    assert CrossEntropyLoss().from_hidden(hidden, weight, labels).predicted_tokens is None
+
+
+def test_predicted_tokens_break_ties_at_the_first_id_as_torch_argmax() -> None:
+    """Exact ties (integer logits, an embedding with two equal rows): the lowest id wins on
+    every route, as ``torch.argmax``; a row of equal logits predicts id 0."""
+    weight = torch.tensor([[0.0, 1.0], [2.0, 0.0], [1.0, 1.0], [2.0, 0.0], [0.0, 0.0]])  # 1 = 3
+    hidden = torch.tensor([[[1.0, 0.0], [0.0, 0.0], [0.0, 1.0], [3.0, 1.0]]])
+    labels = torch.tensor([[4, 4, 4, -100]])
+    logits = hidden @ weight.T  # rows: ids 1 and 3 tie; all equal; ids 0 and 2 tie; ignored
+    assert torch.equal(logits.argmax(-1)[:, :3], torch.tensor([[1, 0, 0]]))
+    want = torch.tensor([[1, 0, 0, -100]])
+    fn = CrossEntropyLoss(predicted_tokens=True)
+    assert torch.equal(fn(logits, labels).predicted_tokens, want)
+    assert torch.equal(fn.from_hidden(hidden, weight, labels, chunk_size=1).predicted_tokens, want)
+    weighted = fn(logits, labels, loss_weights=torch.ones(1, 4))
+    assert torch.equal(weighted.predicted_tokens, want)
+
+
+def test_predicted_tokens_keep_one_host_sync_and_the_gradient() -> None:
+    """Asking for predicted tokens changes neither the loss nor its gradients, and the fused
+    route still syncs with the host once (the engine's label check)."""
+    from emdlm.ops import chunked as engine
+
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(2, 5, 8, generator=gen, dtype=F64, requires_grad=True)
+    weight = torch.randn(11, 8, generator=gen, dtype=F64, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 5), generator=gen)
+    plain = CrossEntropyLoss().from_hidden(hidden, weight, labels, chunk_size=3)
+    g_plain = torch.autograd.grad(plain.loss, (hidden, weight))
+    calls = []
+    original = torch.Tensor.tolist
+
+    def counting(self):
+        calls.append(1)
+        return original(self)
+
+    torch.Tensor.tolist = counting
+    try:
+        asked = CrossEntropyLoss(predicted_tokens=True).from_hidden(
+            hidden, weight, labels, chunk_size=3)
+    finally:
+        torch.Tensor.tolist = original
+    assert len(calls) == 1 and engine.DEFAULT_CHUNK_ELEMENTS > 0
+    g_asked = torch.autograd.grad(asked.loss, (hidden, weight))
+    assert torch.equal(asked.loss, plain.loss)
+    for a, b in zip(g_asked, g_plain, strict=True):
+        assert torch.equal(a, b)

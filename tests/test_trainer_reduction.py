@@ -238,3 +238,39 @@ def test_components_callback_logs_step_averages(tmp_path, tok, vocab_size):
 def test_components_callback_needs_compute_loss():
     with pytest.raises(TypeError, match="ComputeLoss"):
         LossComponentsCallback(CrossEntropyLoss(reduction="sum"))
+
+
+def _fused_log(tmp_path, tok, from_hidden: bool) -> dict:
+    """One log record of 2 steps x 2 micro-batches of CE with token_accuracy and entropy,
+    trained from the logits or from the final hidden states."""
+    model = _model(tok)
+    compute_loss = make_compute_loss_func(
+        CrossEntropyLoss(reduction="sum", token_accuracy=True, entropy=True),
+        from_hidden=from_hidden, model=model if from_hidden else None,
+    )
+    ds = build_dataset(generate_task("arithmetic", n=8, seed=5, max_digits=3), tok, max_length=32)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / f"out{from_hidden}"), per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, max_steps=2, learning_rate=1e-3, logging_steps=2,
+        report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+        remove_unused_columns=False, seed=0, data_seed=0,
+    )  # fmt: skip
+    trainer = emdlm_trainer(Trainer)(
+        model=model, args=args, train_dataset=ds, data_collator=DataCollator(tok.pad_token_id),
+        compute_loss_func=compute_loss, callbacks=[LossComponentsCallback(compute_loss)],
+    )  # fmt: skip
+    trainer.train()
+    (record,) = [h for h in trainer.state.log_history if "loss" in h]
+    return record
+
+
+def test_accuracy_and_entropy_reach_the_logs_from_hidden_states(tmp_path, tok):
+    """The fused from-hidden route logs emdlm/token_accuracy and emdlm/entropy (no logits are
+    built there), equal to the logits route's over the same steps."""
+    fused = _fused_log(tmp_path, tok, from_hidden=True)
+    full = _fused_log(tmp_path, tok, from_hidden=False)
+    for key in ("emdlm/token_accuracy", "emdlm/entropy", "emdlm/ce", "loss"):
+        assert key in fused, key
+        assert fused[key] == pytest.approx(full[key], rel=1e-4, abs=1e-6), key
+    assert 0.0 <= fused["emdlm/token_accuracy"] <= 1.0
+    assert fused["emdlm/entropy"] > 0.0

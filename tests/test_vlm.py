@@ -150,6 +150,28 @@ def test_collator_scores_only_the_answer(tmp_path: Path, name: str) -> None:
     assert out.logits.shape[:2] == batch["input_ids"].shape
 
 
+def test_collator_gives_each_rows_loss_weight_on_its_tokens(tmp_path: Path) -> None:
+    """A row's ``loss_weight`` (absent: 1) on all of its tokens, 0 on padding; per-token
+    weights cannot follow image rows (one-line ConfigError)."""
+    tok, built = _built("tiny-llava")
+    rows = [
+        {"image": str(_png(tmp_path / "a.png")), "prompt": "What?", "completion": "2_55",
+         "loss_weight": 2.5},
+        {"image": str(_png(tmp_path / "b.png")), "prompt": "Time on it, 12h?",
+         "completion": "11_05"},
+    ]
+    collate = _collator(tok, built, max_length=256)
+    batch = collate(rows)
+    w, mask = batch["loss_weights"], batch["attention_mask"].bool()
+    assert w.shape == batch["labels"].shape
+    assert torch.equal(w[0][mask[0]], torch.full((int(mask[0].sum()),), 2.5))
+    assert torch.equal(w[1][mask[1]], torch.ones(int(mask[1].sum())))
+    assert bool((w[~mask] == 0).all())
+    assert "loss_weights" not in collate([rows[1]])
+    with pytest.raises(ConfigError, match="per-token 'loss_weights' cannot follow image rows"):
+        collate([{**rows[1], "loss_weights": [1.0]}])
+
+
 def test_collator_uses_the_chat_template_when_the_tokenizer_has_one(tmp_path: Path) -> None:
     tok, built = _built("tiny-qwen2-vl")
     tok.chat_template = (

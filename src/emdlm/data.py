@@ -16,6 +16,14 @@ eos) is trained; text examples are
 ``ids + [eos]`` with every token a label. Extra fields named in ``extra_keys`` (e.g. an image
 tensor "pixel_values") are kept as tensors and stacked by the collator, so a model taking more
 inputs needs no trainer change.
+
+Loss weights: a row's optional ``"loss_weight"`` (a finite number ≥ 0; absent = 1; anything
+else is a ConfigError naming the row, raised when the data is read) scales every scored token
+of that row. The item keeps it, and the collator turns the batch's weights into ``loss_weights``
+[B, T] (the row's weight on its tokens, 0 on padding), which the trainers hand to a loss that
+takes per-token weights (:class:`emdlm.losses.base.EMDLMLoss`, ``takes_loss_weights``). A
+tokenized item may instead carry its own per-token ``"loss_weights"`` list, aligned with its
+``input_ids`` (the two multiply when both are given).
 """
 
 from __future__ import annotations
@@ -32,12 +40,21 @@ from typing import Any
 import torch
 
 from emdlm.config import ConfigError, DataSourceConfig
+from emdlm.integrations.loss_weights import (
+    LOSS_WEIGHT_KEY,
+    TOKEN_WEIGHTS_KEY,
+    check_loss_weight,
+    has_loss_weights,
+    pad_loss_weights,
+)
 from emdlm.json_io import JSONDataError, parse_json
 from emdlm.number_scope import NUMBER_SCOPE_KEY, piece_masks, row_scopes, scope_pattern
 
 IGNORE_INDEX = -100
 CUT_POLICIES = ("warn", "error")  # data.on_truncate / data.on_drop
-_BASE_KEYS = ("input_ids", "labels", "attention_mask", "number_mask")
+_BASE_KEYS = (
+    "input_ids", "labels", "attention_mask", "number_mask", LOSS_WEIGHT_KEY, TOKEN_WEIGHTS_KEY,
+)
 #: the row fields that are tokenized, and so cut to :func:`max_characters` first
 TEXT_FIELDS = ("prompt", "completion", "text")
 #: tokens of room past ``max_length`` in :func:`max_characters`
@@ -49,6 +66,13 @@ TOKEN_CHARACTERS_FALLBACK = 256
 def _check_row(row: Any, where: str) -> dict[str, Any]:
     if not isinstance(row, dict):
         raise ConfigError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    if LOSS_WEIGHT_KEY in row:
+        check_loss_weight(row[LOSS_WEIGHT_KEY], where)
+    if TOKEN_WEIGHTS_KEY in row:
+        raise ConfigError(
+            f"{where}: field {TOKEN_WEIGHTS_KEY!r} (per-token weights) belongs to tokenized items "
+            f"aligned with their input_ids; a text row takes one {LOSS_WEIGHT_KEY!r}"
+        )
     has_pc = "prompt" in row or "completion" in row
     if has_pc:
         for key in ("prompt", "completion"):
@@ -232,6 +256,8 @@ def tokenize_example(
     item: dict[str, Any] = {"input_ids": ids, "labels": labels}
     if scope is not None:
         item["number_mask"] = mask[:max_length]
+    if LOSS_WEIGHT_KEY in example:
+        item[LOSS_WEIGHT_KEY] = check_loss_weight(example[LOSS_WEIGHT_KEY], "example")
     for key in extra_keys:
         if key not in example:
             raise ConfigError(f"extra key {key!r} missing from an example")
@@ -341,6 +367,10 @@ def build_dataset(
         list(examples), tokenizer, max_length
     )
     scopes = row_scopes(rows, number_scope, task, source)
+    weights = {  # checked before anything is tokenized
+        i: check_loss_weight(ex[LOSS_WEIGHT_KEY], f"{source}: example {i}")
+        for i, ex in enumerate(rows) if LOSS_WEIGHT_KEY in ex
+    }
     pc = [i for i, ex in enumerate(rows) if "completion" in ex]
     tx = [i for i, ex in enumerate(rows) if "completion" not in ex]
     eos = [tokenizer.eos_token_id] if add_eos else []
@@ -387,6 +417,8 @@ def build_dataset(
         item: dict[str, Any] = {"input_ids": ids, "labels": labels}
         if scopes is not None:
             item["number_mask"] = mask_of[i]
+        if LOSS_WEIGHT_KEY in ex:
+            item[LOSS_WEIGHT_KEY] = weights[i]
         for key in extra_keys:
             if key not in ex:
                 raise ConfigError(f"{source}: example {i} has no extra key {key!r}")
@@ -451,7 +483,10 @@ class DataCollator:
     whose values are tensors is stacked and passed through (e.g. "pixel_values"). Items with a
     ``number_mask`` (a number scope, module docstring) give a [B, T] bool ``number_mask``,
     False on padding, for the numeric losses (the Trainer glue takes it out of the model's
-    inputs: :func:`emdlm.integrations.transformers.emdlm_trainer`).
+    inputs: :func:`emdlm.integrations.transformers.emdlm_trainer`). Items with a
+    ``loss_weight`` or per-token ``loss_weights`` (module docstring) give a [B, T] float32
+    ``loss_weights`` (:func:`pad_loss_weights`), taken out of the model's inputs the same way
+    and handed to the loss.
 
     Position 0's label is set to -100: after the causal shift it is never a target, and this
     makes "count labels != -100" equal with or without the shift (so transformers'
@@ -482,6 +517,8 @@ class DataCollator:
         }
         if any("number_mask" in f for f in features):
             batch["number_mask"] = pad_number_mask(features, lengths, width)
+        if has_loss_weights(features):
+            batch[TOKEN_WEIGHTS_KEY] = pad_loss_weights(features, lengths, width)
         for key in features[0]:
             if key in _BASE_KEYS:
                 continue

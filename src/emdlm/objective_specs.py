@@ -127,7 +127,8 @@ OBJECTIVE_SPECS: dict[str, ObjectiveSpec] = {
         ObjectiveSpec(
             "ce", "emdlm.losses.ce", "CrossEntropyLoss",
             "cross-entropy, the baseline (optional label smoothing, z-loss, token accuracy)",
-            ("ignore_index", "label_smoothing", "z_loss", "token_accuracy", "entropy"),
+            ("ignore_index", "label_smoothing", "z_loss", "token_accuracy", "entropy",
+             "predicted_tokens"),
             domains={"label_smoothing": UNIT, "z_loss": NONNEGATIVE, **_IGNORE},
         ),
         ObjectiveSpec(

@@ -32,6 +32,7 @@ from emdlm.integrations.loss_contract import (
     declared_needs,
     loss_inputs,
 )
+from emdlm.integrations.loss_weights import TOKEN_WEIGHTS_KEY, refuse_weights_on
 from emdlm.integrations.sharding import check_head_weight, gathered_head
 
 # model.forward keyword arguments that the backbone must not receive
@@ -187,7 +188,9 @@ def aligned_hidden_loss(
     ``loss_fn.from_hidden(hidden, W, labels, b, **inputs.call_keywords(), ...)`` with the
     model's output embedding (gathered under FSDP2 / ZeRO-3) and only the logit transforms the
     model has. Returns
-    (LossOutput, count of scored labels). :func:`hidden_loss` and
+    (LossOutput, count of scored labels, or their weight sum with ``loss_weights``:
+    :meth:`LossInputs.scored <emdlm.integrations.loss_contract.LossInputs.scored>`).
+    :func:`hidden_loss` and
     :meth:`~emdlm.integrations.transformers.ComputeLoss.step` both end here."""
     if inputs.hidden is None or inputs.model is None:
         raise ValueError("aligned_hidden_loss needs LossInputs built with hidden and model")
@@ -209,7 +212,7 @@ def aligned_hidden_loss(
             shift_hidden.to(weight.dtype), weight, shift_labels, bias, **extra,
             **inputs.call_keywords(),
         )
-    return out, (shift_labels != ignore_index).sum()
+    return out, inputs.scored(ignore_index)
 
 
 class FromHiddenForward:
@@ -221,7 +224,9 @@ class FromHiddenForward:
     with ``logits=None``; a batch's ``number_mask`` keyword goes to the loss, never to the
     backbone. Mode "hidden" (``make_compute_loss_func``): while training with gradients and
     without labels, returns the backbone's output with the final hidden state under
-    ``"emdlm_hidden"`` and no logits. Otherwise the original forward.
+    ``"emdlm_hidden"`` and no logits. Otherwise the original forward. A batch's
+    ``loss_weights`` reaching the model (a plain Trainer, a patched forward) is refused
+    (:func:`~emdlm.integrations.loss_weights.refuse_weights_on`): the model would drop them.
     """
 
     def __init__(
@@ -243,6 +248,10 @@ class FromHiddenForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
+        if kwargs.get(TOKEN_WEIGHTS_KEY) is not None:  # the model would drop them unread
+            raise refuse_weights_on(
+                "the from-hidden forward" if self.mode == "hidden" else "emdlm.patch"
+            )
         labels = kwargs.get("labels")
         shift_labels = kwargs.get("shift_labels")
         if self.mode == "hidden":

@@ -3,7 +3,8 @@
 The frameworks (``transformers.Trainer``'s ``compute_loss_func``, a model's ``loss_function``
 hook, :func:`emdlm.patch`) pass unshifted labels with :data:`IGNORE_INDEX` at the positions
 not scored, and, with gradient accumulation, ``num_items_in_batch``: the scored tokens of the
-whole accumulated batch. So the loss must return the per-token *sum*
+whole accumulated batch (their weight sum with per-token loss weights,
+:mod:`emdlm.integrations.loss_weights`). So the loss must return the per-token *sum*
 (:func:`require_sum_reduction`) and the caller divides it once (:func:`scaled_loss`).
 Used by :mod:`emdlm.integrations.hidden_forward`, :mod:`emdlm.integrations.transformers` and
 :mod:`emdlm.integrations.patch`.
@@ -52,18 +53,23 @@ def require_sum_reduction(loss_fn: Any, who: str = "make_compute_loss_func") -> 
 def scaled_loss(
     summed: torch.Tensor, count: torch.Tensor, num_items_in_batch: Any
 ) -> torch.Tensor:
-    """Σ l_t / N with N = ``num_items_in_batch`` when given, else the call's scored count."""
+    """Σ l_t / N with N = ``num_items_in_batch`` when given, else the call's scored count; an N
+    of 0 divides by 1. N may be a weight sum (per-token loss weights), so it is not rounded
+    and one below 1 is divided by as it is."""
     if num_items_in_batch is None:
-        return summed / count.clamp_min(1)
-    if isinstance(num_items_in_batch, torch.Tensor):
-        return summed / num_items_in_batch.to(summed.device).clamp_min(1)
-    return summed / max(int(num_items_in_batch), 1)
+        n = count
+    elif isinstance(num_items_in_batch, torch.Tensor):
+        n = num_items_in_batch.to(summed.device)
+    else:
+        return summed / (num_items_in_batch if num_items_in_batch > 0 else 1)
+    return summed / torch.where(n > 0, n, 1)
 
 
 @dataclass(frozen=True)
 class LossInputs:
     """One loss call's tensors, aligned: position t of ``logits`` / ``hidden`` predicts
-    ``labels[:, t]``; ``number_mask`` and ``teacher_logits`` are aligned the same way.
+    ``labels[:, t]``; ``number_mask``, ``loss_weights`` and ``teacher_logits`` are aligned the
+    same way.
 
     Exactly one of ``logits`` ([B, T, V]) and ``hidden`` ([B, T, H], with ``model``: the causal
     LM whose output embedding turns it into logits) is set. Built by :func:`loss_inputs` only,
@@ -76,14 +82,28 @@ class LossInputs:
     model: Any = None
     number_mask: torch.Tensor | None = None
     teacher_logits: torch.Tensor | None = None
+    loss_weights: torch.Tensor | None = None
 
     def call_keywords(self) -> dict[str, torch.Tensor]:
         """The keywords of the one loss call of every route, ``loss(logits, labels, **kw)``
         and ``loss.from_hidden(hidden, W, labels, b, **kw)`` (:class:`emdlm.losses.base.
-        EMDLMLoss`): ``number_mask`` and ``teacher_logits``, each only when the batch has it,
-        so a user's callable ``(logits, labels)`` that declares neither is called as it is."""
-        given = (("number_mask", self.number_mask), ("teacher_logits", self.teacher_logits))
+        EMDLMLoss`): ``number_mask``, ``teacher_logits`` and ``loss_weights``, each only when
+        the batch has it, so a user's callable ``(logits, labels)`` that declares none is
+        called as it is."""
+        given = (
+            ("number_mask", self.number_mask), ("teacher_logits", self.teacher_logits),
+            ("loss_weights", self.loss_weights),
+        )
         return {k: v for k, v in given if v is not None}
+
+    def scored(self, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+        """What the call's summed loss is divided by when no ``num_items_in_batch`` is given
+        (and what its components are averaged with): the scored labels, or with
+        ``loss_weights`` their weight sum Σ_{labels ≠ ignore_index} w_t (0-d, no host sync)."""
+        valid = self.labels != ignore_index
+        if self.loss_weights is None:
+            return valid.sum()
+        return torch.where(valid, self.loss_weights, 0.0).sum()
 
 
 def loss_inputs(
@@ -94,17 +114,19 @@ def loss_inputs(
     model: Any = None,
     number_mask: torch.Tensor | None = None,
     teacher_logits: torch.Tensor | None = None,
+    loss_weights: torch.Tensor | None = None,
     shifted: bool = False,
 ) -> LossInputs:
     """The :class:`LossInputs` of a framework's call: ``labels`` [B, T] as frameworks pass them
     (unshifted, :data:`IGNORE_INDEX` where not scored), the model's logits or final hidden
-    state [B, T, ·], and a batch's ``number_mask`` / a teacher's logits of the same inputs,
-    aligned with ``labels`` / ``logits``.
+    state [B, T, ·], and a batch's ``number_mask`` / per-token ``loss_weights`` / a teacher's
+    logits of the same inputs, aligned with ``labels`` / ``logits``.
 
     Shifts once, as every causal LM: position t predicts token t+1, so ``logits[:, :-1]``,
-    ``hidden[:, :-1]`` and ``teacher_logits[:, :-1]`` meet ``labels[:, 1:]`` and
-    ``number_mask[:, 1:]``. ``shifted=True``: the labels are already aligned (transformers'
-    ``shift_labels`` under context parallelism) and nothing is shifted.
+    ``hidden[:, :-1]`` and ``teacher_logits[:, :-1]`` meet ``labels[:, 1:]``,
+    ``number_mask[:, 1:]`` and ``loss_weights[:, 1:]``. ``shifted=True``: the labels are
+    already aligned (transformers' ``shift_labels`` under context parallelism) and nothing is
+    shifted.
     """
     if labels is None:
         raise ValueError("the loss got labels=None: the batch has no 'labels'")
@@ -126,6 +148,7 @@ def loss_inputs(
     if not shifted:
         states, labels = states[:, :-1, :], labels[:, 1:]
         number_mask = None if number_mask is None else number_mask[:, 1:]
+        loss_weights = None if loss_weights is None else loss_weights[:, 1:]
         teacher_logits = None if teacher_logits is None else teacher_logits[:, :-1, :]
     device = states.device
     return LossInputs(
@@ -135,6 +158,7 @@ def loss_inputs(
         model=model,
         number_mask=None if number_mask is None else number_mask.to(device),
         teacher_logits=None if teacher_logits is None else teacher_logits.to(device),
+        loss_weights=None if loss_weights is None else loss_weights.to(device),
     )
 
 
@@ -148,22 +172,24 @@ class LossNeeds:
     takes_number_mask: bool
     has_from_hidden: bool
     hidden_transforms: tuple[str, ...] = ()
+    takes_loss_weights: bool = False
 
 
 def declared_needs(loss_fn: Any) -> LossNeeds:
     """The declarations of ``loss_fn`` (read, never probed by calling or by signature).
 
-    An :class:`~emdlm.losses.base.EMDLMLoss` declares all three; another callable may declare
+    An :class:`~emdlm.losses.base.EMDLMLoss` declares them all; another callable may declare
     them as attributes of the same names (missing ones: False / none; ``has_from_hidden``
     defaults to whether it has a ``from_hidden`` method)."""
     if isinstance(loss_fn, EMDLMLoss):
         return LossNeeds(
             loss_fn.needs_teacher, loss_fn.takes_number_mask, loss_fn.has_from_hidden,
-            tuple(loss_fn.hidden_transforms),
+            tuple(loss_fn.hidden_transforms), loss_fn.takes_loss_weights,
         )
     return LossNeeds(
         bool(getattr(loss_fn, "needs_teacher", False)),
         bool(getattr(loss_fn, "takes_number_mask", False)),
         bool(getattr(loss_fn, "has_from_hidden", callable(getattr(loss_fn, "from_hidden", None)))),
         tuple(getattr(loss_fn, "hidden_transforms", ())),
+        bool(getattr(loss_fn, "takes_loss_weights", False)),
     )

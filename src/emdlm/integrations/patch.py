@@ -54,6 +54,7 @@ from emdlm.integrations.loss_contract import (
     require_sum_reduction,
     scaled_loss,  # noqa: F401
 )
+from emdlm.integrations.loss_weights import TOKEN_WEIGHTS_KEY, refuse_weights_on
 from emdlm.integrations.transformers import ComputeLoss
 
 
@@ -88,6 +89,8 @@ def _loss_hook(compute_loss: ComputeLoss) -> Callable[..., torch.Tensor]:
     ) -> torch.Tensor:
         if shift_labels is None and labels is None:
             raise ValueError("emdlm.patch: the model's loss_function got no labels")
+        if kwargs.get(TOKEN_WEIGHTS_KEY) is not None:
+            raise refuse_weights_on("emdlm.patch")
         return compute_loss(
             {"logits": logits}, shift_labels if shift_labels is not None else labels,
             num_items_in_batch=num_items_in_batch, shifted=shift_labels is not None,

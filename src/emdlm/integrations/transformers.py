@@ -14,6 +14,18 @@ objective whose summed loss is a sum of per-token (or per-number) terms. NTIL/EM
 weights sg(CE/aux) are computed per call, i.e. per micro-batch: with accumulation they are
 exact only if the ratio is per token (see the tests).
 
+Per-token loss weights (a batch's ``loss_weights`` [B, T], from the data's ``loss_weight``
+field, :mod:`emdlm.data`): the loss returns Σ_t w_t·l_t, and the honest normaliser is the
+weight sum Σ_t w_t over the scored tokens of the accumulated batch, so
+:class:`EMDLMTrainerMixin` counts ``num_items_in_batch`` that way (a micro-batch without
+weights counts its tokens with weight 1):
+
+    loss_mb = Σ_{t in micro-batch} w_t·l_t / Σ_{t in accumulated batch} w_t
+
+which again makes any split into micro-batches the same as one big batch. A plain
+``transformers.Trainer`` hands the batch to the model as it is (the weights would never reach
+the loss): weighted data needs :class:`EMDLMTrainer` / :func:`emdlm_trainer`.
+
 Reduction is decided in one place
 (:func:`~emdlm.integrations.loss_contract.require_sum_reduction`): the adapter needs the loss's
 per-token *sum*. A loss built with ``reduction="mean"`` would be divided by N a second time (a
@@ -54,6 +66,12 @@ from emdlm.integrations.loss_contract import (
     loss_inputs,
     require_sum_reduction,
     scaled_loss,
+)
+from emdlm.integrations.loss_weights import (
+    LOSS_WEIGHT_KEY,
+    TOKEN_WEIGHTS_KEY,
+    dataset_loss_weights,
+    weighted_item_count,
 )
 
 
@@ -138,13 +156,34 @@ class ComputeLoss:
             )
         return None
 
+    def unweighable(self, what: str) -> ValueError:
+        """The error for weighted data (``what`` has them) given to a loss that takes no
+        per-token weights: never silently unweighted."""
+        return ValueError(
+            f"{what} (the data's {LOSS_WEIGHT_KEY!r} field), but objective "
+            f"{type(self.loss_fn).__name__} takes no per-token loss weights "
+            "(takes_loss_weights is False): drop the field or use a loss that takes them "
+            "(the CE family: CE, DFT, MixCE, TaiLr)"
+        )
+
+    def check_dataset(self, dataset: Any, where: str = "train_dataset") -> None:
+        """Refuse, at setup, a ``dataset`` whose rows carry loss weights when the loss takes
+        none (:meth:`unweighable`), and a bad row weight either way
+        (:func:`~emdlm.integrations.loss_weights.dataset_loss_weights`)."""
+        found = dataset_loss_weights(dataset, where)  # checks the rows' weights too
+        if found and not self.needs.takes_loss_weights:
+            raise self.unweighable(f"{where} has loss weights")
+
     def inputs(
         self, outputs: Any, labels: torch.Tensor | None, *, shifted: bool = False,
         number_mask: torch.Tensor | None = None, teacher_logits: torch.Tensor | None = None,
+        loss_weights: torch.Tensor | None = None,
     ) -> LossInputs:
         """The aligned inputs of one call: the model ``outputs`` (logits, or the final hidden
         state of the from-hidden forward), the unshifted ``labels`` (already aligned with
-        ``shifted``), the batch's ``number_mask`` and the teacher's logits on the same inputs."""
+        ``shifted``), the batch's ``number_mask`` and per-token ``loss_weights`` (refused by
+        :meth:`unweighable` for a loss that takes none) and the teacher's logits on the same
+        inputs."""
         name = type(self.loss_fn).__name__
         if self.needs.needs_teacher and teacher_logits is None:
             raise RuntimeError(
@@ -156,6 +195,8 @@ class ComputeLoss:
             raise ValueError(
                 f"teacher logits were given but {name} does not distil (needs_teacher is False)"
             )
+        if loss_weights is not None and not self.needs.takes_loss_weights:
+            raise self.unweighable("the batch has loss_weights")
         hidden = outputs.get("emdlm_hidden") if isinstance(outputs, Mapping) else None
         logits = None
         if hidden is None:
@@ -163,11 +204,12 @@ class ComputeLoss:
         return loss_inputs(
             labels, logits=logits, hidden=hidden, model=self.model if hidden is not None else None,
             number_mask=self._usable_mask(number_mask), teacher_logits=teacher_logits,
-            shifted=shifted,
+            loss_weights=loss_weights, shifted=shifted,
         )
 
     def step(self, inputs: LossInputs) -> tuple[Any, torch.Tensor]:
-        """The summed loss of aligned ``inputs`` and the count of scored tokens: the one
+        """The summed loss of aligned ``inputs`` and the count of scored tokens (their weight
+        sum with ``loss_weights``, :meth:`LossInputs.scored`): the one
         place a loss is called, one way on both routes (:meth:`LossInputs.call_keywords
         <emdlm.integrations.loss_contract.LossInputs.call_keywords>`: the teacher's logits and
         the number mask as keywords). From hidden states: :func:`aligned_hidden_loss` (the
@@ -176,7 +218,7 @@ class ComputeLoss:
         if inputs.hidden is not None:
             return aligned_hidden_loss(self.loss_fn, inputs, self.ignore_index)
         out = self.loss_fn(inputs.logits, inputs.labels, **inputs.call_keywords())
-        return out, (inputs.labels != self.ignore_index).sum()
+        return out, inputs.scored(self.ignore_index)
 
     def __call__(
         self,
@@ -187,6 +229,7 @@ class ComputeLoss:
         shifted: bool = False,
         number_mask: torch.Tensor | None = None,
         teacher_logits: torch.Tensor | None = None,
+        loss_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Σ l_t / N for one micro-batch (N: ``num_items_in_batch``, else this call's count).
 
@@ -195,11 +238,14 @@ class ComputeLoss:
         ``labels``, shifted with them): which tokens the numeric losses may score as numbers;
         passed to losses that declare ``takes_number_mask``, ignored by the others (one
         warning). ``teacher_logits`` ([B, T, V], the teacher's on the same inputs): for a loss
-        that declares ``needs_teacher``, which refuses to run without them."""
+        that declares ``needs_teacher``, which refuses to run without them. ``loss_weights``
+        ([B, T] float aligned with ``labels``): per-token weights w_t, for a loss that declares
+        ``takes_loss_weights`` (refused otherwise); the sum is then Σ w_t·l_t and N should be
+        Σ w_t over the accumulated batch (:class:`EMDLMTrainerMixin` counts it so)."""
         require_sum_reduction(self.loss_fn, self.who)  # an attribute read: may have changed
         inputs = self.inputs(
             outputs, labels, shifted=shifted, number_mask=number_mask,
-            teacher_logits=teacher_logits,
+            teacher_logits=teacher_logits, loss_weights=loss_weights,
         )
         out, count = self.step(inputs)
         if torch.is_grad_enabled():
@@ -356,11 +402,17 @@ class EMDLMTrainerMixin:
     each batch's extras to the loss as arguments.
 
     Per micro-batch: the ``number_mask`` the collators add with a number scope
-    (``data.number_scope``) is taken out of the inputs (the model never sees it); the frozen
+    (``data.number_scope``) and the per-token ``loss_weights`` (the data's ``loss_weight``
+    field, :mod:`emdlm.integrations.loss_weights`) are taken out of the inputs (the model never
+    sees them); the frozen
     ``teacher`` (if any) runs on exactly the student's inputs (same padding, same autocast);
     the model runs without labels; then ``compute_loss_func(outputs, labels,
-    num_items_in_batch=N, number_mask=..., teacher_logits=...)`` (only the extras the batch
-    has), scaled like ``Trainer.compute_loss`` (:func:`loss_scale_across_devices`).
+    num_items_in_batch=N, number_mask=..., loss_weights=..., teacher_logits=...)`` (only the
+    extras the batch has), scaled like ``Trainer.compute_loss``
+    (:func:`loss_scale_across_devices`). With weighted batches N is the weight sum of the
+    accumulated batch (:func:`~emdlm.integrations.loss_weights.weighted_item_count`), and a
+    loss that takes no weights is refused when the training data is first loaded
+    (:meth:`ComputeLoss.check_dataset`), before any step.
     The teacher is not part of the Trainer's model: never optimized or saved; freeze it
     yourself (``eval()``, ``requires_grad_(False)``), as :func:`emdlm.training.train.
     load_teacher` does.
@@ -384,7 +436,39 @@ class EMDLMTrainerMixin:
             if isinstance(b, Mapping) and "labels" in b and "shift_labels" not in b else b
             for b in batch_samples
         ]
-        return super()._get_num_items_in_batch(for_count, device)  # type: ignore[misc]
+        weighted = weighted_item_count(batch_samples)
+        if weighted is None:
+            return super()._get_num_items_in_batch(for_count, device)  # type: ignore[misc]
+        return self._spread_item_count(weighted, device)
+
+    def _spread_item_count(self, local: torch.Tensor, device: Any) -> torch.Tensor:
+        """A weighted ``num_items_in_batch`` (Σ w_t of this process's micro-batches) treated
+        as transformers' ``Trainer._get_num_items_in_batch`` (5.23) treats its label count:
+        summed over processes when ``average_tokens_across_devices``, else divided among
+        DataParallel GPUs, then divided by the devices that share one batch (tensor, context
+        and sequence parallel sizes)."""
+        args = self.args  # type: ignore[attr-defined]
+        count = local.to(device)
+        if args.average_tokens_across_devices:
+            if args.world_size > 1:
+                count = self.accelerator.gather(count).sum()  # type: ignore[attr-defined]
+        elif args.n_gpu > 1:
+            count = count / args.n_gpu
+        if args.n_gpu > 1 and count.dim() == 0:
+            count = count.unsqueeze(0).expand(args.n_gpu, -1)
+        shared = 1
+        for size in ("get_tp_size", "get_cp_size", "get_sp_size"):
+            getter = getattr(self, size, None)
+            shared *= int(getter()) if callable(getter) else 1
+        return count / shared
+
+    def get_train_dataloader(self) -> Any:
+        """The Trainer's, after refusing weighted training data for a loss that takes no
+        weights (:meth:`ComputeLoss.check_dataset`): at setup, never silently unweighted."""
+        loss_call = self.emdlm_loss_call()
+        if isinstance(loss_call, ComputeLoss):
+            loss_call.check_dataset(self.train_dataset)  # type: ignore[attr-defined]
+        return super().get_train_dataloader()  # type: ignore[misc]
 
     def emdlm_loss_call(self) -> Any:
         """The :class:`ComputeLoss` this trainer scores with (the Trainer's
@@ -402,9 +486,10 @@ class EMDLMTrainerMixin:
             )
         inputs = dict(inputs)
         extras: dict[str, torch.Tensor] = {}
-        number_mask = inputs.pop("number_mask", None)
-        if number_mask is not None:
-            extras["number_mask"] = number_mask
+        for key in ("number_mask", TOKEN_WEIGHTS_KEY):
+            value = inputs.pop(key, None)
+            if value is not None:
+                extras[key] = value
         labels = inputs.pop("labels", None)
         if self.teacher is not None:
             extras["teacher_logits"] = teacher_logits_for(self.teacher, inputs)

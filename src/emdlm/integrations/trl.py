@@ -54,6 +54,13 @@ except ModuleNotFoundError as err:  # the [trl] extra is not installed
 
 from emdlm._output import LossOutput
 from emdlm.functional._common import IGNORE_INDEX
+from emdlm.integrations.loss_weights import (
+    LOSS_WEIGHT_KEY,
+    TOKEN_WEIGHTS_KEY,
+    dataset_loss_weights,
+    has_loss_weights,
+    pad_loss_weights,
+)
 from emdlm.integrations.transformers import (
     ComputeLoss,
     EMDLMTrainerMixin,
@@ -130,6 +137,40 @@ def sft_compute_loss_func(loss_fn: LossFn) -> ComputeLoss:
     return make_compute_loss_func(loss_fn)
 
 
+class RowWeightCollator:
+    """TRL's collator with the rows' loss weights: each example's ``loss_weight`` /
+    ``loss_weights`` is taken out before ``inner`` sees it, and a batch with any gets
+    ``loss_weights`` aligned with its ``labels``: [B, T] for a padded batch (TRL pads on the
+    right), or the rows' weights concatenated into [1, Σ lengths] for a padding-free one
+    (:func:`~emdlm.integrations.loss_weights.pad_loss_weights`)."""
+
+    def __init__(self, inner: Callable[[list[dict[str, Any]]], Any], padding_free: bool) -> None:
+        self.inner = inner
+        self.padding_free = bool(padding_free)
+
+    def __call__(self, examples: list[dict[str, Any]]) -> Any:
+        dropped = (LOSS_WEIGHT_KEY, TOKEN_WEIGHTS_KEY)
+        batch = self.inner([{k: v for k, v in ex.items() if k not in dropped} for ex in examples])
+        if not has_loss_weights(examples):
+            return batch
+        if any("input_ids" not in ex for ex in examples):
+            raise ValueError(
+                "loss weights on the TRL route need tokenized text rows (input_ids); this "
+                "dataset's rows are collated from raw fields (a vision dataset?)"
+            )
+        lengths = [len(ex["input_ids"]) for ex in examples]
+        width = batch["labels"].shape[-1]
+        if not self.padding_free:
+            batch[TOKEN_WEIGHTS_KEY] = pad_loss_weights(examples, lengths, width)
+            return batch
+        rows = pad_loss_weights(examples, lengths, max(lengths))  # [B, max length]
+        flat = torch.cat([row[:n] for row, n in zip(rows, lengths, strict=True)])
+        weights = torch.zeros((1, width), dtype=torch.float32)
+        weights[0, : flat.numel()] = flat
+        batch[TOKEN_WEIGHTS_KEY] = weights
+        return batch
+
+
 class EMDLMSFTTrainer(EMDLMTrainerMixin, SFTTrainer):
     """``trl.SFTTrainer`` whose training and evaluation loss is an emdlm loss.
 
@@ -149,9 +190,15 @@ class EMDLMSFTTrainer(EMDLMTrainerMixin, SFTTrainer):
 
     The loss step is the one every route shares (:class:`~emdlm.integrations.transformers.
     ComputeLoss`): a batch's ``number_mask`` (``data.number_scope``) goes to a numeric loss,
-    never to the model. Logged next to TRL's metrics: ``mean_token_accuracy`` (argmax of the
-    logits on scored positions, train and eval; from hidden states it is not computed) and,
-    in training, each loss component as ``emdlm/<name>``.
+    never to the model. Rows with a ``loss_weight`` (or per-token ``loss_weights``,
+    :mod:`emdlm.integrations.loss_weights`) are kept through TRL's column pruning and its
+    collator and weight the loss (a loss that takes no weights is refused before training;
+    packing is refused with weights). Logged next to TRL's metrics: ``mean_token_accuracy``
+    (TRL's, the argmax of the full logits on scored positions, train and eval; the from-hidden
+    route has no logits, so it is absent there) and, in training, each loss component as
+    ``emdlm/<name>``: with ``from_hidden`` a CE-family loss built with ``token_accuracy=True``
+    / ``entropy=True`` gives ``emdlm/token_accuracy`` / ``emdlm/entropy`` from the fused
+    path's chunks.
     Unsupported: DeepSpeed Ulysses sequence parallelism (TRL reduces its own fused loss there).
     """
 
@@ -174,11 +221,19 @@ class EMDLMSFTTrainer(EMDLMTrainerMixin, SFTTrainer):
         if config is None:  # TRL's own default, built here so that its precision can be set
             config = _default_config(args[0] if args else kwargs.get("model"), bf16_on_cpu)
         config = fp32_on_cpu(config, bf16_on_cpu)
+        train_dataset = args[2] if len(args) > 2 else kwargs.get("train_dataset")
+        if getattr(config, "packing", False) and dataset_loss_weights(train_dataset):
+            raise ValueError(
+                "EMDLMSFTTrainer: packing merges rows, so their loss weights cannot follow "
+                "them: set SFTConfig(packing=False) or drop the loss_weight field"
+            )
+        emdlm_loss.check_dataset(train_dataset)
         if len(args) > 1:
             args = (args[0], config, *args[2:])
         else:
             kwargs["args"] = config
         super().__init__(*args, **kwargs)
+        self.data_collator = RowWeightCollator(self.data_collator, self.padding_free)
         if self.args.loss_type != "nll":
             raise ValueError(
                 f"EMDLMSFTTrainer replaces the loss; SFTConfig.loss_type must be 'nll', "
@@ -191,6 +246,15 @@ class EMDLMSFTTrainer(EMDLMTrainerMixin, SFTTrainer):
 
     def emdlm_loss_call(self) -> ComputeLoss:
         return self.emdlm_loss
+
+    def _set_signature_columns_if_needed(self) -> None:
+        """TRL's columns, and the loss-weight fields: ``remove_unused_columns`` (on by default)
+        would otherwise drop them before the collator, and the weights would be lost."""
+        super()._set_signature_columns_if_needed()
+        kept = list(self._signature_columns or [])
+        self._signature_columns = kept + [
+            k for k in (LOSS_WEIGHT_KEY, TOKEN_WEIGHTS_KEY) if k not in kept
+        ]
 
     def compute_loss(
         self,

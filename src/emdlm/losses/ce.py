@@ -1,5 +1,5 @@
 """Cross-entropy with the emdlm loss interface (the MLE / CE baseline), with Liger's options:
-label smoothing, z-loss and token accuracy."""
+label smoothing, z-loss, token accuracy and predicted tokens, and TRL's logged entropy."""
 
 from __future__ import annotations
 
@@ -53,10 +53,16 @@ class CrossEntropyLoss(EMDLMLoss):
         entropy: report "entropy", the mean over counted tokens of the predicted distribution's
             entropy H_t = −Σ_v q_t(v)·log q_t(v) (nats; TRL's logged entropy), from the fused
             from-hidden path's chunks as well (no [N, V] logits).
+        predicted_tokens: return ``out.predicted_tokens``, the argmax token id at every
+            position (labels' shape, long; ``ignore_index`` where the label is ignored; ties:
+            the first maximal id, as ``torch.argmax``), Liger-Kernel's
+            ``return_predicted_tokens``; from hidden states taken chunk by chunk (one [n] long
+            per chunk, no [N, V] logits, no host sync), equal to the logits path's.
 
     Call: ``out = loss_fn(logits [B, T, V], labels [B, T])`` with labels aligned to the logits
     (no shift inside). ``out.components``: "ce" (mean plain CE over counted tokens), "n_tokens",
-    and "z_loss" (mean s·lse²) when s > 0, "token_accuracy" and "entropy" when asked.
+    and "z_loss" (mean s·lse²) when s > 0, "token_accuracy" and "entropy" when asked;
+    ``out.predicted_tokens`` when asked.
 
     Example:
         >>> loss_fn = CrossEntropyLoss(label_smoothing=0.1, token_accuracy=True)
@@ -75,6 +81,7 @@ class CrossEntropyLoss(EMDLMLoss):
         z_loss: float = 0.0,
         token_accuracy: bool = False,
         entropy: bool = False,
+        predicted_tokens: bool = False,
     ) -> None:
         super().__init__()
         check_reduction(reduction)
@@ -88,6 +95,7 @@ class CrossEntropyLoss(EMDLMLoss):
         self.z_loss = float(z_loss)
         self.token_accuracy = bool(token_accuracy)
         self.entropy = bool(entropy)
+        self.predicted_tokens = bool(predicted_tokens)
 
     def logits_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> LossOutput:
         check_logits_labels(logits, labels, self.ignore_index)
@@ -120,9 +128,15 @@ class CrossEntropyLoss(EMDLMLoss):
             total = per_token.sum()
             mean = ce.detach().sum() / count.clamp_min(1)
             total_mean = total / count.clamp_min(1)
+        predicted = None
+        if self.token_accuracy or self.predicted_tokens:
+            with torch.no_grad():
+                top = logits.reshape(-1, logits.shape[-1]).argmax(dim=-1)  # [N]
+                if self.predicted_tokens:
+                    predicted = torch.where(valid, top, self.ignore_index).view(labels.shape)
         if self.token_accuracy:
             with torch.no_grad():
-                hits = (logits.reshape(-1, logits.shape[-1]).argmax(dim=-1) == flat_labels) & valid
+                hits = (top == flat_labels) & valid
                 components["token_accuracy"] = hits.sum().to(mean.dtype) / count.clamp_min(1)
         if self.entropy:
             with torch.no_grad():
@@ -135,7 +149,8 @@ class CrossEntropyLoss(EMDLMLoss):
         else:
             loss = total if self.reduction == "sum" else total_mean
         return LossOutput(
-            loss=loss, components={"ce": mean.detach(), "n_tokens": count, **components}
+            loss=loss, components={"ce": mean.detach(), "n_tokens": count, **components},
+            predicted_tokens=predicted,
         )
 
     def chunk_objective(
@@ -152,11 +167,13 @@ class CrossEntropyLoss(EMDLMLoss):
             z_loss=self.z_loss,
             token_accuracy=self.token_accuracy,
             entropy=self.entropy,
+            predicted_tokens=self.predicted_tokens,
         )
         return objective, labels
 
     def extra_repr(self) -> str:
         return (
             f"reduction={self.reduction!r}, label_smoothing={self.label_smoothing}, "
-            f"z_loss={self.z_loss}, token_accuracy={self.token_accuracy}, entropy={self.entropy}"
+            f"z_loss={self.z_loss}, token_accuracy={self.token_accuracy}, entropy={self.entropy}, "
+            f"predicted_tokens={self.predicted_tokens}"
         )

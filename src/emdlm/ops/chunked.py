@@ -215,6 +215,24 @@ class ChunkObjective:
         """After the pass: ``stats`` [S] summed over chunks, ``count`` counted labels (0-d)."""
         return Finish(extra_loss=stats.new_zeros(()), sparse=None)
 
+    def predicted(self) -> torch.Tensor | None:
+        """After the pass: the argmax token id of every row's logits, [N] long in row order
+        (any value at ignored rows: the drivers put ``ignore_index`` there), taken chunk by
+        chunk; None (the default) when the objective was not asked for them."""
+        return None
+
+
+def predicted_tokens(
+    objective: ChunkObjective, labels: torch.Tensor, ignore_index: int
+) -> torch.Tensor | None:
+    """``objective.predicted()`` in the labels' shape, ``ignore_index`` where the label is
+    ignored (elementwise, no host sync); None when it gave none."""
+    flat = objective.predicted()
+    if flat is None:
+        return None
+    flat = flat.to(labels.device)
+    return torch.where(labels.reshape(-1) != ignore_index, flat, ignore_index).view(labels.shape)
+
 
 @dataclass(frozen=True)
 class HeadOptions:
@@ -612,7 +630,8 @@ def chunked_linear_loss(
             (one backward only); False keeps them for another backward (e.g. gradcheck).
 
     Returns:
-        LossOutput with the loss (0-d, compute dtype) and the objective's components.
+        LossOutput with the loss (0-d, compute dtype), the objective's components and its
+        predicted tokens (:meth:`ChunkObjective.predicted`, labels' shape) when it gives them.
     """
     options = options or HeadOptions()
     check_head_options(options)
@@ -635,7 +654,8 @@ def chunked_linear_loss(
                 hidden, weight, bias, labels, objective, options, (False, False, False)
             )
         components = {k: v.detach() for k, v in fin.components.items()}
-    return LossOutput(loss=loss, components=components)
+    predicted = predicted_tokens(objective, labels, options.ignore_index)
+    return LossOutput(loss=loss, components=components, predicted_tokens=predicted)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -772,7 +792,8 @@ def chunked_logits_loss(
             (one backward only); False keeps it for another backward (e.g. gradcheck).
 
     Returns:
-        LossOutput with the loss (0-d, compute dtype) and the objective's components.
+        LossOutput with the loss (0-d, compute dtype), the objective's components and its
+        predicted tokens (:meth:`ChunkObjective.predicted`, labels' shape) when it gives them.
     """
     options = options or HeadOptions()
     check_head_options(options)
@@ -794,7 +815,8 @@ def chunked_logits_loss(
         with torch.no_grad():
             loss, fin, _, _ = _logits_forward(logits, labels, objective, options, False)
         components = {k: v.detach() for k, v in fin.components.items()}
-    return LossOutput(loss=loss, components=components)
+    predicted = predicted_tokens(objective, labels, options.ignore_index)
+    return LossOutput(loss=loss, components=components, predicted_tokens=predicted)
 
 
 __all__ = [
@@ -812,5 +834,6 @@ __all__ = [
     "counts_before",
     "default_chunk_rows",
     "head_logits",
+    "predicted_tokens",
     "stand_in_logits",
 ]

@@ -52,6 +52,7 @@ import torch
 
 from emdlm.config import ConfigError, RunConfig
 from emdlm.data import TokenizedDataset, load_examples
+from emdlm.integrations.loss_weights import LOSS_WEIGHT_KEY, dataset_loss_weights
 from emdlm.integrations.sharding import (
     check_fsdp_config,
     local_fraction,
@@ -171,6 +172,7 @@ def prepare_run(
         except ValueError as err:
             raise ConfigError(str(err)) from err
     train_ds, eval_ds = adapter.datasets(cfg, tokenizer)
+    _check_weights_fit_loss(cfg, loss_fn, train_ds, eval_ds)
     adapter.check_before_training(cfg, eval_configs, model, tokenizer)
     try:  # whatever transformers rejects fails here, before the folder is written
         args = training_arguments(cfg, out, eval_ds is not None)
@@ -202,6 +204,24 @@ def _check_loss_fits_run(cfg: RunConfig, loss_fn: Any) -> None:
             f"objective.lam_schedule={cfg.objective.lam_schedule} sets the loss's λ "
             f"(settings.lam) before each step; {type(loss_fn).__name__} has none"
         )
+
+
+def _check_weights_fit_loss(cfg: RunConfig, loss_fn: Any, train_ds: Any, eval_ds: Any) -> None:
+    """ConfigError, before the folder is written, for rows with a ``loss_weight`` (or per-token
+    ``loss_weights``) when the objective takes no per-token weights (``takes_loss_weights``
+    False): they are never silently ignored. The rows' weights are checked on the way
+    (:func:`~emdlm.integrations.loss_weights.dataset_loss_weights`)."""
+    takes = bool(getattr(loss_fn, "takes_loss_weights", False))
+    for ds, src in ((train_ds, cfg.data.train), (eval_ds, cfg.data.eval)):
+        if ds is None or src is None:
+            continue
+        if dataset_loss_weights(ds, src.describe()) and not takes:
+            raise ConfigError(
+                f"{src.describe()}: rows carry {LOSS_WEIGHT_KEY!r}, but objective "
+                f"{cfg.objective.name!r} ({type(loss_fn).__name__}) takes no per-token loss "
+                "weights (takes_loss_weights is False): drop the field or use an objective "
+                "that takes them (the CE family: ce, dft, mixce, tailr)"
+            )
 
 
 def generation_eval_rows(

@@ -20,7 +20,8 @@ tokens, for Qwen2-VL, whose 5.23 forward needs them for its 3-D RoPE). With a nu
 (``number_scope``, or a row's ``"number_scope"`` field; :mod:`emdlm.data`) they also carry
 ``number_mask`` [B, T] bool, aligned with ``labels``: True on the answer tokens that the numeric
 losses may score as numbers (from the tokenizer's offset mapping), False on the prompt, the EOS
-and padding.
+and padding. Rows with a ``"loss_weight"`` give ``loss_weights`` [B, T] (that weight on the
+row's tokens, 0 on padding; :mod:`emdlm.integrations.loss_weights`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ import torch
 from emdlm.config import ConfigError
 from emdlm.data import IGNORE_INDEX, pad_number_mask, require_pad_token_id
 from emdlm.datasets.images import displayed_size, open_rgb
+from emdlm.integrations.loss_weights import (
+    LOSS_WEIGHT_KEY,
+    TOKEN_WEIGHTS_KEY,
+    has_loss_weights,
+    pad_loss_weights,
+)
 from emdlm.number_scope import piece_masks, row_scopes
 from emdlm.vlm.models import VisionSpec
 
@@ -186,10 +193,18 @@ class VLMCollator:
                 in_scope = (masks[i] + [False] * len(eos))[: len(answer)]
                 mask_rows.append({"number_mask": [False] * len(prompt) + in_scope})
         batch = self._pad(rows, left=self.generation)
+        width = batch["input_ids"].shape[1]
+        lengths = [len(ids) for ids, _ in rows]
         if masks is not None:
-            width = batch["input_ids"].shape[1]
-            lengths = [len(ids) for ids, _ in rows]
             batch["number_mask"] = pad_number_mask(mask_rows, lengths, width)
+        if any(f.get(TOKEN_WEIGHTS_KEY) is not None for f in features):
+            raise ConfigError(
+                f"VLM batch: per-token {TOKEN_WEIGHTS_KEY!r} cannot follow image rows (their "
+                f"token count depends on the image); give each row one {LOSS_WEIGHT_KEY!r}"
+            )
+        row_weights = [{LOSS_WEIGHT_KEY: f.get(LOSS_WEIGHT_KEY)} for f in features]
+        if not self.generation and has_loss_weights(row_weights):
+            batch[TOKEN_WEIGHTS_KEY] = pad_loss_weights(row_weights, lengths, width)
         batch["pixel_values"] = images["pixel_values"]
         if self.spec.family == "qwen2_vl":
             batch["image_grid_thw"] = images["image_grid_thw"]

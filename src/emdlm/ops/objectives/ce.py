@@ -159,6 +159,9 @@ class WeightedCEObjective(ChunkObjective):
             overwritten); reported as "token_accuracy".
         entropy: report "entropy", the mean over counted tokens of H_t = −Σ_v q_tv·log q_tv
             (TRL's logged entropy), taken from the chunk's softmax (:func:`chunk_entropy`).
+        predicted_tokens: keep argmax_v z_tv of every row (the first maximal id on ties, as
+            ``torch.argmax``), one [n] long per chunk, read before z may be overwritten (the
+            argmax ``token_accuracy`` counts, taken once for both): :meth:`predicted`.
 
     Per counted token, L_t = a_t·CE_t + ε·(lse_t − mean_v z_tv) + s·lse_t² (+ a subclass's
     row term) and dL_t/dz_t = (a_t + ε + 2s·lse_t + c_t)·q_t − a_t·onehot(y_t) − ε/V (+ the
@@ -180,6 +183,7 @@ class WeightedCEObjective(ChunkObjective):
         z_loss: float = 0.0,
         token_accuracy: bool = False,
         entropy: bool = False,
+        predicted_tokens: bool = False,
     ) -> None:
         self.weights = weights
         self.label_smoothing = float(label_smoothing)
@@ -188,6 +192,13 @@ class WeightedCEObjective(ChunkObjective):
         self.token_accuracy = bool(token_accuracy)
         self.token_weights: torch.Tensor | None = None
         self.entropy = bool(entropy)
+        self.predicted_tokens = bool(predicted_tokens)
+        self._argmax: list[torch.Tensor] = []  # one [n] per chunk, in row order
+
+    def predicted(self) -> torch.Tensor | None:
+        if not self.predicted_tokens:
+            return None
+        return torch.cat(self._argmax) if self._argmax else torch.empty(0, dtype=torch.long)
 
     def weigh_tokens(self, weights: torch.Tensor) -> None:
         """Score each flattened token t with weight w_t (``weights`` [N] floating point on the
@@ -241,8 +252,12 @@ class WeightedCEObjective(ChunkObjective):
         if self.token_weights is not None:
             w_c = self.token_weights[start : start + labels.shape[0]].to(out.dtype)
             w = torch.where(valid, w_c, zero)
-        if self.token_accuracy:  # before z may be overwritten (z is out from hidden states)
-            hits = (z.argmax(dim=-1) == labels) & valid
+        # before z may be overwritten (z is out from hidden states)
+        top = z.argmax(dim=-1) if self.token_accuracy or self.predicted_tokens else None  # [n]
+        if self.predicted_tokens:
+            self._argmax.append(top)  # type: ignore[arg-type]
+        if self.token_accuracy:
+            hits = (top == labels) & valid
             correct = hits.sum().to(out.dtype) if w is None else torch.where(hits, w, zero).sum()
         else:
             correct = zero
