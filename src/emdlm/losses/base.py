@@ -139,6 +139,7 @@ class EMDLMLoss(nn.Module):
         weighable chunk objective (one with ``weigh_tokens``) overrides this."""
         from emdlm.ops.chunked import HeadOptions, chunked_logits_loss
 
+        labels = drop_zero_weights(labels, loss_weights, self.ignore_index)
         objective, labels = self.chunk_objective(logits, labels, **given)
         _weigh(objective, loss_weights, labels, logits)
         head = HeadOptions(
@@ -258,6 +259,8 @@ class EMDLMLoss(nn.Module):
             hidden, lm_head_weight, labels, lm_head_bias, self.ignore_index, check_range=False
         )
         stand_in = stand_in_logits(hidden, lm_head_weight.shape[0])
+        if loss_weights is not None:
+            labels = drop_zero_weights(labels, loss_weights, self.ignore_index)
         if number_mask is not None:
             options["number_mask"] = number_mask
         if self.needs_teacher:  # a distilling loss with a from-hidden path reads them there
@@ -338,18 +341,29 @@ def check_loss_weights(loss_weights: Any, labels: torch.Tensor) -> None:
         )
 
 
+def drop_zero_weights(
+    labels: torch.Tensor, loss_weights: Any, ignore_index: int
+) -> torch.Tensor:
+    """``labels`` with every token of weight 0 set to ``ignore_index`` (on the labels' device,
+    no host sync), after checking the weights' type and shape (:func:`check_loss_weights`).
+
+    Done before a loss looks at its labels (number spans, counts), so a weight of 0 scores a
+    token exactly as an ignored label, also inside a number: there the number ends (or is
+    split) at that token, as at an ignored label."""
+    check_loss_weights(loss_weights, labels)
+    return labels.masked_fill(loss_weights.to(labels.device) == 0, ignore_index)
+
+
 def _weigh(objective: Any, loss_weights: Any, labels: torch.Tensor, like: torch.Tensor) -> None:
     """Check ``loss_weights`` against ``labels`` and hand them, flat, in the compute dtype on
-    ``like``'s device, to ``objective.weigh_tokens``."""
+    ``like``'s device, to ``objective.weigh_tokens`` (NotImplementedError where the objective
+    does not declare ``takes_token_weights``)."""
     from emdlm.functional._common import compute_dtype
 
     check_loss_weights(loss_weights, labels)
-    weigh = getattr(objective, "weigh_tokens", None)
-    if weigh is None:
-        raise NotImplementedError(
-            f"{type(objective).__name__} has no weigh_tokens: per-token weights are not supported"
-        )
-    weigh(loss_weights.to(device=like.device, dtype=compute_dtype(like.dtype)).reshape(-1))
+    objective.weigh_tokens(
+        loss_weights.to(device=like.device, dtype=compute_dtype(like.dtype)).reshape(-1)
+    )
 
 
 def _refuse_from_hidden(

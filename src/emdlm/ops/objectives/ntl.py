@@ -96,6 +96,8 @@ class NTLObjective(CandidateCEObjective):
         draft: the labels' span draft; vocab: the number vocabulary; settings: the NTL knobs.
     """
 
+    takes_token_weights = False  # the row term and the number-level sums are not weighted
+
     def __init__(self, draft: SpanDraft, vocab: NumberVocab, settings: NTLSettings) -> None:
         super().__init__(draft, vocab)
         self.ntl = settings
