@@ -185,7 +185,9 @@ class ChunkObjective:
             )
         self.token_weights = weights.reshape(-1)
 
-    def chunk_weights(self, valid: torch.Tensor, start: int, dtype: torch.dtype) -> torch.Tensor | None:
+    def chunk_weights(
+        self, valid: torch.Tensor, start: int, dtype: torch.dtype
+    ) -> torch.Tensor | None:
         """The chunk's per-token weights [n] in ``dtype``, 0 where ignored (None: unweighted)."""
         if self.token_weights is None:
             return None
