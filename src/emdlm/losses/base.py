@@ -29,8 +29,9 @@ attributes or signatures. Every loss is called one way, on both routes::
 ==========================  =====================================================================
 
 ``loss_weights`` (per-token weights w, a floating-point tensor of the labels' shape, finite
-and ≥ 0) is taken by the losses that declare ``takes_loss_weights`` (the weighted-CE family:
-CE, DFT, MixCE, TaiLr); any other raises NotImplementedError naming itself
+and ≥ 0) is taken by the losses that declare ``takes_loss_weights`` (the weighted-CE family
+CE, DFT, MixCE, TaiLr; EMO; NTIL and digit EMD, whose number-level terms weigh each number by
+its tokens' mean weight); any other raises NotImplementedError naming itself
 (:meth:`EMDLMLoss.check_call`), never silently ignoring them. Over the counted tokens C (labels
 not ``ignore_index``), with l_t the loss's own per-token term::
 
@@ -38,7 +39,9 @@ not ``ignore_index``), with l_t the loss's own per-token term::
 
 and the components (``ce``, ``token_accuracy``, ...) are the same weighted means, with
 ``n_tokens`` = Σ_{t∈C} w_t: a weight of 0 scores a token exactly as an ignored label (loss and
-gradient), weights of 1 are the unweighted loss. ntloss's ``loss_weights`` (AI4SD/
+gradient), weights of 1 are the unweighted loss. Tokens of weight 0 are set to
+``ignore_index`` before the loss reads its labels (:func:`drop_zero_weights`, on device), so
+inside a number the number ends there, exactly as at an ignored label. ntloss's ``loss_weights`` (AI4SD/
 number-token-loss, ``ntloss/core.py``) is the same weighted mean, Σ w·l / max(Σ w, eps), but
 over its number tokens only; Liger-Kernel has no per-token weights
 (https://github.com/linkedin/Liger-Kernel/issues/338, open), only torch's per-class ``weight``
