@@ -22,7 +22,7 @@ from _number_tokens import VOCAB, V
 from _objectives import SPECS, random_cost_embedding
 from emdlm.functional.digit_emd import weighted_digit_emd
 from emdlm.functional.ntil import class_candidates, resolve_spans
-from emdlm.losses.ntil import DigitEMDLoss, NTILLoss
+from emdlm.losses.ntil import NTILLoss
 from test_host_syncs import SyncCounter
 
 F64 = torch.float64
@@ -89,9 +89,11 @@ ROUTES = {"logits": on_logits, "hidden": on_hidden}
 
 
 def test_weighted_objectives_are_read_from_the_registry() -> None:
-    """The declaration is read from the registry: the weighted-CE family, EMO, NTIL and digit
-    EMD take weights."""
-    assert {name for name, _ in WEIGHTED} == {"ce", "dft", "mixce", "tailr", "emo", "ntil", "emd"}
+    """The declaration is read from the registry: the weighted-CE family, EMO, NTIL, digit EMD
+    and the NTL losses take weights."""
+    assert {name for name, _ in WEIGHTED} == {
+        "ce", "dft", "mixce", "tailr", "emo", "ntil", "emd", "ntl_mse", "ntl_was", "number_level"
+    }
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -253,17 +255,6 @@ def test_objectives_without_weights_refuse_by_name(name: str) -> None:
     if fn.has_from_hidden:
         with pytest.raises(NotImplementedError, match=match):
             fn.from_hidden(d["hidden"], d["weight"], d["labels"], loss_weights=d["weights"])
-
-
-@pytest.mark.parametrize("route", sorted(ROUTES))
-def test_weights_keep_one_host_sync(route: str) -> None:
-    """The weights' value check is read in the engine's one host sync of the call."""
-    d = inputs(7)
-    fn = build("ce", "smoothing-zloss-accuracy")
-    ROUTES[route](fn, d, loss_weights=d["weights"])  # warm
-    with SyncCounter() as counter:
-        ROUTES[route](fn, d, loss_weights=d["weights"])
-    assert counter.total <= 1, dict(counter.where)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -444,15 +435,23 @@ def test_ntil_equals_hand_written_reference(case: str, reduction: str, route: st
     assert not torch.allclose(got.loss, unweighted.loss)
 
 
+NUMBER_OBJECTIVES = [
+    *((cls, case, NTIL_CASES[case]) for cls in ("ntil", "emd") for case in sorted(NTIL_CASES)),
+    *((name, path, SPECS[name].paths[path]) for name in ("ntl_mse", "ntl_was", "number_level")
+      for path in sorted(SPECS[name].paths)),
+]
+
+
 @pytest.mark.parametrize("route", sorted(ROUTES))
-@pytest.mark.parametrize("name", ["ntil", "emd"])
-@pytest.mark.parametrize("case", sorted(NTIL_CASES))
-def test_weight_zero_inside_a_number_equals_an_ignored_label(case: str, name: str, route: str):
+@pytest.mark.parametrize(("name", "case", "options"), NUMBER_OBJECTIVES,
+                         ids=[f"{n}-{c}" for n, c, _ in NUMBER_OBJECTIVES])
+def test_weight_zero_inside_a_number_equals_an_ignored_label(
+    name: str, case: str, options: dict[str, Any], route: str
+) -> None:
     """w = 0 at a digit inside a number == that label ignored: the number ends there (loss,
     components and gradients)."""
     d = number_inputs(10)
-    cls = NTILLoss if name == "ntil" else DigitEMDLoss
-    fn = cls(VOCAB, **NTIL_CASES[case])
+    fn = SPECS[name].cls(VOCAB, **options)
     ignored = d["labels"].masked_fill(d["weights"] == 0, -100)
     a, grads_a = ROUTES[route](fn, d, loss_weights=d["weights"])
     b, grads_b = ROUTES[route](fn, d, labels=ignored, loss_weights=d["weights"])
@@ -462,3 +461,16 @@ def test_weight_zero_inside_a_number_equals_an_ignored_label(case: str, name: st
         torch.testing.assert_close(a.components[key], b.components[key], msg=key)
     for ga, gb in zip(grads_a, grads_b, strict=True):
         torch.testing.assert_close(ga, gb)
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+@pytest.mark.parametrize(("name", "path"), WEIGHTED)
+def test_weights_keep_one_host_sync(name: str, path: str, route: str) -> None:
+    """The weights' value check (and the number objectives' sizes) are read in the engine's
+    one host sync of the call."""
+    d = number_inputs(7)
+    fn = build(name, path)
+    ROUTES[route](fn, d, loss_weights=d["weights"])  # warm
+    with SyncCounter() as counter:
+        ROUTES[route](fn, d, loss_weights=d["weights"])
+    assert counter.total <= 1, dict(counter.where)

@@ -30,8 +30,9 @@ attributes or signatures. Every loss is called one way, on both routes::
 
 ``loss_weights`` (per-token weights w, a floating-point tensor of the labels' shape, finite
 and ≥ 0) is taken by the losses that declare ``takes_loss_weights`` (the weighted-CE family
-CE, DFT, MixCE, TaiLr; EMO; NTIL and digit EMD, whose number-level terms weigh each number by
-its tokens' mean weight); any other raises NotImplementedError naming itself
+CE, DFT, MixCE, TaiLr; EMO; NTIL, digit EMD and the NTL losses, whose number-level terms
+weigh each number by its tokens' mean weight); any other raises NotImplementedError naming
+itself
 (:meth:`EMDLMLoss.check_call`), never silently ignoring them. Over the counted tokens C (labels
 not ``ignore_index``), with l_t the loss's own per-token term::
 
@@ -41,9 +42,10 @@ and the components (``ce``, ``token_accuracy``, ...) are the same weighted means
 ``n_tokens`` = Σ_{t∈C} w_t: a weight of 0 scores a token exactly as an ignored label (loss and
 gradient), weights of 1 are the unweighted loss. Tokens of weight 0 are set to
 ``ignore_index`` before the loss reads its labels (:func:`drop_zero_weights`, on device), so
-inside a number the number ends there, exactly as at an ignored label. ntloss's ``loss_weights`` (AI4SD/
-number-token-loss, ``ntloss/core.py``) is the same weighted mean, Σ w·l / max(Σ w, eps), but
-over its number tokens only; Liger-Kernel has no per-token weights
+inside a number the number ends there, exactly as at an ignored label. ntloss's
+``loss_weights`` (AI4SD/number-token-loss, ``ntloss/core.py``) is the same weighted mean,
+Σ w·l / max(Σ w, eps), but over its number tokens only (:mod:`emdlm.losses.ntl` says where
+the NTL losses differ from it); Liger-Kernel has no per-token weights
 (https://github.com/linkedin/Liger-Kernel/issues/338, open), only torch's per-class ``weight``
 (``ce_weight``: Σ w_{y_t}·l_t / Σ w_{y_t}).
 Both routes run the same chunk objective (:mod:`emdlm.ops.chunked`), the weights'
@@ -150,7 +152,8 @@ class EMDLMLoss(nn.Module):
             reduction=self.reduction,  # type: ignore[arg-type]
             chunk_size=self.from_hidden_chunk_rows(logits.shape[-1]),
         )
-        return chunked_logits_loss(logits, labels, objective, head)
+        out = chunked_logits_loss(logits, labels, objective, head)
+        return self._after_logits(out, objective, logits)
 
     def logits_loss(self, logits: torch.Tensor, labels: torch.Tensor, **given: Any) -> LossOutput:
         """What a subclass implements: the loss of given logits, with ``number_mask=`` when it
@@ -303,6 +306,10 @@ class EMDLMLoss(nn.Module):
     ) -> LossOutput:
         """Hook: a term the engine leaves to the loss (number-level NTL's dense lse rows);
         ``head`` the call's :class:`emdlm.ops.chunked.HeadOptions`."""
+        return out
+
+    def _after_logits(self, out: LossOutput, objective: Any, logits: torch.Tensor) -> LossOutput:
+        """Hook: the same term on :meth:`weighted_logits_loss`'s route (given logits)."""
         return out
 
 
