@@ -144,7 +144,7 @@ class EMDLMLoss(nn.Module):
         weighable chunk objective (one with ``weigh_tokens``) overrides this."""
         from emdlm.ops.chunked import HeadOptions, chunked_logits_loss
 
-        labels = drop_zero_weights(labels, loss_weights, self.ignore_index)
+        labels = drop_zero_weights(labels, loss_weights, self.ignore_index, logits.device)
         objective, labels = self.chunk_objective(logits, labels, **given)
         _weigh(objective, loss_weights, labels, logits)
         head = HeadOptions(
@@ -266,7 +266,7 @@ class EMDLMLoss(nn.Module):
         )
         stand_in = stand_in_logits(hidden, lm_head_weight.shape[0])
         if loss_weights is not None:
-            labels = drop_zero_weights(labels, loss_weights, self.ignore_index)
+            labels = drop_zero_weights(labels, loss_weights, self.ignore_index, hidden.device)
         if number_mask is not None:
             options["number_mask"] = number_mask
         if self.needs_teacher:  # a distilling loss with a from-hidden path reads them there
@@ -352,16 +352,17 @@ def check_loss_weights(loss_weights: Any, labels: torch.Tensor) -> None:
 
 
 def drop_zero_weights(
-    labels: torch.Tensor, loss_weights: Any, ignore_index: int
+    labels: torch.Tensor, loss_weights: Any, ignore_index: int, device: torch.device
 ) -> torch.Tensor:
-    """``labels`` with every token of weight 0 set to ``ignore_index`` (on the labels' device,
-    no host sync), after checking the weights' type and shape (:func:`check_loss_weights`).
+    """``labels`` on ``device`` (the logits' or hidden states') with every token of weight 0 set
+    to ``ignore_index`` (no host sync), after checking the weights' type and shape
+    (:func:`check_loss_weights`).
 
     Done before a loss looks at its labels (number spans, counts), so a weight of 0 scores a
     token exactly as an ignored label, also inside a number: there the number ends (or is
     split) at that token, as at an ignored label."""
     check_loss_weights(loss_weights, labels)
-    return labels.masked_fill(loss_weights.to(labels.device) == 0, ignore_index)
+    return labels.to(device).masked_fill(loss_weights.to(device) == 0, ignore_index)
 
 
 def _weigh(objective: Any, loss_weights: Any, labels: torch.Tensor, like: torch.Tensor) -> None:
