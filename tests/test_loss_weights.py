@@ -17,8 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from _number_tokens import TOKENS as VOCAB_TOKENS
 from _number_tokens import VOCAB, V
 from _objectives import SPECS, random_cost_embedding
+from emdlm.functional.digit_emd import weighted_digit_emd
+from emdlm.functional.ntil import class_candidates, resolve_spans
+from emdlm.losses.ntil import NTILLoss
 from test_host_syncs import SyncCounter
 
 F64 = torch.float64
@@ -55,8 +59,20 @@ def inputs(seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
+def seeded(fn: nn.Module, kw: dict[str, Any]) -> dict[str, Any]:
+    """``kw`` with a freshly seeded ``generator=`` for a loss that draws noise (NTIL's Gumbel
+    values), so every call of a test draws the same noise."""
+    if isinstance(fn, NTILLoss):
+        kw.setdefault("generator", torch.Generator().manual_seed(11))
+    if fn.needs_teacher:  # fixed teacher logits (a distillation's target)
+        gen = torch.Generator().manual_seed(5)
+        kw.setdefault("teacher_logits", torch.randn(B, T, V, generator=gen, dtype=F64))
+    return kw
+
+
 def on_logits(fn: nn.Module, d: dict[str, torch.Tensor], **kw: Any) -> tuple[Any, list[Any]]:
     """Loss of the unfused head's logits; gradients of hidden, weight and bias."""
+    kw = seeded(fn, kw)
     h, w, b = (d[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
     out = fn(h @ w.T + b, kw.pop("labels", d["labels"]), **kw)
     out.loss.backward()
@@ -65,6 +81,9 @@ def on_logits(fn: nn.Module, d: dict[str, torch.Tensor], **kw: Any) -> tuple[Any
 
 def on_hidden(fn: nn.Module, d: dict[str, torch.Tensor], **kw: Any) -> tuple[Any, list[Any]]:
     """The same loss from hidden states (chunks of 4 rows: several chunks)."""
+    if not fn.has_from_hidden:
+        pytest.skip(f"{type(fn).__name__} has no from-hidden path")
+    kw = seeded(fn, kw)
     h, w, b = (d[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
     out = fn.from_hidden(h, w, kw.pop("labels", d["labels"]), b, chunk_size=4, **kw)
     out.loss.backward()
@@ -74,9 +93,13 @@ def on_hidden(fn: nn.Module, d: dict[str, torch.Tensor], **kw: Any) -> tuple[Any
 ROUTES = {"logits": on_logits, "hidden": on_hidden}
 
 
-def test_weighted_objectives_are_the_ce_family() -> None:
-    """The declaration is read from the registry; today the weighted-CE family takes weights."""
-    assert {name for name, _ in WEIGHTED} == {"ce", "dft", "mixce", "tailr"}
+def test_weighted_objectives_are_read_from_the_registry() -> None:
+    """The declaration is read from the registry: the weighted-CE family, EMO, EMO
+    distillation, NTIL, digit EMD and the NTL losses take weights."""
+    assert {name for name, _ in WEIGHTED} == {
+        "ce", "dft", "mixce", "tailr", "emo", "ntil", "emd", "ntl_mse", "ntl_was", "number_level",
+        "emo_distill",
+    }
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -240,11 +263,246 @@ def test_objectives_without_weights_refuse_by_name(name: str) -> None:
             fn.from_hidden(d["hidden"], d["weight"], d["labels"], loss_weights=d["weights"])
 
 
+# ---------------------------------------------------------------------------------------------
+# EMO: w_t·L_t with L_t the per-token mix of CE_t and DEMD_t (its ratio per token)
+# ---------------------------------------------------------------------------------------------
+
+
+def emo_per_token(fn: nn.Module, z: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    """L_t token by token (EMO Eq. 14, 19; emo2: DEMD + sg(DEMD/CE)·CE), 0 where ignored."""
+    e = fn.cost_embedding_normalized.to(z.dtype)
+    out = []
+    for t in range(y.numel()):
+        if int(y[t]) == -100:
+            out.append(z.new_zeros(()))
+            continue
+        log_q = torch.log_softmax(z[t], dim=-1)
+        ce = -log_q[y[t]]
+        demd = 1.0 - (log_q.exp() * (e @ e[y[t]])).sum()
+        if fn.mode == "emo1":
+            ratio = (ce / (demd.clamp_min(0.0) + 1e-10)).detach()
+            out.append(0.5 * (ce + ratio * demd))
+        elif fn.mode == "emo2":
+            out.append(demd + (demd / (ce + 1e-10)).detach() * ce)
+        else:
+            out.append(ce + fn.mu * demd)
+    return out
+
+
 @pytest.mark.parametrize("route", sorted(ROUTES))
-def test_weights_keep_one_host_sync(route: str) -> None:
-    """The weights' value check is read in the engine's one host sync of the call."""
-    d = inputs(7)
-    fn = build("ce", "smoothing-zloss-accuracy")
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("path", sorted(SPECS["emo"].paths))
+def test_emo_equals_hand_written_reference(path: str, reduction: str, route: str) -> None:
+    """Σ w_t·L_t (/ Σ w_t for "mean"), "ce" and "demd" the same weighted means."""
+    d = inputs(8)
+    fn = build("emo", path, reduction=reduction)
+    got, grads = ROUTES[route](fn, d, loss_weights=d["weights"])
+    h, w, b = (d[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
+    y, wt = d["labels"].reshape(-1), d["weights"].reshape(-1)
+    per = emo_per_token(fn, (h @ w.T + b).reshape(-1, V), y)
+    total = sum(wt[t] * per[t] for t in range(y.numel()))
+    n = wt[y != -100].sum()
+    expected = total if reduction == "sum" else total / n
+    expected.backward()
+    torch.testing.assert_close(got.loss, expected)
+    for g, ref in zip(grads, [h.grad, w.grad, b.grad], strict=True):
+        torch.testing.assert_close(g, ref)
+    torch.testing.assert_close(got.components["n_tokens"], n)
+    ce = F.cross_entropy((d["hidden"] @ d["weight"].T + d["bias"]).reshape(-1, V), y,
+                         reduction="none", ignore_index=-100)
+    torch.testing.assert_close(got.components["ce"], (ce * wt).sum() / n)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("path", sorted(SPECS["emo_distill"].paths))
+def test_emo_distill_equals_hand_written_reference(path: str, reduction: str) -> None:
+    """Σ w_t·L_t (/ Σ w_t), L_t the unweighted reference's loss of token t alone."""
+    d = inputs(12)
+    fn = build("emo_distill", path, reduction=reduction)
+    got, grads = on_logits(fn, d, loss_weights=d["weights"])
+    teacher = seeded(fn, {})["teacher_logits"].reshape(-1, V)
+    h, w, b = (d[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
+    z, y, wt = (h @ w.T + b).reshape(-1, V), d["labels"].reshape(-1), d["weights"].reshape(-1)
+    opts = SPECS["emo_distill"].paths[path]
+    ref = build("emo_distill", reduction="sum", implementation="reference",
+                **{k: v for k, v in opts.items() if k not in ("implementation", "chunk_size")})
+    total = z.sum() * 0.0
+    for t in range(y.numel()):
+        if int(y[t]) != -100:
+            one = ref(z[t : t + 1], y[t : t + 1], teacher_logits=teacher[t : t + 1]).loss
+            total = total + wt[t] * one
+    n = wt[y != -100].sum()
+    expected = total if reduction == "sum" else total / n
+    expected.backward()
+    torch.testing.assert_close(got.loss, expected)
+    for g, r in zip(grads, [h.grad, w.grad, b.grad], strict=True):
+        torch.testing.assert_close(g, r)
+    torch.testing.assert_close(got.components["n_tokens"], n)
+
+
+# ---------------------------------------------------------------------------------------------
+# NTIL and digit EMD: weight 0 is an ignored label before the spans; token terms weighted by
+# w_m, number terms by the number's mean weight
+# ---------------------------------------------------------------------------------------------
+
+TOKEN_ID = {tok: i for i, tok in enumerate(VOCAB_TOKENS)}
+#: Three rows with numbers of several tokens (a decimal, a multi-digit run, a signed one).
+NUMBER_ROWS = [
+    ["1", "2", "3", ".", "4", "Ġ45"],
+    ["Ġ1", "2", "b", "7", "12", "34"],
+    [None, "-", "5", "9", "0", "0"],
+]
+
+
+def number_inputs(seed: int = 0) -> dict[str, torch.Tensor]:
+    """:func:`inputs` with labels of numbers, weights in [0.2, 2) and two zeros inside
+    numbers ('2' of 123.4, the first '0' of 5900)."""
+    d = inputs(seed)
+    d["labels"] = torch.tensor(
+        [[-100 if tok is None else TOKEN_ID[tok] for tok in row] for row in NUMBER_ROWS]
+    )
+    gen = torch.Generator().manual_seed(seed + 100)
+    d["weights"] = 0.2 + 1.8 * torch.rand(B, T, generator=gen, dtype=F64)
+    d["weights"][0, 1] = d["weights"][2, 4] = 0.0
+    return d
+
+
+NTIL_CASES = {
+    "stable": {},
+    "paper": {"preset": "paper"},
+    "official": {"preset": "official"},
+    "token-static": {"averaging": "token", "mix": "static"},
+    "row-per-number": {"averaging": "row", "per_number": True},
+}
+
+
+def ntil_reference(fn: NTILLoss, z: torch.Tensor, d: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The weighted NTIL loss by hand: weight-0 labels ignored, CE and the token-level EMD
+    weighted by w, the number-level terms by each number's mean weight, averaged in loops.
+    Per-item values come from the unweighted building blocks: W·EMD per token from
+    ``weighted_digit_emd``, a number's relative / magnitude deviation from the unweighted
+    reference loss with that number alone in its ``number_mask``."""
+    s = fn.settings
+    y = d["labels"].masked_fill(d["weights"] == 0, -100)
+    flat_y, wt = y.reshape(-1), d["weights"].reshape(-1)
+    zf = z.reshape(-1, V)
+    counted = [t for t in range(flat_y.numel()) if int(flat_y[t]) != -100]
+    n = sum(wt[t] for t in counted)
+    ce_t = F.cross_entropy(zf, flat_y, reduction="none", ignore_index=-100)
+    ce = sum(wt[t] * ce_t[t] for t in counted) / n
+    spans = resolve_spans(y, VOCAB, fn.span_options)
+    cands = class_candidates(VOCAB, spans)
+    zc = zf[spans.flat_index[:, None], cands.ids].double()
+    sigma = 0.0 if s.per_number else s.sigma
+    emd_m = weighted_digit_emd(zc, cands.mask, cands.values, spans.gold_column,
+                               spans.num_digits, spans.digits_right, sigma)
+    members = [[m for m in range(spans.n_tokens) if int(spans.number_id[m]) == k]
+               for k in range(spans.n_numbers)]
+    w_m = [wt[int(spans.flat_index[m])] for m in range(spans.n_tokens)]
+    omega = [sum(w_m[m] for m in ms) / len(ms) for ms in members]
+    row_of_number = [int(r) for r in spans.number_row]
+    ce_unweighted = F.cross_entropy(zf, flat_y, ignore_index=-100)
+    deviation = {}
+    for name, (alpha, beta) in {"relative": (1.0, 0.0), "magnitude": (0.0, 1.0)}.items():
+        alone = NTILLoss(VOCAB, preset=fn.preset, mix="static", lam=1.0, emd_weight=0.0,
+                         alpha=alpha, beta=beta, value_mode=s.value_mode, averaging="batch",
+                         smoothing=s.smoothing, magnitude_floor=s.magnitude_floor,
+                         implementation="reference")
+        values = []
+        for ms in members:
+            mask = torch.zeros(B * T, dtype=torch.bool)
+            mask[spans.flat_index[ms]] = True
+            out = alone(z, y, number_mask=mask.view(B, T))
+            values.append(out.loss - ce_unweighted)
+        deviation[name] = values
+
+    def average(items: list[tuple[Any, Any, int]]) -> Any:
+        """(value, weight, row) items, averaged as ``s.averaging`` asks, by hand."""
+        if s.averaging == "token":
+            return sum(w * v for v, w, _ in items) / n
+        if s.averaging == "batch":
+            norm = sum(w for _, w, _ in items)
+            return sum(w * v for v, w, _ in items) / norm if items else z.sum() * 0.0
+        rows = []
+        for r in range(B):
+            mine = [(v, w) for v, w, row in items if row == r]
+            rows.append(sum(w * v for v, w in mine) / sum(w for _, w in mine) if mine else 0.0)
+        return sum(rows) / B
+
+    if s.per_number:
+        per_number = []
+        for ms in members:
+            wr = [(1.0 + s.sigma) ** int(spans.digits_right[m]) * w_m[m] for m in ms]
+            per_number.append(sum(a * emd_m[m] for a, m in zip(wr, ms, strict=True)) / sum(wr))
+        emd = average(list(zip(per_number, omega, row_of_number, strict=True)))
+    else:
+        emd = average([(emd_m[m], w_m[m], row_of_number[int(spans.number_id[m])])
+                       for m in range(spans.n_tokens)])
+    rel = average(list(zip(deviation["relative"], omega, row_of_number, strict=True)))
+    mag = average(list(zip(deviation["magnitude"], omega, row_of_number, strict=True)))
+    ntil = s.emd_weight * emd + s.alpha * rel + s.beta * mag
+    if s.mix == "static":
+        coef = s.lam
+    else:
+        ratio = float(ce / (ntil + s.mix_eps)) if s.mix_eps else float(ce / ntil)
+        coef = s.lam * (ratio if s.max_ratio is None else min(ratio, s.max_ratio))
+    total = ce + coef * ntil
+    return total if s.reduction == "mean" else n * total
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("case", sorted(NTIL_CASES))
+def test_ntil_equals_hand_written_reference(case: str, reduction: str, route: str) -> None:
+    """Loss and gradients of NTIL with weights (zeros inside numbers) == :func:`ntil_reference`."""
+    d = number_inputs(9)
+    fn = NTILLoss(VOCAB, value_mode="expected", reduction=reduction, **NTIL_CASES[case])
+    got, grads = ROUTES[route](fn, d, loss_weights=d["weights"])
+    h, w, b = (d[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
+    expected = ntil_reference(fn, h @ w.T + b, d)
+    expected.backward()
+    torch.testing.assert_close(got.loss, expected)
+    for g, ref in zip(grads, [h.grad, w.grad, b.grad], strict=True):
+        torch.testing.assert_close(g, ref)
+    unweighted, _ = ROUTES[route](fn, d)
+    assert not torch.allclose(got.loss, unweighted.loss)
+
+
+NUMBER_OBJECTIVES = [
+    *((cls, case, NTIL_CASES[case]) for cls in ("ntil", "emd") for case in sorted(NTIL_CASES)),
+    *((name, path, SPECS[name].paths[path]) for name in ("ntl_mse", "ntl_was", "number_level")
+      for path in sorted(SPECS[name].paths)),
+]
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+@pytest.mark.parametrize(("name", "case", "options"), NUMBER_OBJECTIVES,
+                         ids=[f"{n}-{c}" for n, c, _ in NUMBER_OBJECTIVES])
+def test_weight_zero_inside_a_number_equals_an_ignored_label(
+    name: str, case: str, options: dict[str, Any], route: str
+) -> None:
+    """w = 0 at a digit inside a number == that label ignored: the number ends there (loss,
+    components and gradients)."""
+    d = number_inputs(10)
+    fn = SPECS[name].cls(VOCAB, **options)
+    ignored = d["labels"].masked_fill(d["weights"] == 0, -100)
+    a, grads_a = ROUTES[route](fn, d, loss_weights=d["weights"])
+    b, grads_b = ROUTES[route](fn, d, labels=ignored, loss_weights=d["weights"])
+    torch.testing.assert_close(a.loss, b.loss)
+    assert a.components.keys() == b.components.keys()
+    for key in a.components:
+        torch.testing.assert_close(a.components[key], b.components[key], msg=key)
+    for ga, gb in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(ga, gb)
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+@pytest.mark.parametrize(("name", "path"), WEIGHTED)
+def test_weights_keep_one_host_sync(name: str, path: str, route: str) -> None:
+    """The weights' value check (and the number objectives' sizes) are read in the engine's
+    one host sync of the call."""
+    d = number_inputs(7)
+    fn = build(name, path)
     ROUTES[route](fn, d, loss_weights=d["weights"])  # warm
     with SyncCounter() as counter:
         ROUTES[route](fn, d, loss_weights=d["weights"])

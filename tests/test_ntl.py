@@ -147,6 +147,81 @@ def test_number_level_equals_ntloss(tok_name: str, reweigh: bool, float_level: b
             torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-7, atol=1e-10)
 
 
+def _weighted_ce(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
+    """Σ w_t·CE_t / Σ w_t over the counted labels, by hand."""
+    flat, y, w = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), weights.reshape(-1)
+    ce = F.cross_entropy(flat, y, reduction="none", ignore_index=-100)
+    return (w * ce).sum() / w[y != -100].sum()
+
+
+@pytest.mark.parametrize("tok_name", ["char", "gpt2"])
+@pytest.mark.parametrize("kind", ["mse", "l1", "was", "was-squash"])
+@pytest.mark.parametrize("reweigh", [True, False])
+def test_token_level_loss_weights_equal_ntloss(tok_name: str, kind: str, reweigh: bool) -> None:
+    """Per-token ``loss_weights`` (zeros included, one inside "12.57"): the NTL term is
+    ntloss's own weighted output (Σ w·ℓ / Σ w over number tokens; 1e-12 in float64) and the
+    loss the weighted CE + 0.3·NTL, gradient included, on both routes' logits route."""
+    tok = _real(tok_name)
+    if kind.startswith("was"):
+        squash = 30.0 if kind == "was-squash" else None
+        theirs_fn = ntloss.NTLoss(tok, vocab_size=len(tok), reweigh=reweigh, squash_factor=squash)
+        ours_fn = NTLWASLoss(tok, preset="ntloss", reweigh=reweigh, squash_factor=squash)
+    else:
+        theirs_fn = ntloss.NTLossDotProduct(
+            tok, vocab_size=len(tok), reweigh=reweigh, loss_function=LOSS_FUNCTIONS[kind]
+        )
+        ours_fn = NTLMSELoss(tok, preset="ntloss", loss=kind, reweigh=reweigh)
+    logits, labels = _batch(tok, seed=5, dtype=F64)
+    gen = torch.Generator().manual_seed(6)
+    weights = 2.0 * torch.rand(labels.shape, generator=gen, dtype=F64)
+    weights[0, 1] = weights[1, 5] = weights[2, 7] = 0.0  # [0, 1]: the '2' of "12.57"
+    x1, x2 = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    out = ours_fn(x1, labels, loss_weights=weights)
+    ntl = theirs_fn(x2, labels, loss_weights=weights)
+    want = _weighted_ce(x2, labels, weights) + 0.3 * ntl
+    unweighted = theirs_fn(logits, labels)
+    assert float(ntl.detach()) > 0.1 and abs(float(ntl - unweighted)) > 1e-6  # not 0 == 0
+    assert float(out.components["ntl"]) == pytest.approx(float(ntl), rel=1e-12, abs=1e-12)
+    assert float(out.loss) == pytest.approx(float(want), rel=1e-12, abs=1e-12)
+    out.loss.backward()
+    want.backward()
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("tok_name", ["char", "gpt2"])
+@pytest.mark.parametrize("reweigh", [True, False])
+@pytest.mark.parametrize("float_level", [False, True])
+def test_number_level_loss_weights_equal_ntloss(
+    tok_name: str, reweigh: bool, float_level: bool
+) -> None:
+    """Per-token ``loss_weights`` equal within each number (ntloss weighs a number by its first
+    digit's weight, emdlm by its tokens' mean weight: the same here) and 0 on a few non-number
+    tokens: the NTL term is ntloss's weighted output, the loss the weighted CE + 0.3·NTL,
+    gradient included."""
+    tok = _real(tok_name)
+    theirs_fn = ntloss.NumberLevelLoss(
+        tok, vocab_size=len(tok), reweigh=reweigh, float_level=float_level
+    )
+    ours_fn = NumberLevelLoss(tok, preset="ntloss", reweigh=reweigh, float_level=float_level)
+    logits, labels = _batch(tok, seed=2, dtype=F64)
+    weights = torch.tensor([0.5, 1.7, 1.2], dtype=F64)[:, None].expand(labels.shape).clone()
+    digits = torch.tensor([tok.convert_tokens_to_ids(str(k)) for k in range(10)])
+    dot = tok.convert_tokens_to_ids(".")
+    other = ~torch.isin(labels, digits) & (labels != dot) & (labels != -100)
+    weights[other & (torch.arange(labels.shape[1]) % 2 == 0)] = 0.0  # zeros off the numbers
+    assert (weights == 0).any()
+    x1, x2 = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    out = ours_fn(x1, labels, loss_weights=weights)
+    ntl = theirs_fn(x2, labels, loss_weights=weights)
+    want = _weighted_ce(x2, labels, weights) + 0.3 * ntl
+    assert float(ntl.detach()) > 0.01 and abs(float(ntl - theirs_fn(logits, labels))) > 1e-6
+    assert float(out.components["ntl"]) == pytest.approx(float(ntl), rel=1e-9, abs=1e-12)
+    assert float(out.loss) == pytest.approx(float(want), rel=1e-9)
+    out.loss.backward()
+    want.backward()
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-7, atol=1e-10)
+
+
 def test_float_level_chain_is_the_documented_difference() -> None:
     """"5.8.2": ntloss reads one number (582), emdlm 5.8 and 2 (emdlm.functional.ntl NOTE)."""
     tok = _real("char")

@@ -60,6 +60,13 @@ def objective_class(name: str) -> type[nn.Module]:
         raise ConfigError(f"objective {name!r} is not available ({module}.{cls}): {err}") from err
 
 
+def weighable_objectives() -> list[str]:
+    """The registered objectives whose loss takes per-token ``loss_weights``
+    (``takes_loss_weights``), in registry order."""
+    return [name for name in OBJECTIVE_SPECS
+            if getattr(objective_class(name), "takes_loss_weights", False)]
+
+
 def _user_class(name: str) -> type[nn.Module]:
     """The class ``<module>:<Class>`` names, imported now (running the module's code: the
     user's explicit choice in ``objective.name``); ConfigError for a module that does not

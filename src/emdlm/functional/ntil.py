@@ -232,13 +232,20 @@ def class_candidates(
     return ClassCandidates(ids=members, mask=mask, values=values)
 
 
-def _row_mean(per_item: torch.Tensor, item_row: torch.Tensor, n_rows: int) -> torch.Tensor:
-    """Mean within each row (0 for an empty row), then mean over all ``n_rows`` rows."""
+def _row_mean(
+    per_item: torch.Tensor,
+    item_row: torch.Tensor,
+    n_rows: int,
+    weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(Weighted) mean within each row (0 for an empty row), then mean over all ``n_rows``
+    rows."""
+    w = torch.ones_like(per_item) if weight is None else weight.to(per_item.dtype)
     sums = torch.zeros(n_rows, dtype=per_item.dtype, device=per_item.device)
-    sums = sums.index_add(0, item_row, per_item)  # [R]
+    sums = sums.index_add(0, item_row, per_item * w if weight is not None else per_item)  # [R]
     counts = torch.zeros(n_rows, dtype=per_item.dtype, device=per_item.device)
-    counts = counts.index_add(0, item_row, torch.ones_like(per_item))  # [R]
-    return (sums / counts.clamp_min(1)).sum() / max(n_rows, 1)
+    counts = counts.index_add(0, item_row, w)  # [R]
+    return (sums / torch.where(counts > 0, counts, 1.0)).sum() / max(n_rows, 1)
 
 
 def _average(
@@ -247,16 +254,37 @@ def _average(
     n_rows: int,
     averaging: Averaging,
     n_tokens: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce [items] to 0-d: mean over items ("batch"), mean of row means ("row"), or sum over
-    items / ``n_tokens`` counted labels ("token"; n clamped to ≥ 1, no host sync)."""
+    items / ``n_tokens`` counted labels ("token"; no host sync).
+
+    With per-item weights ω (``weight`` [items], > 0): Σ ω·l / Σ ω ("batch"), Σ ω·l / Σ ω within
+    each row, then the plain mean over rows ("row"), Σ ω·l / n ("token", n then the weighted
+    count Σ_t w_t)."""
     if averaging == "row":
-        return _row_mean(per_item, item_row, n_rows)
+        return _row_mean(per_item, item_row, n_rows, weight)
     if averaging == "token":
         if n_tokens is None:
             raise ValueError('averaging="token" needs n_tokens, the number of counted labels')
-        return per_item.sum() / n_tokens.to(per_item.dtype).clamp_min(1)
-    return per_item.sum() / max(per_item.numel(), 1)
+        n = n_tokens.to(per_item.dtype)
+        total = per_item.sum() if weight is None else (per_item * weight.to(per_item.dtype)).sum()
+        return total / torch.where(n > 0, n, 1.0)  # n is a count (≥ 1) or a weight sum
+    if weight is None:
+        return per_item.sum() / max(per_item.numel(), 1)
+    w = weight.to(per_item.dtype)
+    norm = w.sum()
+    return (per_item * w).sum() / torch.where(norm > 0, norm, 1.0)
+
+
+def number_weights(
+    token_weight: torch.Tensor, number_id: torch.Tensor, n_numbers: int
+) -> torch.Tensor:
+    """ω_s = the mean of the weights w_m of the tokens of number s: [S] from [M]."""
+    zeros = torch.zeros(n_numbers, dtype=token_weight.dtype, device=token_weight.device)
+    total = zeros.index_add(0, number_id, token_weight)  # [S]
+    size = zeros.index_add(0, number_id, torch.ones_like(token_weight))  # [S], ≥ 1
+    return total / size.clamp_min(1.0)
 
 
 def number_emd(
@@ -265,10 +293,13 @@ def number_emd(
     number_id: torch.Tensor,
     n_numbers: int,
     sigma: float,
+    token_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-number weighted mean of the token EMDs (``per_number=True``); [S] float64.
 
         EMD_s = Σ_{i in s} W_i·EMD_i / Σ_{i in s} W_i,     W_i = (1+σ)^{r_i}
+
+    (with per-token weights w_i, ``token_weight`` [M] > 0: W_i·w_i in place of W_i)
 
     with r_i the digits right of token i (NTIL Eq. 4's exponential weights, normalised within
     the number). Why: averaged over all number tokens, a 40-digit number's weights (1.2^39 ≈
@@ -284,9 +315,11 @@ def number_emd(
         0, number_id, r, reduce="amax", include_self=False
     )  # [S]
     weight = torch.exp((r - top[number_id]) * log_base)  # [M] in (0, 1], 1 at the leading token
+    if token_weight is not None:
+        weight = weight * token_weight.to(weight.dtype)
     zeros = torch.zeros(n_numbers, dtype=emd.dtype, device=emd.device)
     total = zeros.index_add(0, number_id, weight.to(emd.dtype) * emd)  # [S]
-    norm = zeros.index_add(0, number_id, weight.to(emd.dtype))  # [S], ≥ 1 for every number
+    norm = zeros.index_add(0, number_id, weight.to(emd.dtype))  # [S], > 0 for every number
     return total / norm
 
 
@@ -298,8 +331,17 @@ def ntil_terms(
     settings: NTILSettings,
     noise: torch.Tensor | None = None,
     n_tokens: torch.Tensor | None = None,
+    token_weight: torch.Tensor | None = None,
 ) -> NTILTerms:
     """NTIL terms from the [M, K] class-candidate logits (shared by reference and fused path).
+
+    Per-token weights (``token_weight`` [M] > 0, the weights w_m of the number tokens; tokens
+    of weight 0 were made ignored labels before the spans were found): the token-level W·EMD
+    is averaged with weights w_m, and the number-level terms (relative, magnitude, and the
+    per-number EMD of ``per_number``, within which W_i·w_i replace W_i) with the number's
+    weight ω_s = mean of its tokens' w_m (:func:`number_weights`), as :func:`_average` says:
+    "batch" Σ ω·l / Σ ω, "row" the same within each row then the mean over rows, "token"
+    Σ ω·l / n with n = Σ_t w_t over the counted labels (``n_tokens``).
 
     Args:
         class_logits: [M, K] logits of the candidates (cast to float64 here).
@@ -309,6 +351,7 @@ def ntil_terms(
         settings: the knobs.
         noise: [M, K] standard Gumbel samples for ``value_mode="gumbel"``.
         n_tokens: 0-d count of counted labels n (needed for ``averaging="token"``).
+        token_weight: per-token weights of the M number tokens, or None (unweighted).
 
     Returns:
         :class:`NTILTerms`; every term is an explicit 0 when M == 0.
@@ -324,13 +367,19 @@ def ntil_terms(
         spans.digits_right,
         0.0 if settings.per_number else settings.sigma,
     )  # [M] W·EMD, or the plain EMD when the weights are normalised per number below
+    token_w = None if token_weight is None else token_weight.to(z.dtype)  # [M]
+    number_w = (
+        None if token_w is None else number_weights(token_w, spans.number_id, spans.n_numbers)
+    )  # [S]
     if settings.per_number:
         per_number = number_emd(
-            wemd, spans.digits_right, spans.number_id, spans.n_numbers, settings.sigma
+            wemd, spans.digits_right, spans.number_id, spans.n_numbers, settings.sigma, token_w
         )  # [S]
-        emd = _average(per_number, spans.number_row, n_rows, settings.averaging, n_tokens)
+        emd = _average(
+            per_number, spans.number_row, n_rows, settings.averaging, n_tokens, number_w
+        )
     else:
-        emd = _average(wemd, token_row, n_rows, settings.averaging, n_tokens)
+        emd = _average(wemd, token_row, n_rows, settings.averaging, n_tokens, token_w)
     zero = z.sum() * 0.0  # a 0 that keeps the graph (and the dtype/device)
     relative, magnitude = zero, zero
     if settings.sequence_terms and spans.n_numbers > 0:
@@ -365,8 +414,9 @@ def ntil_terms(
             unit = torch.pow(10.0, -shift.double())  # [S] 1, scaled like X and Y
         unit = floored_unit(unit, y, settings.magnitude_floor)
         mag = magnitude_deviation(x, y, unit)  # [S]
-        relative = _average(rel, spans.number_row, n_rows, settings.averaging, n_tokens)
-        magnitude = _average(mag, spans.number_row, n_rows, settings.averaging, n_tokens)
+        average = settings.averaging
+        relative = _average(rel, spans.number_row, n_rows, average, n_tokens, number_w)
+        magnitude = _average(mag, spans.number_row, n_rows, average, n_tokens, number_w)
     ntil = settings.emd_weight * emd + settings.alpha * relative + settings.beta * magnitude
     return NTILTerms(emd=emd, relative=relative, magnitude=magnitude, ntil=ntil)
 

@@ -162,8 +162,8 @@ class ComputeLoss:
         return ValueError(
             f"{what} (the data's {LOSS_WEIGHT_KEY!r} field), but objective "
             f"{type(self.loss_fn).__name__} takes no per-token loss weights "
-            "(takes_loss_weights is False): drop the field or use a loss that takes them "
-            "(the CE family: CE, DFT, MixCE, TaiLr)"
+            "(takes_loss_weights is False): drop the field or use a loss that declares "
+            "takes_loss_weights"
         )
 
     def check_dataset(self, dataset: Any, where: str = "train_dataset") -> None:

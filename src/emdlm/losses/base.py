@@ -29,18 +29,23 @@ attributes or signatures. Every loss is called one way, on both routes::
 ==========================  =====================================================================
 
 ``loss_weights`` (per-token weights w, a floating-point tensor of the labels' shape, finite
-and ≥ 0) is taken by the losses that declare ``takes_loss_weights`` (the weighted-CE family:
-CE, DFT, MixCE, TaiLr); any other raises NotImplementedError naming itself
-(:meth:`EMDLMLoss.check_call`), never silently ignoring them. Over the counted tokens C (labels
+and ≥ 0) is taken by the losses that declare ``takes_loss_weights`` (the weighted-CE family
+CE, DFT, MixCE, TaiLr; EMO and EMO distillation; NTIL, digit EMD and the NTL losses, whose
+number-level terms weigh each number by its tokens' mean weight); any other raises
+NotImplementedError naming itself (:meth:`EMDLMLoss.check_call`), never silently ignoring
+them. Over the counted tokens C (labels
 not ``ignore_index``), with l_t the loss's own per-token term::
 
     "sum":  Σ_{t∈C} w_t·l_t          "mean":  Σ_{t∈C} w_t·l_t / Σ_{t∈C} w_t   (0 when Σ w = 0)
 
 and the components (``ce``, ``token_accuracy``, ...) are the same weighted means, with
 ``n_tokens`` = Σ_{t∈C} w_t: a weight of 0 scores a token exactly as an ignored label (loss and
-gradient), weights of 1 are the unweighted loss. ntloss's ``loss_weights`` (AI4SD/
-number-token-loss, ``ntloss/core.py``) is the same weighted mean, Σ w·l / max(Σ w, eps), but
-over its number tokens only; Liger-Kernel has no per-token weights
+gradient), weights of 1 are the unweighted loss. Tokens of weight 0 are set to
+``ignore_index`` before the loss reads its labels (:func:`drop_zero_weights`, on device), so
+inside a number the number ends there, exactly as at an ignored label. ntloss's
+``loss_weights`` (AI4SD/number-token-loss, ``ntloss/core.py``) is the same weighted mean,
+Σ w·l / max(Σ w, eps), but over its number tokens only (:mod:`emdlm.losses.ntl` says where
+the NTL losses differ from it); Liger-Kernel has no per-token weights
 (https://github.com/linkedin/Liger-Kernel/issues/338, open), only torch's per-class ``weight``
 (``ce_weight``: Σ w_{y_t}·l_t / Σ w_{y_t}).
 Both routes run the same chunk objective (:mod:`emdlm.ops.chunked`), the weights'
@@ -139,6 +144,7 @@ class EMDLMLoss(nn.Module):
         weighable chunk objective (one with ``weigh_tokens``) overrides this."""
         from emdlm.ops.chunked import HeadOptions, chunked_logits_loss
 
+        labels = drop_zero_weights(labels, loss_weights, self.ignore_index, logits.device)
         objective, labels = self.chunk_objective(logits, labels, **given)
         _weigh(objective, loss_weights, labels, logits)
         head = HeadOptions(
@@ -146,7 +152,8 @@ class EMDLMLoss(nn.Module):
             reduction=self.reduction,  # type: ignore[arg-type]
             chunk_size=self.from_hidden_chunk_rows(logits.shape[-1]),
         )
-        return chunked_logits_loss(logits, labels, objective, head)
+        out = chunked_logits_loss(logits, labels, objective, head)
+        return self._after_logits(out, objective, logits)
 
     def logits_loss(self, logits: torch.Tensor, labels: torch.Tensor, **given: Any) -> LossOutput:
         """What a subclass implements: the loss of given logits, with ``number_mask=`` when it
@@ -258,6 +265,8 @@ class EMDLMLoss(nn.Module):
             hidden, lm_head_weight, labels, lm_head_bias, self.ignore_index, check_range=False
         )
         stand_in = stand_in_logits(hidden, lm_head_weight.shape[0])
+        if loss_weights is not None:
+            labels = drop_zero_weights(labels, loss_weights, self.ignore_index, hidden.device)
         if number_mask is not None:
             options["number_mask"] = number_mask
         if self.needs_teacher:  # a distilling loss with a from-hidden path reads them there
@@ -299,6 +308,10 @@ class EMDLMLoss(nn.Module):
         ``head`` the call's :class:`emdlm.ops.chunked.HeadOptions`."""
         return out
 
+    def _after_logits(self, out: LossOutput, objective: Any, logits: torch.Tensor) -> LossOutput:
+        """Hook: the same term on :meth:`weighted_logits_loss`'s route (given logits)."""
+        return out
+
 
 def check_declared_params(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """ValueError naming ``cls`` and each parameter of the call ``cls(*args, **kwargs)`` that
@@ -338,18 +351,30 @@ def check_loss_weights(loss_weights: Any, labels: torch.Tensor) -> None:
         )
 
 
+def drop_zero_weights(
+    labels: torch.Tensor, loss_weights: Any, ignore_index: int, device: torch.device
+) -> torch.Tensor:
+    """``labels`` on ``device`` (the logits' or hidden states') with every token of weight 0 set
+    to ``ignore_index`` (no host sync), after checking the weights' type and shape
+    (:func:`check_loss_weights`).
+
+    Done before a loss looks at its labels (number spans, counts), so a weight of 0 scores a
+    token exactly as an ignored label, also inside a number: there the number ends (or is
+    split) at that token, as at an ignored label."""
+    check_loss_weights(loss_weights, labels)
+    return labels.to(device).masked_fill(loss_weights.to(device) == 0, ignore_index)
+
+
 def _weigh(objective: Any, loss_weights: Any, labels: torch.Tensor, like: torch.Tensor) -> None:
     """Check ``loss_weights`` against ``labels`` and hand them, flat, in the compute dtype on
-    ``like``'s device, to ``objective.weigh_tokens``."""
+    ``like``'s device, to ``objective.weigh_tokens`` (NotImplementedError where the objective
+    does not declare ``takes_token_weights``)."""
     from emdlm.functional._common import compute_dtype
 
     check_loss_weights(loss_weights, labels)
-    weigh = getattr(objective, "weigh_tokens", None)
-    if weigh is None:
-        raise NotImplementedError(
-            f"{type(objective).__name__} has no weigh_tokens: per-token weights are not supported"
-        )
-    weigh(loss_weights.to(device=like.device, dtype=compute_dtype(like.dtype)).reshape(-1))
+    objective.weigh_tokens(
+        loss_weights.to(device=like.device, dtype=compute_dtype(like.dtype)).reshape(-1)
+    )
 
 
 def _refuse_from_hidden(

@@ -99,6 +99,11 @@ class EMOLoss(EMDLMLoss):
     Call: ``out = loss_fn(logits [B, T, V], labels [B, T])`` with labels aligned to the logits
     (no shift inside). ``out.components``: "ce", "demd" (means over counted tokens), "n_tokens".
 
+    Per-token ``loss_weights=`` w (both routes, :class:`~emdlm.losses.base.EMDLMLoss`):
+    Σ_t w_t·L_t ("sum") or Σ_t w_t·L_t / Σ_t w_t ("mean") over the counted tokens, "ce" and
+    "demd" the same weighted means, "n_tokens" = Σ_t w_t; the mix sg(CE_t/DEMD_t) is per token
+    and computed as without weights (:class:`emdlm.ops.objectives.emo.EMOObjective`).
+
     Example:
         >>> loss_fn = EMOLoss.from_model(model)
         >>> logits = model(input_ids).logits
@@ -108,6 +113,7 @@ class EMOLoss(EMDLMLoss):
     Shape notation: B batch, T time, V vocabulary, d' cost-embedding width.
     """
 
+    takes_loss_weights = True  # per-token weights (EMDLMLoss.weighted_logits_loss)
     cost_embedding_normalized: torch.Tensor
 
     def __init__(

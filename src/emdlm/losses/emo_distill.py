@@ -55,7 +55,10 @@ class EMODistillLoss(EMDLMLoss):
 
     The options are checked here, where the loss is built (the objective does not check them
     again). Call: ``out = loss_fn(logits [B, T, V], labels [B, T], teacher_logits=u [B, T, V])``;
-    ``out.components``: "base", "demd" (means over scored tokens), "n_tokens".
+    ``out.components``: "base", "demd" (means over scored tokens), "n_tokens". Per-token
+    ``loss_weights=`` w (logits route; always the chunked objective): Σ_t w_t·L_t ("sum") or
+    Σ_t w_t·L_t / Σ_t w_t ("mean"), "base" / "demd" the same weighted means, "n_tokens" Σ_t w_t,
+    the emo1 / emo2 mix per token as without weights.
 
     Example:
         >>> loss_fn = EMODistillLoss(cost_embedding_from(teacher), reduction="mean")
@@ -66,6 +69,7 @@ class EMODistillLoss(EMDLMLoss):
 
     needs_teacher = True
     has_from_hidden = False
+    takes_loss_weights = True  # per-token weights (EMDLMLoss.weighted_logits_loss)
     cost_embedding_normalized: torch.Tensor
 
     def __init__(
@@ -111,18 +115,8 @@ class EMODistillLoss(EMDLMLoss):
         impl = self.implementation or ("chunked" if logits.requires_grad else "reference")
         if impl == "chunked":
             from emdlm.ops.chunked import HeadOptions, chunked_logits_loss
-            from emdlm.ops.objectives.emo import emo_cost
-            from emdlm.ops.objectives.emo_distill import EMODistillObjective
 
-            check_logits_labels_shapes(logits, labels)  # label range: in the engine's one sync
-            check_teacher_logits(logits, teacher_logits)
-            opts = {
-                "base": self.base, "mode": self.mode, "mu": self.mu,
-                "temperature": self.temperature, "max_ratio": self.max_ratio,
-            }  # fmt: skip
-            objective = EMODistillObjective(
-                teacher_logits, emo_cost(cost, logits, logits.shape[-1]), opts
-            )
+            objective, labels = self.chunk_objective(logits, labels, teacher_logits=teacher_logits)
             options = HeadOptions(
                 ignore_index=self.ignore_index,
                 reduction=self.reduction,
@@ -134,6 +128,28 @@ class EMODistillLoss(EMDLMLoss):
             temperature=self.temperature, ignore_index=self.ignore_index,
             reduction=self.reduction, max_ratio=self.max_ratio,
         )  # fmt: skip
+
+    def chunk_objective(
+        self, logits: torch.Tensor, labels: torch.Tensor, *, teacher_logits: torch.Tensor
+    ) -> tuple[Any, torch.Tensor]:
+        """:class:`emdlm.ops.objectives.emo_distill.EMODistillObjective` for ``logits``
+        [..., V] and the teacher's (shape checks only: the label range is read in the engine's
+        one host sync); the chunked logits path and the weighted one run it."""
+        from emdlm.ops.objectives.emo import emo_cost
+        from emdlm.ops.objectives.emo_distill import EMODistillObjective
+
+        check_logits_labels_shapes(logits, labels)
+        check_teacher_logits(logits, teacher_logits)
+        opts = {
+            "base": self.base, "mode": self.mode, "mu": self.mu,
+            "temperature": self.temperature, "max_ratio": self.max_ratio,
+        }  # fmt: skip
+        cost = emo_cost(self.cost_embedding_normalized, logits, logits.shape[-1])
+        return EMODistillObjective(teacher_logits, cost, opts), labels
+
+    def from_hidden_chunk_rows(self, vocab: int) -> int:
+        """The module's ``chunk_size`` (the weighted logits route's chunks too)."""
+        return self.chunk_size
 
     def extra_repr(self) -> str:
         vocab, width = self.cost_embedding_normalized.shape

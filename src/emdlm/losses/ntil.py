@@ -198,6 +198,18 @@ class NTILLoss(NumericLoss):
     as numbers: a number counts only if all its tokens are in the mask (ntloss issue #65: leave
     option labels or years out); CE stays on every counted label.
 
+    Per-token ``loss_weights=`` w (both routes; always the fused objective): a token of weight
+    0 is an ignored label, also inside a number (the number ends or splits there, before the
+    spans are found); with ω_s = the mean of the weights of number s's tokens and n = Σ_t w_t
+    over the counted labels:
+
+        CE = Σ_t w_t·CE_t / n,   emd = Σ_m w_m·(W·EMD)_m / Σ_m w_m   (per_number: Σ_s ω_s·EMD_s /
+        Σ_s ω_s, EMD_s with W_i·w_i),   relative = Σ_s ω_s·rel_s / Σ_s ω_s  (magnitude alike)
+
+    ("batch"; "row": the same within each row, rows then averaged; "token": Σ ω·l / n), the
+    dynamic mix c = λ·sg(CE/NTIL) taken from these weighted terms, and "sum" = n·(CE + c·NTIL).
+    "n_tokens" is n; "n_numbers" and "n_digit_tokens" count the scored numbers and tokens.
+
     Example:
         >>> loss_fn = NTILLoss(tokenizer)                          # doctest: +SKIP
         >>> out = loss_fn(logits[:, :-1], input_ids[:, 1:])       # doctest: +SKIP
@@ -205,6 +217,8 @@ class NTILLoss(NumericLoss):
 
     Shape notation: B batch, T time, V vocabulary rows.
     """
+
+    takes_loss_weights = True  # per-token weights (EMDLMLoss.weighted_logits_loss)
 
     def __init__(
         self,

@@ -13,6 +13,23 @@ Presets (explicit keyword arguments override them):
 * ``"ntloss"``: only the ten bare tokens '0'..'9' are number tokens (ntloss's ``digit_level``
   default); with ``averaging="number"`` (ntloss's mean) the NTL term equals ntloss's own output
   (tests/test_ntl.py pins it on GPT-2's and the char tokenizer's vocabularies).
+
+Per-token ``loss_weights=`` w (both routes; always the chunked objective,
+:class:`emdlm.ops.objectives.ntl.NTLObjective`): CE is Σ_t w_t·CE_t / n with n = Σ_t w_t over
+the counted labels, and with item weights ω (token level: ω_m = w_m; number level: ω_s = the
+mean weight of the number's tokens)
+
+    NTL = Σ ω·ℓ / Σ ω   (averaging="number")     or     Σ ω·ℓ / n   ("token"),
+
+"number_mass" the same weighted mean of μ, "sum" = n·(CE + λ·NTL). A token of weight 0 is an
+ignored label before the numbers are found. Against ntloss's ``loss_weights`` (pinned in
+tests/test_ntl.py): at token level the same Σ w·ℓ / Σ w over number tokens (ntloss divides by
+max(Σ w, eps), emdlm's all-zero weights give an exact 0 from CE as well); ntloss refuses only
+negative weights (emdlm also NaN and ±inf, and a non-float tensor); ntloss keeps a weight-0
+token inside its number (number level: "123" with the "2" weighted 0 is still 123 there),
+emdlm ends the number there (1 and 3, as with the "2" ignored); and
+ntloss weighs a number by its first digit's weight, emdlm by its tokens' mean weight (equal when
+a number's tokens share one weight).
 """
 
 from __future__ import annotations
@@ -23,7 +40,12 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from emdlm._output import LossOutput
-from emdlm.functional._common import IGNORE_INDEX, Reduction, check_logits_labels_shapes
+from emdlm.functional._common import (
+    IGNORE_INDEX,
+    Reduction,
+    check_logits_labels_shapes,
+    compute_dtype,
+)
 from emdlm.functional.ntil import draft_spans
 from emdlm.functional.ntl import (
     DistanceKind,
@@ -52,6 +74,7 @@ class _NTLBase(NumericLoss):
     token distance ``loss``, number level's ``join_decimal``) to this one constructor.
     """
 
+    takes_loss_weights = True  # per-token weights (EMDLMLoss.weighted_logits_loss)
     level: ClassVar[NTLLevel]
     settings: NTLSettings
     span_options: SpanOptions
@@ -146,21 +169,37 @@ class _NTLBase(NumericLoss):
         lm_head_bias: torch.Tensor | None,
         head: Any,
     ) -> LossOutput:
-        """Adds number level's reweigh term through the head (value 0, see below)."""
+        """Adds number level's reweigh term through the head (value 0, :meth:`_lse_term`)."""
+
+        def rows_logits(rows: torch.Tensor) -> torch.Tensor:
+            h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)  # [S, H]
+            return head_logits(h, lm_head_weight, lm_head_bias, head)  # [S, V], as the engine's
+
+        return self._lse_term(out, objective, rows_logits)
+
+    def _after_logits(self, out: LossOutput, objective: Any, logits: torch.Tensor) -> LossOutput:
+        """The same term on the chunked logits route (per-token weights)."""
+
+        def rows_logits(rows: torch.Tensor) -> torch.Tensor:
+            flat = logits.reshape(-1, logits.shape[-1]).index_select(0, rows)
+            return flat.to(compute_dtype(logits.dtype))
+
+        return self._lse_term(out, objective, rows_logits)
+
+    def _lse_term(self, out: LossOutput, objective: Any, rows_logits: Any) -> LossOutput:
+        """Number level with reweigh: ∂L/∂lse at each number's first token reaches every logit
+        of that row (∂lse/∂z = q). Those S rows are scored again (``rows_logits``), with value
+        0 and gradient g·q (no host sync: S was read in the engine's one sync)."""
         if objective.lse_grad is None:
             return out
-        # Number level with reweigh: ∂L/∂lse at each number's first token reaches every logit
-        # of that row (∂lse/∂z = q). Those S rows are scored again through the head here, with
-        # value 0 and gradient g·q (no host sync: S was read in the engine's one sync).
         spans = objective.kept.spans
         assert spans is not None and objective.count is not None
         rows = spans.flat_index.index_select(0, first_tokens(spans))  # [S]
         grad = objective.lse_grad.index_select(0, first_tokens(spans))  # [S] sum units
         if self.settings.reduction == "mean":
-            grad = grad / objective.count.clamp_min(1).double()
-        h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)  # [S, H]
-        z = head_logits(h, lm_head_weight, lm_head_bias, head)  # [S, V], as the engine's head
-        lse = torch.logsumexp(z, dim=-1)  # [S]
+            count = objective.count.double()
+            grad = grad / torch.where(count > 0, count, 1.0)
+        lse = torch.logsumexp(rows_logits(rows), dim=-1)  # [S]
         term = (grad.to(lse.dtype) * (lse - lse.detach())).sum()  # value 0
         return LossOutput(loss=out.loss + term.to(out.loss.dtype), components=out.components)
 

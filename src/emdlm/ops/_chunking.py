@@ -151,6 +151,7 @@ def emo_chunk(
     *,
     max_ratio: float | None = None,
     demd_out: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Process one chunk: add its sums to ``sums``; return d(loss)/dz in ``q_out`` if asked.
 
@@ -173,6 +174,10 @@ def emo_chunk(
         s_buf: [n, V] contiguous, compute dtype scratch. It may alias ``z`` (``z`` is consumed
             before ``s_buf`` is written).
         demd_out: optional [n] tensor that receives the per-token DEMD (0 where ignored).
+        weights: optional [n] per-token weights w_t (0 where ignored): the token's loss, its
+            CE and DEMD sums and its gradient are multiplied by w_t; the mix coefficients
+            (a, b) are per token, a ratio of the token's own CE and DEMD, so w_t cancels in
+            them (``demd_out`` stays unweighted).
     """
     cdtype = q_out.dtype
     valid = labels != ignore_index  # [n]
@@ -191,17 +196,21 @@ def emo_chunk(
     qs = p.sum(dim=1)  # [n] Σ_v q_v s_v
     demd = 1.0 - qs  # [n] EMO Eq. 14 with a one-hot target
     a, b, value = mode_coefficients(ce, demd, valid, mode, mu, max_ratio)
-    sums.loss += value.sum()
-    sums.ce += torch.where(valid, ce, 0.0).sum()
-    sums.demd += torch.where(valid, demd, 0.0).sum()
+    ce_c, demd_c = torch.where(valid, ce, 0.0), torch.where(valid, demd, 0.0)
     if demd_out is not None:
-        demd_out.copy_(torch.where(valid, demd, 0.0))
+        demd_out.copy_(demd_c)
+    if weights is not None:  # w_t·L_t (where: a NaN of an ignored row never meets its w = 0)
+        value, ce_c, demd_c = value * weights, ce_c * weights, demd_c * weights
+    sums.loss += value.sum()
+    sums.ce += ce_c.sum()
+    sums.demd += demd_c.sum()
     if grad_scale is None:
         return None
 
     # g = q ⊙ (a + b·(q·s) - b·s) - a·onehot(y) = c·q - b·(q ⊙ s) - a·onehot(y), c = a + b·(q·s)
-    a = a * grad_scale
-    b = b * grad_scale
+    row_scale = grad_scale if weights is None else grad_scale * weights  # k or k·w_t
+    a = a * row_scale
+    b = b * row_scale
     g = q.mul_((a + b * qs)[:, None]).addcmul_(p, -b[:, None])
     return g.scatter_add_(1, y, -a[:, None])
 

@@ -168,6 +168,31 @@ class ChunkObjective:
 
     #: Number of summed statistics returned per chunk (length of ``ChunkOut.stats``).
     n_stats: int = 1
+    #: Whether :meth:`weigh_tokens` is implemented: the objective scales each token's terms by
+    #: its weight w_t (its ``chunk`` / ``finish`` read :attr:`token_weights`).
+    takes_token_weights: bool = False
+    #: [N] per-token weights of the call (:meth:`weigh_tokens`), or None.
+    token_weights: torch.Tensor | None = None
+
+    def weigh_tokens(self, weights: torch.Tensor) -> None:
+        """Score each flattened token t with weight w_t (``weights`` [N] floating point on the
+        logits' device). Their values are checked (finite and ≥ 0) by the drivers in the
+        call's one host sync (``_Pass.of``); :meth:`counted` then gives Σ_t w_t over the
+        counted tokens. An objective that does not declare ``takes_token_weights`` refuses."""
+        if not self.takes_token_weights:
+            raise NotImplementedError(
+                f"{type(self).__name__} takes no per-token weights (takes_token_weights is False)"
+            )
+        self.token_weights = weights.reshape(-1)
+
+    def chunk_weights(
+        self, valid: torch.Tensor, start: int, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """The chunk's per-token weights [n] in ``dtype``, 0 where ignored (None: unweighted)."""
+        if self.token_weights is None:
+            return None
+        w = self.token_weights[start : start + valid.shape[0]].to(dtype)
+        return torch.where(valid, w, w.new_zeros(()))
 
     def host_sizes(
         self, labels: torch.Tensor, valid: torch.Tensor, bounds: list[int], vocab: int
@@ -185,8 +210,10 @@ class ChunkObjective:
 
     def counted(self, valid: torch.Tensor) -> torch.Tensor:
         """0-d count the "mean" reduction divides by (and ``finish`` gets): the counted labels
-        Σ valid, or a per-token weighted objective's Σ_t w_t over them."""
-        return valid.sum()
+        Σ valid, or with per-token weights Σ_t w_t over them."""
+        if self.token_weights is None:
+            return valid.sum()
+        return torch.where(valid, self.token_weights, 0.0).sum()
 
     def chunk(
         self,
@@ -358,19 +385,28 @@ class _Pass:
         parts = [bad_label_count(flat, vocab, options.ignore_index).reshape(1)]
         if ignore_bounds is not None:
             parts.append(counts_before(~valid, ignore_bounds))
+        weights = objective.token_weights
+        if weights is not None:  # per-token weights must be finite and >= 0
+            parts.append((~torch.isfinite(weights) | (weights < 0)).sum().reshape(1))
+        n_cut = 0 if ignore_bounds is None else len(ignore_bounds)
+        n_head = 1 + n_cut + (weights is not None)
         extra = objective.host_sizes(flat, valid, bounds, vocab)
         if extra is not None:
             parts.append(extra.reshape(-1).long())
         sizes = torch.cat(parts).tolist()  # the host sync of the call
         if sizes[0]:
             raise label_range_error(flat, vocab, options.ignore_index)
-        n_cut = 0 if ignore_bounds is None else len(ignore_bounds)
+        if weights is not None and sizes[n_head - 1]:
+            raise ValueError(
+                f"loss_weights must be finite and >= 0: {sizes[n_head - 1]} of "
+                f"{weights.numel()} entries are negative, NaN or inf"
+            )
         cut = sizes[1 : 1 + n_cut]
         ignored = None
         if ignore_bounds is not None:
             # nonzero_static takes its size from the caller: no second sync.
             ignored = torch.nonzero_static(~valid, size=cut[-1] - cut[0]).squeeze(1)
-        return cls(flat, valid, count, scale, ignored, cut, sizes[1 + n_cut :])
+        return cls(flat, valid, count, scale, ignored, cut, sizes[n_head:])
 
     def ignored_in(self, i: int, start: int) -> torch.Tensor:
         """Ignored rows of the i-th span of ``ignore_bounds``, relative to ``start`` (no sync)."""

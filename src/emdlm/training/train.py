@@ -65,7 +65,7 @@ from emdlm.integrations.transformers import (
     make_compute_loss_func,
 )
 from emdlm.models import apply_lora, model_vocab_size
-from emdlm.objectives import build_objective
+from emdlm.objectives import build_objective, weighable_objectives
 from emdlm.training.adapters import GENERATION_KINDS, ModelAdapter, TextAdapter, adapter_for
 from emdlm.training.arguments import dry_build_optimizer_and_scheduler
 from emdlm.training.arguments import has_accelerator as _has_accelerator
@@ -220,7 +220,7 @@ def _check_weights_fit_loss(cfg: RunConfig, loss_fn: Any, train_ds: Any, eval_ds
                 f"{src.describe()}: rows carry {LOSS_WEIGHT_KEY!r}, but objective "
                 f"{cfg.objective.name!r} ({type(loss_fn).__name__}) takes no per-token loss "
                 "weights (takes_loss_weights is False): drop the field or use an objective "
-                "that takes them (the CE family: ce, dft, mixce, tailr)"
+                f"that takes them ({', '.join(weighable_objectives())})"
             )
 
 

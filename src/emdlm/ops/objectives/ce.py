@@ -167,12 +167,15 @@ class WeightedCEObjective(ChunkObjective):
     row term) and dL_t/dz_t = (a_t + ε + 2s·lse_t + c_t)·q_t − a_t·onehot(y_t) − ε/V (+ the
     row term's sparse part), c_t the row term's ∂/∂lse_t.
 
-    Per-token weights w_t (:meth:`weigh_tokens`, no row term): every token's L_t, gradient and
-    stats are multiplied by w_t and the count is Σ_t w_t over the counted tokens
-    (:meth:`counted`), so w_t = 0 scores the token exactly as an ignored label.
+    Per-token weights w_t (:meth:`ChunkObjective.weigh_tokens`): every token's L_t, gradient
+    and stats are multiplied by w_t and the count is Σ_t w_t over the counted tokens
+    (:meth:`~emdlm.ops.chunked.ChunkObjective.counted`), so w_t = 0 scores the token exactly as
+    an ignored label. A row term (:meth:`_row_terms`) is multiplied by w_t with L_t in value and
+    in q's coefficient; its sparse part and stats are the subclass's to weigh.
     """
 
     n_stats = 5
+    takes_token_weights = True
 
     def __init__(
         self,
@@ -190,7 +193,6 @@ class WeightedCEObjective(ChunkObjective):
         self.gold_scale = float(gold_scale)
         self.z_loss = float(z_loss)
         self.token_accuracy = bool(token_accuracy)
-        self.token_weights: torch.Tensor | None = None
         self.entropy = bool(entropy)
         self.predicted_tokens = bool(predicted_tokens)
         self._argmax: list[torch.Tensor] = []  # one [n] per chunk, in row order
@@ -199,35 +201,6 @@ class WeightedCEObjective(ChunkObjective):
         if not self.predicted_tokens:
             return None
         return torch.cat(self._argmax) if self._argmax else torch.empty(0, dtype=torch.long)
-
-    def weigh_tokens(self, weights: torch.Tensor) -> None:
-        """Score each flattened token t with weight w_t (``weights`` [N] floating point on the
-        logits' device; checked finite and ≥ 0 in the call's one host sync, :meth:`begin`)."""
-        if type(self)._row_terms is not WeightedCEObjective._row_terms:
-            raise NotImplementedError(
-                f"{type(self).__name__} adds a row term: per-token weights are not supported"
-            )
-        self.token_weights = weights.reshape(-1)
-
-    def counted(self, valid: torch.Tensor) -> torch.Tensor:
-        if self.token_weights is None:
-            return super().counted(valid)
-        return torch.where(valid, self.token_weights, 0.0).sum()
-
-    def host_sizes(
-        self, labels: torch.Tensor, valid: torch.Tensor, bounds: list[int], vocab: int
-    ) -> torch.Tensor | None:
-        if self.token_weights is None:
-            return None
-        w = self.token_weights
-        return (~torch.isfinite(w) | (w < 0)).sum().reshape(1)  # read in the call's one sync
-
-    def begin(self, starts: list[int], n_rows: int, sizes: list[int]) -> None:
-        if self.token_weights is not None and sizes[0]:
-            raise ValueError(
-                f"loss_weights must be finite and >= 0: {sizes[0]} of "
-                f"{self.token_weights.numel()} entries are negative, NaN or inf"
-            )
 
     def _row_terms(
         self, lse: torch.Tensor, valid: torch.Tensor, start: int
@@ -248,10 +221,7 @@ class WeightedCEObjective(ChunkObjective):
         safe = torch.where(valid, labels, 0).unsqueeze(1)  # [n, 1]
         zero = out.new_zeros(())
         eps, s = self.label_smoothing, self.z_loss
-        w = None  # per-token weights of the chunk [n], 0 where ignored
-        if self.token_weights is not None:
-            w_c = self.token_weights[start : start + labels.shape[0]].to(out.dtype)
-            w = torch.where(valid, w_c, zero)
+        w = self.chunk_weights(valid, start, out.dtype)  # [n], 0 where ignored; None: unweighted
         # before z may be overwritten (z is out from hidden states)
         top = z.argmax(dim=-1) if self.token_accuracy or self.predicted_tokens else None  # [n]
         if self.predicted_tokens:

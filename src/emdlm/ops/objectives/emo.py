@@ -65,9 +65,16 @@ class EMOObjective(ChunkObjective):
         mu: weight of DEMD for "static".
         max_ratio: cap of the emo1 ratio (None: no cap).
         demd_out: optional [N] tensor receiving the per-token DEMD (0 where ignored).
+
+    Per-token weights w_t (:meth:`~emdlm.ops.chunked.ChunkObjective.weigh_tokens`): the loss
+    is Σ_t w_t·L_t ("sum") or Σ_t w_t·L_t / Σ_t w_t ("mean") over the counted tokens, and
+    "ce" / "demd" are the same weighted means. The dynamic mix (emo1's sg(CE_t/DEMD_t), emo2's
+    sg(DEMD_t/CE_t)) is a ratio of one token's own terms, so it is computed as without
+    weights (w_t cancels in it) and w_t scales the token's whole L_t and its gradient.
     """
 
     n_stats = 2
+    takes_token_weights = True
 
     def __init__(
         self,
@@ -111,12 +118,13 @@ class EMOObjective(ChunkObjective):
             s_buf,
             max_ratio=self.max_ratio,
             demd_out=None if self.demd_out is None else self.demd_out[start : start + n],
+            weights=self.chunk_weights(valid, start, out.dtype),
         )
         return ChunkOut(loss=sums.loss, grad=g, stats=torch.stack([sums.ce, sums.demd]))
 
     def finish(self, stats: torch.Tensor, count: torch.Tensor, want_grad: bool) -> Finish:
         self.scratch = None
-        denom = count.clamp_min(1).to(stats.dtype)
+        denom = torch.where(count > 0, count, 1).to(stats.dtype)  # a weight sum may be < 1
         components = {"ce": stats[0] / denom, "demd": stats[1] / denom, "n_tokens": count}
         return Finish(extra_loss=stats.new_zeros(()), sparse=None, components=components)
 

@@ -42,11 +42,14 @@ def _chunk(
     opts: dict[str, Any],
     grad_scale: torch.Tensor | None,
     staging: torch.Tensor,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One chunk: per-token (loss value, base, DEMD) [n] and, if asked, d(loss)/dz [n, V].
 
     ``z``, ``u``: [n, V] student / teacher logits (any dtype, any strides; read only);
-    ``staging``: [n, V] compute-dtype buffer that receives the student logits (it may be ``z``).
+    ``staging``: [n, V] compute-dtype buffer that receives the student logits (it may be ``z``);
+    ``weights``: optional [n] per-token weights w_t (0 where ignored), multiplying each token's
+    value, base, DEMD and gradient (the per-token mix ratio is the token's own: w_t cancels).
     """
     cdtype = cost.dtype  # the compute dtype: prepare_cost cast Ê to it
     keep = valid[:, None]
@@ -82,10 +85,13 @@ def _chunk(
     zero = torch.zeros((), dtype=cdtype, device=z.device)
     base_value = torch.where(valid, base_value, zero)
     demd = torch.where(valid, demd, zero)
+    if weights is not None:  # w_t·L_t and the stats alike
+        value, base_value, demd = value * weights, base_value * weights, demd * weights
     if grad_scale is None:
         return value, base_value, demd, None
-    a = a * grad_scale
-    b = b * grad_scale  # type: ignore[operator]
+    row_scale = grad_scale if weights is None else grad_scale * weights  # k or k·w_t
+    a = a * row_scale
+    b = b * row_scale  # type: ignore[operator]
     q_dot_g = torch.linalg.vecdot(q, g, dim=1)  # [n]
     grad = g.sub_(q_dot_g[:, None]).mul_(q).mul_(b[:, None])  # b · q ⊙ (g - q·g)
     if base == "kl":  # a · ((Σp) q - p)
@@ -105,9 +111,14 @@ class EMODistillObjective(ChunkObjective):
         opts: base, mode, mu, temperature, max_ratio, checked where the loss is built
             (:class:`emdlm.losses.emo_distill.EMODistillLoss`; their meaning:
             :mod:`emdlm.functional.emo_dense`).
+
+    Per-token weights w_t (:meth:`~emdlm.ops.chunked.ChunkObjective.weigh_tokens`): Σ_t w_t·L_t
+    ("sum") or Σ_t w_t·L_t / Σ_t w_t ("mean"), "base" and "demd" the same weighted means; the
+    dynamic mix of emo1 / emo2 is a ratio of the token's own terms, computed as without weights.
     """
 
     n_stats = 2
+    takes_token_weights = True
 
     def __init__(self, teacher_logits: torch.Tensor, cost: torch.Tensor, opts: dict[str, Any]):
         self.teacher, self.cost, self.opts = teacher_logits, cost, opts
@@ -137,12 +148,15 @@ class EMODistillObjective(ChunkObjective):
     ) -> ChunkOut:
         u = self._teacher_rows(start, start + z.shape[0])
         safe = torch.where(valid, labels, 0)
-        value, base, demd, g = _chunk(z, u, safe, valid, self.cost, self.opts, grad_scale, out)
+        w = self.chunk_weights(valid, start, out.dtype)
+        value, base, demd, g = _chunk(
+            z, u, safe, valid, self.cost, self.opts, grad_scale, out, w
+        )
         return ChunkOut(loss=value.sum(), grad=g, stats=torch.stack([base.sum(), demd.sum()]))
 
     def finish(self, stats: torch.Tensor, count: torch.Tensor, want_grad: bool) -> Finish:
         self.blocks, self.flat = [], None
-        denom = count.clamp_min(1).to(stats.dtype)
+        denom = torch.where(count > 0, count, 1).to(stats.dtype)  # a weight sum may be < 1
         components = {"base": stats[0] / denom, "demd": stats[1] / denom, "n_tokens": count}
         return Finish(extra_loss=stats.new_zeros(()), sparse=None, components=components)
 

@@ -37,6 +37,12 @@ class NTILObjective(CandidateCEObjective):
         settings: the NTIL knobs (the reduction is applied by the engine).
         generator: draws the Gumbel noise of ``value_mode="gumbel"`` once the spans are made.
 
+    Per-token weights w_t (:meth:`~emdlm.ops.chunked.ChunkObjective.weigh_tokens`; a token of
+    weight 0 is an ignored label before the spans are found, ``EMDLMLoss``): CE is the weighted
+    CE family's (Σ w·CE / Σ w), n = Σ_t w_t, the NTIL terms are averaged with the number tokens'
+    w and the numbers' mean weights (:func:`emdlm.functional.ntil.ntil_terms`), and the dynamic
+    mix c = λ·sg(CE/NTIL) is taken, as without weights, from these weighted CE and NTIL.
+
     The span sizes and the widest class are read in the engine's one host sync of the call
     (:meth:`host_sizes`); spans, candidates and noise are made in :meth:`begin`. The chunk
     bounds of the number tokens and the candidate ids the sparse gradient touches come with it.
@@ -70,11 +76,15 @@ class NTILObjective(CandidateCEObjective):
         spans, candidates = kept.spans, kept.candidates
         assert spans is not None and candidates is not None and kept.logits is not None
         count_f = count.to(torch.float64)
-        ce_mean = stats[0].double() / count_f.clamp_min(1)
+        ce_mean = stats[0].double() / torch.where(count_f > 0, count_f, 1.0)  # a weight sum: < 1?
+        token_weight = None
+        if self.token_weights is not None:  # w_m of the number tokens (> 0: zeros were dropped)
+            token_weight = self.token_weights.index_select(0, spans.flat_index).double()
         leaf = kept.logits.requires_grad_(want_grad and spans.n_tokens > 0)
         with torch.enable_grad():
             terms = ntil_terms(
-                leaf, candidates, spans, self.n_rows, settings, self.noise, n_tokens=count
+                leaf, candidates, spans, self.n_rows, settings, self.noise, n_tokens=count,
+                token_weight=token_weight,
             )
         coef = mix_coefficient(ce_mean, terms.ntil, settings)
         sparse = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from emdlm.functional.ntil import number_weights
 from emdlm.functional.ntl import (
     REWEIGH_FACTOR,
     NTLSettings,
@@ -92,9 +93,20 @@ class NTLObjective(CandidateCEObjective):
       number's first token, a dense q-row term, is left in :attr:`lse_grad` (sum units) for the
       caller to add through the head (``emdlm.losses.ntl.NTLLoss._after_from_hidden``).
 
+    Per-token weights w_t (:meth:`~emdlm.ops.chunked.ChunkObjective.weigh_tokens`; a token of
+    weight 0 is an ignored label before the spans are found, ``EMDLMLoss``): CE is the weighted
+    CE family's, n = Σ_t w_t, and with item weights ω (token level: ω_m = w_m; number level:
+    ω_s = the mean weight of the number's tokens, :func:`emdlm.functional.ntil.number_weights`)
+
+        NTL = Σ ω·ℓ / D,   D = Σ ω ("number")  or  n ("token"),
+
+    "number_mass" the same weighted mean of μ.
+
     Args:
         draft: the labels' span draft; vocab: the number vocabulary; settings: the NTL knobs.
     """
+
+    takes_token_weights = True
 
     def __init__(self, draft: SpanDraft, vocab: NumberVocab, settings: NTLSettings) -> None:
         super().__init__(draft, vocab)
@@ -102,8 +114,9 @@ class NTLObjective(CandidateCEObjective):
         # the base's stats, then Σℓ and Σμ at token level (:meth:`_row_terms`)
         self.n_base_stats = WeightedCEObjective.n_stats
         self.n_stats = self.n_base_stats + (2 if settings.level == "token" else 0)
-        self.n_counted = 0
-        self.item_weight = 0.0
+        self.n_counted: int | torch.Tensor = 0  # n: counted labels, or Σ_t w_t with weights
+        self.item_weight: float | torch.Tensor = 0.0  # λ·n/D, a 0-d tensor with weights
+        self.omega: torch.Tensor | None = None  # [M] or [S] item weights ω (None: all 1)
         self.lse_kept: torch.Tensor | None = None
         self.lse_grad: torch.Tensor | None = None  # [M] float64, number level with reweigh
         self.count: torch.Tensor | None = None
@@ -115,10 +128,13 @@ class NTLObjective(CandidateCEObjective):
         self, labels: torch.Tensor, valid: torch.Tensor, bounds: list[int], vocab: int
     ) -> torch.Tensor:
         """[n, then :meth:`CandidateLogits.host_sizes`]."""
+        if self.token_weights is not None:  # n = Σ_t w_t stays on the device
+            self.n_counted = self.counted(valid).double()
         return torch.cat([valid.sum().reshape(1), self.kept.host_sizes(labels, bounds)])
 
     def begin(self, starts: list[int], n_rows: int, sizes: list[int]) -> None:
-        self.n_counted = sizes[0]
+        if self.token_weights is None:
+            self.n_counted = sizes[0]
         kept = self.kept
         kept.begin(starts, sizes[1:])
         spans, candidates = kept.spans, kept.candidates
@@ -128,8 +144,14 @@ class NTLObjective(CandidateCEObjective):
         )
         settings = self.ntl
         n_items = spans.n_tokens if settings.level == "token" else spans.n_numbers
+        if self.token_weights is not None:
+            w_m = self.token_weights.index_select(0, spans.flat_index).double()  # [M] > 0
+            self.omega = (
+                w_m if settings.level == "token"
+                else number_weights(w_m, spans.number_id, spans.n_numbers)
+            )
         # Σℓ enters the summed loss with λ·n/D: D = the items ("number") or n ("token").
-        share = 1.0 if settings.averaging == "token" else self.n_counted / max(n_items, 1)
+        share = 1.0 if settings.averaging == "token" else self.n_counted / self._items(n_items)
         self.item_weight = settings.lam * share
         if settings.level == "token":
             unit = leading_units(candidates, spans)  # [M, 1]
@@ -138,6 +160,13 @@ class NTLObjective(CandidateCEObjective):
             squash = token_squash(values, candidates, settings)
             worst = REWEIGH_FACTOR * worst_distance(candidates, unit, settings.loss, squash)
             self.token_tables = (values, gold, worst, squash)
+
+    def _items(self, n_items: int) -> float | torch.Tensor:
+        """The items' weight Σ ω (their number without weights), ≥ 1 or > 0."""
+        if self.omega is None:
+            return float(max(n_items, 1))
+        total = self.omega.sum()
+        return torch.where(total > 0, total, 1.0)
 
     def _row_terms(
         self, lse: torch.Tensor, valid: torch.Tensor, start: int
@@ -165,14 +194,20 @@ class NTLObjective(CandidateCEObjective):
             squash.row_slice(lo, hi) if squash is not None else None,
         )
         w, n = self.item_weight, lse.shape[0]
+        # The base multiplies the row's loss and q coefficient by w_t; the sparse part and
+        # the stats are weighted here.
         loss = lse.new_zeros(n).index_add(0, local, (w * ell).to(lse.dtype))  # [n]
         q_coef = lse.new_zeros(n).index_add(0, local, (w * grad_lse).to(lse.dtype))  # [n]
+        grad = w * grad_c
+        if self.omega is not None:
+            omega = self.omega[lo:hi]  # [m]
+            ell, mass, grad = ell * omega, mass * omega, grad * omega.unsqueeze(1)
         return RowTerms(
             loss=loss,
             q_coef=q_coef,
             rows=local,
             ids=candidates.ids[lo:hi],
-            grad=w * grad_c,
+            grad=grad,
             stats=torch.stack([ell.sum(), mass.sum()]),
         )
 
@@ -183,7 +218,7 @@ class NTLObjective(CandidateCEObjective):
         assert self.lse_kept is not None
         self.count = count
         dtype = stats.dtype
-        ce_mean = stats[0] / count.clamp_min(1).to(dtype)
+        ce_mean = stats[0] / torch.where(count > 0, count, 1).to(dtype)  # a weight sum: < 1?
         extra = stats.new_zeros(())
         sparse = None
         if settings.level == "token":
@@ -196,6 +231,8 @@ class NTLObjective(CandidateCEObjective):
             lse_leaf = self.lse_kept.requires_grad_(need)
             with torch.enable_grad():
                 per_number, mass = number_ntl(leaf, lse_leaf, candidates, spans, settings)
+                if self.omega is not None:
+                    per_number, mass = per_number * self.omega, mass * self.omega
                 total = per_number.sum()
             ntl_sum, mass_sum = total.detach(), mass.detach().sum()
             extra = (self.item_weight * ntl_sum).to(dtype)
@@ -211,11 +248,15 @@ class NTLObjective(CandidateCEObjective):
                     )
                 if grad_lse is not None and settings.reweigh:
                     self.lse_grad = grad_lse * self.item_weight  # [M], at first tokens only
-        ntl = ntl_sum / ntl_denominator(n_items, count, settings.averaging)
+        if self.omega is None:
+            ntl = ntl_sum / ntl_denominator(n_items, count, settings.averaging)
+        else:  # D = Σ ω ("number") or n = Σ_t w_t ("token")
+            d = self._items(n_items) if settings.averaging == "number" else count.double()
+            ntl = ntl_sum / torch.where(torch.as_tensor(d) > 0, d, 1.0)
         components = {
             "ce": ce_mean,
             "ntl": ntl.to(dtype),
-            "number_mass": (mass_sum / max(n_items, 1)).to(dtype),
+            "number_mass": (mass_sum / self._items(n_items)).to(dtype),
             "n_digit_tokens": torch.tensor(spans.n_tokens),
             "n_tokens": count,
         }
