@@ -15,6 +15,10 @@ Methods (same hidden states, head weight and labels; gradients w.r.t. hidden and
     number_level    emdlm.NumberLevelLoss(...).from_hidden(h, W, y)    (CE + 0.3 number-level)
     dft             emdlm.DFTLoss().from_hidden(h, W, y)
     ce_options      CrossEntropyLoss(label_smoothing=0.1, z_loss=1e-4, token_accuracy=True)
+    ce_entropy      CrossEntropyLoss(entropy=True): the per-token entropy as a component
+    ce_predicted    CrossEntropyLoss(predicted_tokens=True): the argmax token per position
+    ce_weighted     CrossEntropyLoss() with per-token loss_weights (uniform in [0, 2), seed 0)
+    ce_ntil_weighted  the ce_ntil loss with the same loss_weights
     cce_torch       Cut Cross-Entropy's ``linear_cross_entropy(..., impl="torch_compile")``
                     (only if ``cut_cross_entropy`` imports in the child's Python, --child-python)
 
@@ -51,7 +55,8 @@ from _table import print_ratio_table
 from _timing import timed_passes
 
 METHODS = ("logits_ce", "logits_ntil", "ce", "ce_ntil", "tailr", "ntl_mse", "ntl_was",
-           "number_level", "dft", "ce_options", "cce_torch")
+           "number_level", "dft", "ce_options", "ce_entropy", "ce_predicted", "ce_weighted",
+           "ce_ntil_weighted", "cce_torch")
 
 
 
@@ -104,7 +109,17 @@ def build(method: str, vocab: int) -> Any:
         "number_level": NumberLevelLoss(number_vocab),
         "dft": DFTLoss(),
         "ce_options": CrossEntropyLoss(label_smoothing=0.1, z_loss=1e-4, token_accuracy=True),
+        "ce_entropy": CrossEntropyLoss(entropy=True),
+        "ce_predicted": CrossEntropyLoss(predicted_tokens=True),
+        "ce_weighted": CrossEntropyLoss(),
+        "ce_ntil_weighted": NTILLoss(number_vocab, value_mode="argmax"),
     }[method]
+    if method.endswith("_weighted"):
+        def weighted(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            gen = torch.Generator().manual_seed(0)
+            weights = 2 * torch.rand(y.numel(), generator=gen, dtype=h.dtype)
+            return fn.from_hidden(h, w, y.reshape(-1), loss_weights=weights).loss
+        return weighted
     return lambda h, w, y: fn.from_hidden(h, w, y.reshape(-1)).loss
 
 
