@@ -235,7 +235,7 @@ def test_train_then_eval_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_train_with_eval_evaluates_the_final_model(tmp_path):
-    """Issue 36: `emdlm train --eval` (eval.at_end) evaluates on data.eval after training, as
+    """`emdlm train --eval` (eval.at_end) evaluates on data.eval after training, as
     `emdlm eval <output>` would, and one line ends a normal run."""
     out = tmp_path / "run"
     result, text = _invoke("train", "-c", "arithmetic_ntil", *TINY, "eval.max_new_tokens=5",

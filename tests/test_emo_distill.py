@@ -1,4 +1,4 @@
-"""EMO distillation to a dense target (issue 10, "EMD distillation"): the chunked loss against the
+"""EMO distillation to a dense target (EMD distillation): the chunked loss against the
 reference formula of EMO Eq. 15, exact OT (POT), float64 gradcheck, edge inputs; the `teacher:`
 run config (refusals before anything is written) and a tiny distillation run whose logged loss is
 the direct computation."""
