@@ -1,5 +1,5 @@
 """Every registered objective, once, for the tests: what it needs, how to build it, and its
-implementation paths and presets (issue 34).
+implementation paths and presets.
 
 ``SPECS`` names each objective of the registry (``emdlm.objective_specs``);
 tests/test_objective_registry.py fails when an objective is registered without an entry here,

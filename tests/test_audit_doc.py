@@ -1,4 +1,4 @@
-"""docs/audit.md (issue 12, point 9) names a test for every bad or unusual input it lists: each
+"""docs/audit.md names a test for every bad or unusual input it lists: each
 named test must exist, so the table cannot drift from the suite."""
 
 from __future__ import annotations

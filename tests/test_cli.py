@@ -3,7 +3,11 @@ end-to-end train + eval."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
+import types
+import typing
 from pathlib import Path
 
 import pytest
@@ -190,6 +194,48 @@ def test_bad_input_fails_before_writing(tmp_path, case, message):
     assert not out.exists()  # nothing written half-way
 
 
+def test_a_plain_value_for_data_train_is_one_line_naming_the_key(tmp_path):
+    out = tmp_path / "out"
+    result, text = _invoke("train", "-c", "arithmetic_ce", *TINY, "data.train=x",
+                           f"output_dir={out}")
+    assert result.exit_code == 2, text
+    assert isinstance(result.exception, SystemExit) and "Traceback" not in text, text
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert len(lines) == 1, text
+    assert "data.train must be a mapping of path, task" in lines[0]
+    assert "data.train.path=" in lines[0] and "got 'x'" in lines[0]
+    assert not out.exists()
+
+
+def _mapping_valued_keys(cls: type, where: str = "") -> list[str]:
+    """Every key of the run config whose value is a mapping (a section or a dict field), read
+    from the dataclasses, so a new one is checked without being listed here."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        allowed = [a for a in (typing.get_args(hint) if union else (hint,)) if a is not type(None)]
+        section = next((a for a in allowed if dataclasses.is_dataclass(a)), None)
+        if section is not None:
+            keys += [where + f.name, *_mapping_valued_keys(section, f"{where}{f.name}.")]
+        elif all(typing.get_origin(a) is dict for a in allowed):
+            keys.append(where + f.name)
+    return keys
+
+
+def test_every_mapping_valued_key_refuses_a_plain_value():
+    from emdlm.config import RunConfig
+
+    keys = _mapping_valued_keys(RunConfig)
+    assert {"data", "data.train", "data.eval", "objective.params", "model.params",
+            "data.train.params", "train.fsdp_config"} <= set(keys)
+    for key in keys:
+        for value in ("x", "3", "[1, 2]"):
+            with pytest.raises(ConfigError, match=rf"^{re.escape(key)} must be a mapping") as err:
+                load_config("arithmetic_ce", [f"{key}={value}"])
+            assert "\n" not in str(err.value)
+
+
 def test_existing_output_needs_resume_or_overwrite(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -235,7 +281,7 @@ def test_train_then_eval_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_train_with_eval_evaluates_the_final_model(tmp_path):
-    """Issue 36: `emdlm train --eval` (eval.at_end) evaluates on data.eval after training, as
+    """`emdlm train --eval` (eval.at_end) evaluates on data.eval after training, as
     `emdlm eval <output>` would, and one line ends a normal run."""
     out = tmp_path / "run"
     result, text = _invoke("train", "-c", "arithmetic_ntil", *TINY, "eval.max_new_tokens=5",

@@ -1,4 +1,4 @@
-"""The chunk step of every objective compiles with ``fullgraph=True`` (issue 37, point 3).
+"""The chunk step of every objective compiles with ``fullgraph=True``.
 
 The engine (:mod:`emdlm.ops.chunked`) reads every data-dependent size of a call in one host
 sync at the start of forward (``_Pass.of``, ``ChunkObjective.host_sizes`` / ``begin``), so the
@@ -19,7 +19,7 @@ then each chunk is run by ``torch.compile(step, fullgraph=True, backend="aot_eag
 gradient buffer, the stats and the objective's kept state (NTIL's class-candidate logits) must
 agree. ``start`` is a Python int: each chunk is its own specialization (``dynamic=False``).
 
-Before issue 37 point 3 the logits path of CE / TaiLr / MixCE / NTIL / digit EMD / EMO broke
+The logits path of CE / TaiLr / MixCE / NTIL / digit EMD / EMO used to break
 the graph at ``z.data_ptr() != out.data_ptr()`` (Dynamo: "Data pointer comparison"); the
 objectives now test ``z is out``. ``kl_distill`` has no chunk objective (plain autograd,
 :func:`emdlm.functional.emo_dense.kl_distill_loss`).

@@ -1,4 +1,4 @@
-"""The conformance suite: one set of checks run over every registered objective (issue 34).
+"""The conformance suite: one set of checks run over every registered objective.
 
 A new objective is tested here by being registered: its entry in ``emdlm.objective_specs`` and
 in tests/_objectives.py (``SPECS``, which tests/test_objective_registry.py holds equal to the

@@ -1,4 +1,4 @@
-"""Every objective on the test device against the float64 CPU reference (issue 37).
+"""Every objective on the test device against the float64 CPU reference.
 
 The tests marked ``cuda`` run on the device of the ``device`` fixture: ``cuda`` where a GPU is
 visible, else ``cpu`` (CI), or whatever ``EMDLM_TEST_DEVICE`` names (tests/conftest.py). The code

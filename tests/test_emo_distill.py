@@ -1,4 +1,4 @@
-"""EMO distillation to a dense target (issue 10, "EMD distillation"): the chunked loss against the
+"""EMO distillation to a dense target (EMD distillation): the chunked loss against the
 reference formula of EMO Eq. 15, exact OT (POT), float64 gradcheck, edge inputs; the `teacher:`
 run config (refusals before anything is written) and a tiny distillation run whose logged loss is
 the direct computation."""
@@ -289,6 +289,28 @@ def test_bad_options_are_refused(kwargs: dict[str, Any], match: str) -> None:
     emb, *_ = _case(12)
     with pytest.raises(ValueError, match=match):
         EMODistillLoss(emb, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("temperature", 0.0), ("temperature", -1.0), ("temperature", float("inf")),
+     ("temperature", float("nan")), ("temperature", True), ("alpha", 1.5),
+     ("alpha", float("nan")), ("alpha", True)],
+)
+def test_kl_distill_refuses_a_bad_option_once_in_the_registry_words(option: str, value: Any):
+    """The class refuses through the registry's domain (EMDLMLoss.__new__), the functional with
+    the same domain and the same words (an infinite τ flattens the teacher: refused too)."""
+    emb, z, u, y = _case(14)
+    with pytest.raises(ValueError) as by_class:
+        KLDistillLoss(**{option: value})
+    with pytest.raises(ValueError) as by_function:
+        kl_distill_loss(z, u, y, **{option: value})
+    assert str(by_class.value) == f"KLDistillLoss: {by_function.value}"
+    assert str(by_function.value).startswith(f"{option} must be a finite number")
+    if option == "temperature":  # the EMO distillation's τ: the same check
+        with pytest.raises(ValueError) as by_emo:
+            emo_distill_loss(z, u, y, emb, temperature=value)
+        assert str(by_emo.value) == str(by_function.value)
 
 
 def test_bad_teacher_logits_are_refused() -> None:

@@ -209,6 +209,39 @@ def test_extra_evaluations_are_reported_with_their_prefix(tmp_path):
     assert {r["step"] for r in rows} == {"20"} and len(rows) == 2 * 6 * 2
 
 
+def test_the_learning_curves_legend_covers_no_panel_and_no_title(tmp_path, monkeypatch):
+    """The variants' legend (8 variants, 4 metrics: the size of a real grid) sits outside every
+    panel, its title, tick labels and axis label included, and below the figure's title."""
+    from emdlm.experiments import plots
+    from emdlm.experiments.results import Row
+
+    variants = ["ce", "emd", "ntil", "ntil_stable", "ntil_no_exp_weights", "ntil_no_relative",
+                "ntil_no_magnitude", "ce_tuned"]
+    metrics = ["abs_error_mean", "log10_error_mean", "within_5pct", "exact_match"]
+    rng = np.random.default_rng(0)
+    rows = [Row("t", v, s, step, m, float(rng.random()) * (100 if m == "abs_error_mean" else 1))
+            for v in variants for s in range(3) for step in (500, 1000, 1500) for m in metrics]
+    saved = []
+    keep = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, path: (saved.append(fig), keep(fig, path)))
+    assert plots.plot_learning_curves(rows, "t", variants, tmp_path / "c.png")
+    (fig,) = saved
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)  # the saved figure, drawn again as it was laid out
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    legends = [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend())]
+    assert len(legends) == 1 and len(legends[0].get_texts()) == len(variants)
+    box = legends[0].get_window_extent(renderer)
+    assert len(fig.axes) == len(metrics)
+    for ax in fig.axes:
+        assert not box.overlaps(ax.get_tightbbox(renderer)), ax.get_title()
+    assert not box.overlaps(fig._suptitle.get_window_extent(renderer))
+    assert fig.bbox.contains(box.x0, box.y0) and fig.bbox.contains(box.x1, box.y1)
+    assert (tmp_path / "c.png").read_bytes().startswith(b"\x89PNG")
+
+
 def test_single_step_grid_plots_final_values_and_a_text_note(tmp_path):
     """checkpoints: final (one evaluated step): final values, not curves; text metrics explained."""
     from emdlm.experiments.plots import plot_learning_curves

@@ -356,3 +356,31 @@ def test_cell_console_prefixes_logging_handlers_made_before_the_cell() -> None:
     assert console.getvalue().splitlines() == [
         "before", "[t/ce/seed0] tokenizer has new PAD/BOS/EOS tokens", "after"]
     assert handler.stream is console
+
+
+def test_sigterm_stops_the_grid_even_where_sigint_is_ignored(tmp_path):
+    """SIGTERM to the runner is a Ctrl-C of the grid also in a process started with SIGINT
+    ignored (a command put in the background by a non-interactive shell, ``cmd &``, inherits
+    SIG_IGN for SIGINT, and Python then installs no KeyboardInterrupt handler): re-sending
+    SIGINT to itself did nothing there, and the grid ran on to its end."""
+    import signal
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal, sys\n"
+        "assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN\n"
+        "from emdlm.experiments.runner import _sigterm_as_ctrl_c\n"
+        "try:\n"
+        "    with _sigterm_as_ctrl_c():\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        for _ in range(50):\n"
+        "            __import__('time').sleep(0.1)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted'); sys.exit(0)\n"
+        "print('ran on'); sys.exit(1)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, preexec_fn=lambda: signal.signal(signal.SIGINT,
+                                                                        signal.SIG_IGN))
+    assert (proc.returncode, proc.stdout.strip()) == (0, "interrupted"), proc.stderr[-2000:]

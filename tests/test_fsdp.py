@@ -1,4 +1,4 @@
-"""Issue 11 item 4: sharded training (FSDP2, gloo on CPU) and the sharded output embedding.
+"""Sharded training (FSDP2, gloo on CPU) and the sharded output embedding.
 
 - ``emdlm train ... train.fsdp=true`` on 2 processes (torchrun) x batch 2 == 1 unsharded process
   x batch 4 (both with gradient accumulation 2): the same per-step losses and final weights,

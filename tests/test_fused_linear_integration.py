@@ -1,4 +1,4 @@
-"""Issue 11 item 2: the from-hidden switch of the Trainer adapter
+"""The from-hidden switch of the Trainer adapter
 (``make_compute_loss_func(..., from_hidden=True)``) and ``emdlm.patch``: a few real
 ``transformers.Trainer`` steps with gradient accumulation 2 give the same per-step losses and the
 same final weights as the logits path, for tiny GPT-2 and LLaMA models and CE / NTIL / EMO."""

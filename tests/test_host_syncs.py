@@ -1,4 +1,4 @@
-"""At most one host synchronisation per loss call (issue 37, point 2).
+"""At most one host synchronisation per loss call.
 
 On an accelerator every read of a device value on the host (``.item()``, ``bool(t)``,
 ``.tolist()``, ``nonzero``, ``unique``, a host→device copy of a Python list...) waits for the

@@ -110,7 +110,7 @@ def test_log_line_has_no_raw_dict():
     end = log_line({"train_runtime": 12.34, "train_loss": 1.5, "epoch": 1.0}, 10, 10)
     assert end == (
         "done: 10 steps in 12.3 s, mean train loss 1.5 over the steps run since (re)start"
-    )  # issue 36: a normal end does not read like an interruption
+    )  # a normal end does not read like an interruption
     cut = log_line({"train_runtime": 3.0, "epoch": 0.4}, 4, 10)
     assert cut == "stopped at step 4 of 10 after 3.0 s"  # Ctrl-C: it says what was left
 
@@ -204,7 +204,7 @@ def test_close_process_group_without_a_process_group_does_nothing():
 
 
 def test_report_to_passes_through_to_the_trainer(tmp_path):
-    """Issue 36: train.report_to reaches TrainingArguments (a name or a list; 'none' or left
+    """train.report_to reaches TrainingArguments (a name or a list; 'none' or left
     out: no integration, emdlm's own train_log.jsonl and tb/ stay); an integration transformers
     does not know (or whose package is missing) is refused; DDP does not search a causal LM for
     unused parameters."""

@@ -25,9 +25,10 @@ from emdlm.cli import app
 from emdlm.config import ConfigError
 from emdlm.experiments import expand_grid, load_experiment, run_experiment
 from emdlm.experiments.cell_folder import CELL_DONE, ERROR_FILE
-from emdlm.experiments.cell_lock import read_holder
+from emdlm.experiments.cell_lock import HOLDER_FILE, read_holder
 from emdlm.experiments.launchers import CLUSTER_EXTRA, LAUNCHERS, make_launcher
 from emdlm.experiments.launchers.slurm import SlurmLauncher, time_minutes
+from emdlm.training.checkpoints import checkpoint_folders
 
 # two cells that really train: 60 steps, a checkpoint every 20 (evaluated: 20, 40, 60)
 GRID = {
@@ -66,23 +67,33 @@ def local_rows(tmp_path_factory) -> list[tuple[str, ...]]:
 
 
 class KillMidCell(threading.Thread):
-    """SIGKILL the process working on ``cell`` once it has saved checkpoint-20 and not yet
-    finished training (its pid from the cell's holder record); ``killed`` then holds what
-    was seen at the kill."""
+    """SIGKILL the process working on ``cell`` once it has saved a checkpoint of step
+    ``at_step`` or later and not yet finished training (its pid from the cell's holder record);
+    ``killed`` then holds what was seen at the kill. Any checkpoint at or past the step counts:
+    the checkpoint rotation (train.save_total_limit) may delete checkpoint-20 before a poll
+    sees it, and waiting for that one folder then never killed anything."""
 
-    def __init__(self, cell: Path) -> None:
+    def __init__(self, cell: Path, at_step: int = 20) -> None:
         super().__init__(daemon=True)
-        self.cell, self.killed, self.stop = cell, {}, threading.Event()
+        self.cell, self.at_step, self.killed, self.stop = cell, at_step, {}, threading.Event()
+
+    def _saved_step(self) -> int | None:
+        """The newest checkpoint's step, if it is at least ``at_step``."""
+        newest = checkpoint_folders(self.cell / "train")[:1]
+        step = int(newest[0].name.split("-")[1]) if newest else None
+        return step if step is not None and step >= self.at_step else None
 
     def run(self) -> None:
         train = self.cell / "train"
         while not self.stop.is_set():
             record = read_holder(self.cell)
-            if record is not None and (train / "checkpoint-20").is_dir():
+            step = self._saved_step() if record is not None else None
+            if record is not None and step is not None:
                 os.kill(record["pid"], signal.SIGSTOP)  # still, while we look
                 trained = (train / "train_summary.json").exists()
                 os.kill(record["pid"], signal.SIGKILL)
-                self.killed = {"pid": record["pid"], "training_finished": trained}
+                self.killed = {"pid": record["pid"], "training_finished": trained,
+                               "checkpoint_step": step}
                 return
             time.sleep(0.02)
 
@@ -93,6 +104,29 @@ class KillMidCell(threading.Thread):
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
         self.join()
+
+
+def test_kill_mid_cell_kills_at_any_checkpoint_past_its_step(tmp_path):
+    """The helper kills at the first checkpoint at or past its step, also when checkpoint-20
+    has already rotated away (only checkpoint-40 left), and not before (checkpoint-10, or a
+    save still in progress)."""
+    cell = tmp_path / "cell"
+    (cell / "train" / "checkpoint-10").mkdir(parents=True)
+    (cell / "train" / "tmp-checkpoint-60").mkdir()  # a save in progress: not a checkpoint
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (cell / HOLDER_FILE).write_text(json.dumps({"host": "h", "pid": worker.pid}))
+        assert read_holder(cell)["pid"] == worker.pid
+        with KillMidCell(cell) as killer:
+            time.sleep(0.5)
+            assert worker.poll() is None and not killer.killed  # no checkpoint >= 20 yet
+            (cell / "train" / "checkpoint-40").mkdir()  # checkpoint-20 rotated away
+            assert worker.wait(timeout=20) == -signal.SIGKILL
+        assert killer.killed == {"pid": worker.pid, "training_finished": False,
+                                 "checkpoint_step": 40}
+    finally:
+        worker.kill()
+        worker.wait()
 
 
 def _assert_resumed_once(cell: Path) -> None:
@@ -142,10 +176,10 @@ def test_ray_retries_a_killed_worker_from_its_checkpoint(ray_cluster, local_rows
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=False, reason=(
-    "known bug, not yet fixed: in the full suite under pytest-xdist the Ray grid sometimes "
-    "ignores SIGTERM and finishes its cell (exit 0); it passes alone. Until the cause is found "
-    "SIGTERM to a `launcher=ray` grid is not a reliable stop (Ctrl-C in its terminal, or "
-    "`ray stop`, are)"))
+    "known flake: in the full suite under pytest-xdist the Ray grid sometimes ignored SIGTERM "
+    "and finished its cell (exit 0); it passes alone. A grid started with SIGINT ignored showed "
+    "exactly this and no longer does (the runner's SIGTERM handler no longer re-sends SIGINT); "
+    "that this was the full suite's cause is not yet shown, so the mark stays until it is"))
 def test_sigterm_cancels_a_ray_grid_that_resumes_where_it_stopped(tmp_path):
     """`emdlm experiment launcher=ray` starting its own local Ray (address=local): SIGTERM to
     it mid-cell cancels the task, whose training saves a checkpoint at its stop, and the

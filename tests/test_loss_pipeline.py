@@ -1,4 +1,4 @@
-"""One loss step for every route (issue 34 point 1).
+"""One loss step for every route.
 
 Every route — ``Trainer(compute_loss_func=...)``, :class:`EMDLMTrainer`, TRL's
 :class:`EMDLMSFTTrainer`, :func:`emdlm.patch` on logits and from hidden states, and the

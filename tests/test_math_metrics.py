@@ -1,6 +1,6 @@
-"""Eval kind ``math`` (issue 39 point 2): MathVista / MathVision answers scored as the benchmarks
+"""Eval kind ``math``: MathVista / MathVision answers scored as the benchmarks
 score them, with hand-worked normalisation cases (emdlm.math_answers), and the text detection
-Acc@0.5 of kind ``boxes`` (point 5)."""
+Acc@0.5 of kind ``boxes``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Readers of issue 39 point 1, on tiny fixtures written in each public format: MathVista (JSON
-dict and list, a saved ``datasets`` folder), MathVision (JSONL, a saved ``datasets`` folder),
+"""The benchmark readers, on tiny fixtures written in each public format: MathVista (JSON dict
+and list, a saved ``datasets`` folder), MathVision (JSONL, a saved ``datasets`` folder),
 CTW1500 (the 32-value and the polygon ``.txt``, the XML) and Total-Text (the ``.txt`` records
 and the ``.mat``), and ``images_root`` refusing images outside it."""
 

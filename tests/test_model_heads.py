@@ -1,4 +1,4 @@
-"""Every objective builds and trains on heads of models built from their configs (issue 12, 8b).
+"""Every objective builds and trains on heads of models built from their configs.
 
 A tied Qwen2 (or LLaMA) built from a config with a pad token has a ZERO row in its output
 embedding: ``nn.Embedding(padding_idx=...)`` zeroes the pad row. EMO's cosine cost is undefined

@@ -101,7 +101,7 @@ def test_readme_command_trains_on_two_processes(tmp_path, one_process, command):
     assert proc.returncode == 0, failure_text(proc.stderr)
     assert re.search(r"emdlm: world size 2 \(", proc.stderr), proc.stderr[-3000:]
     assert "but this run has" not in proc.stderr  # no launcher-mismatch warning
-    assert "find_unused_parameters" not in proc.stderr  # issue 36: no DDP search, no warning
+    assert "find_unused_parameters" not in proc.stderr  # no DDP search, no warning
 
     # both ranks consumed data: 3 steps x 2 x 4 examples of 64 is 0.375 epoch (0.1875 on one)
     summary = json.loads((two / "train_summary.json").read_text())

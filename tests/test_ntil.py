@@ -46,8 +46,8 @@ def loss_fn(**kw: Any) -> NTILLoss:
 
 
 # ---------------------------------------------------------------------------------------------
-# Oracle: the official xfey/NTIL algorithm (GUIDE §1.3), re-derived with Python loops in float64
-# autograd (argmax mode: Gumbel-softmax with no noise, straight-through).
+# Oracle: the official algorithm (https://github.com/xfey/NTIL, ntil.py), re-derived with Python
+# loops in float64 autograd (argmax mode: Gumbel-softmax with no noise, straight-through).
 def official_oracle(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -830,7 +830,7 @@ def test_token_static_accumulation_equals_full_batch(implementation: str, cls: t
 
 
 # ---------------------------------------------------------------------------------------------
-# Issue 12: stable NTIL gradients (mix-ratio cap, per-number EMD, floored magnitude) and numbers
+# Stable NTIL gradients (mix-ratio cap, per-number EMD, floored magnitude) and numbers
 # beyond float64.
 LEGACY = {"max_ratio": None, "per_number": False, "magnitude_floor": 0.0}  # = preset "paper"
 

@@ -1,4 +1,4 @@
-"""Which numbers the numeric objectives score (issue 8, ntloss #65): ``number_mask`` on NTIL /
+"""Which numbers the numeric objectives score (ntloss issue #65): ``number_mask`` on NTIL /
 digit EMD (logits and from-hidden paths), number scopes in the data (``data.number_scope`` and a
 row's ``number_scope``: "all", "answer", "answer:<task>", "regex:<pattern>"), the collators'
 ``number_mask`` and the Trainer glue, end to end through a real Trainer step."""

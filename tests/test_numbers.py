@@ -57,7 +57,7 @@ MIXED = f"x=3.015, y=-42, t=2_55, {BIG}"
 def test_gpt2_vocab_classes(gpt2_vocab: NumberVocab) -> None:
     v = gpt2_vocab
     assert v.vocab_size == 50257
-    assert int(v.is_number.sum()) == 1691  # GUIDE §2
+    assert int(v.is_number.sum()) == 1691  # GPT-2's number tokens (' 12345' is 'Ġ123', '45')
     assert v.digit_ids.tolist() == list(range(15, 25))  # '0'..'9' are ids 15..24 in GPT-2
     ids = v.is_number.nonzero().flatten()
     # Every number token sits at its (class, column) and classes are sorted by value.
@@ -436,7 +436,7 @@ def test_decimal_and_sign_rules() -> None:
     assert run(["-", "PAD", "3"], **PAPER) == [3.0]
     assert run(["3", ".", "1"], **OFFICIAL) == [3.0, 1.0]
     assert run(["3", ".", "1"], **PAPER, digits_only=True) == [3.1]
-    # A leading '.' (issue 12, 8e): ".5" is 0.5 with join_decimal, 5 in the official preset.
+    # A leading '.': ".5" is 0.5 with join_decimal, 5 in the official preset.
     assert run([".", "3"], **PAPER) == [0.3]
     assert run(["x", ".", "12", "3"], **PAPER) == [0.123]
     assert run(["-", ".", "3"], **PAPER) == [-0.3]

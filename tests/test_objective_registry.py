@@ -1,4 +1,4 @@
-"""The tests' one table of objectives (tests/_objectives.py) against the registry (issue 34).
+"""The tests' one table of objectives (tests/_objectives.py) against the registry.
 
 Every registered objective has an entry, and what the entry declares is what the library says:
 the test files that run a check over every objective take their list from that table. The
@@ -33,7 +33,7 @@ def test_every_registered_objective_has_a_spec() -> None:
 
 
 def test_every_table_of_objectives_is_the_registrys() -> None:
-    """config.py and objectives.py keep no list of their own (issue 34 point 3)."""
+    """config.py and objectives.py keep no list of their own: theirs is the registry's."""
     names = tuple(OBJECTIVE_SPECS)
     assert names == config.OBJECTIVES == tuple(_CLASSES)
     teacher = tuple(n for n in names if OBJECTIVE_SPECS[n].teacher)

@@ -1,4 +1,4 @@
-"""Switching objectives with one override (issue 36 point 4): ``objective.name=ce`` on an EMO
+"""Switching objectives with one override: ``objective.name=ce`` on an EMO
 config drops what EMO's config set that CE does not take, says so in one line on stderr, and
 builds; an explicit wrong parameter is still an error, and what the new objective takes stays.
 """

@@ -1,4 +1,4 @@
-"""Output folder safety (issue 12 points 1 and 4): --overwrite deletes only what emdlm wrote,
+"""Output folder safety: --overwrite deletes only what emdlm wrote,
 refuses the current folder, its parents and folders holding the run's inputs; a rejected setting
 leaves no folder behind, so the corrected command then runs."""
 

@@ -1,4 +1,4 @@
-"""Padding never leaks, and empty batches give an explicit 0 (issue 12, point 6).
+"""Padding never leaks, and empty batches give an explicit 0.
 
 For every registered objective and every implementation path: NaN, an all −inf row or a +inf
 logit at IGNORED positions must give the same finite loss as clean logits, the same gradients on

@@ -2,9 +2,9 @@
 cell folders (no training): 1-, 2- and 5-seed grids, a numeric task with a constant-answer floor
 and a text task without one.
 
-The 2-seed grid is the case a new user met (issue 35): a pilot whose percentile bootstrap
-printed [−137, −130] (the range of the two differences), whose paired t gave p = 0.016, and
-whose power table said 2 seeds suffice for the observed difference."""
+The 2-seed grid is a pilot's case: without these rules, its percentile bootstrap
+printed [−137, −130] (the range of the two differences), its paired t gave p = 0.016, and
+its power table said 2 seeds suffice for the observed difference."""
 
 from __future__ import annotations
 
@@ -196,7 +196,7 @@ def _text_grid_verdict(tmp_path, mauve_of):
 
 
 def test_mauve_that_cannot_rank_the_variants_is_said_in_the_verdict(tmp_path):
-    """Issue 35: MAUVE saturated for every model (seen with 4 buckets on a small set) or at its
+    """MAUVE saturated for every model (seen with 4 buckets on a small set) or at its
     floor for every model (the EMO fine-tuning grid) cannot rank them: the verdict says so."""
     saturated = _text_grid_verdict(tmp_path / "a", lambda v, s: 0.985 + 0.001 * s)
     assert "- MAUVE is saturated for every variant (ce 0.986, emo 0.986; >= 0.98)" in saturated

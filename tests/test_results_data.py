@@ -1,4 +1,4 @@
-"""Every figure in docs/results can be recomputed from a committed CSV (issue 35 point 3).
+"""Every figure in docs/results can be recomputed from a committed CSV.
 
 - A report written by ``emdlm experiment`` names its grid ("Variants: ...; seeds: ...;"): the
   CSVs in the folder of the report's name must hold every (variant, seed) it names.
@@ -24,7 +24,7 @@ RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 GRID = re.compile(r"^Variants: (.*?) \(baseline `[^`]*`\); seeds: ([\d, ]+);", re.M)
 CSV_NAME = re.compile(r"[\w./-]+\.csv")
 
-KNOWN_MISSING: dict[str, str] = {}  # empty since the arithmetic_how_fast re-run (issue 35)
+KNOWN_MISSING: dict[str, str] = {}  # empty since the arithmetic_how_fast re-run
 REPORTS = sorted(RESULTS.glob("*.md"))
 
 

@@ -1,4 +1,4 @@
-"""Resume from damaged checkpoints (issue 12 point 5): the checkpoint is checked before the run
+"""Resume from damaged checkpoints: the checkpoint is checked before the run
 folder changes, a damaged newest one is skipped with a warning naming the file, checkpoints are
 saved under a temporary name, and train_loss after a resume covers the whole run."""
 

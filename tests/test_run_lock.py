@@ -220,7 +220,7 @@ def test_two_trains_started_together_on_one_folder(tmp_path):
     (line,) = _error_lines(lost_err)
     assert f"in use by another process, pid {winner.pid} (emdlm train" in line, lost_err
     assert "Traceback" not in lost_err
-    assert won_out.count("saved: ") == 1  # the CLI's last line (issue 36 wording)
+    assert won_out.count("saved: ") == 1  # the CLI's last line, once
     log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == list(range(1, steps + 1))
     summary = json.loads((out / "train_summary.json").read_text())

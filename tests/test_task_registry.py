@@ -1,4 +1,4 @@
-"""One registry of eval kinds and one of tasks (issue 34 point 3, the task half).
+"""One registry of eval kinds and one of tasks: no other list of either.
 
 Eval kinds are data in :mod:`emdlm.eval_kinds`; the functions of each kind sit in a table keyed
 by the kind in the module that owns them. Every table holds exactly the registered kinds, so a

@@ -1,4 +1,4 @@
-"""Training through ``torch.compile(model)`` gives the eager losses and weights (issue 11, item 3).
+"""Training through ``torch.compile(model)`` gives the eager losses and weights.
 
 CE and NTIL on the logits path: a compiled tiny Llama and an eager copy take the same 2 SGD steps.
 The loss runs eagerly outside the compiled module (as ``transformers.Trainer`` with

@@ -1,4 +1,4 @@
-"""Issue 12 points 3 and 8a: reduction decided in one place (ComputeLoss) for every registered
+"""Reduction decided in one place (ComputeLoss) for every registered
 objective, checked through a real ``transformers.Trainer`` step with gradient accumulation; loss
 components in the Trainer's logs via ``LossComponentsCallback``."""
 

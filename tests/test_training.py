@@ -165,7 +165,7 @@ def test_lora_run_saves_adapter_and_merged_model(tmp_path):
 
 @pytest.mark.parametrize(("mode", "noted"), [("emo1", True), ("static", False)])
 def test_emo1_run_says_why_its_loss_equals_ce(tmp_path, capsys, mode, noted):
-    """Issue 36: under emo1 the logged loss equals ce in value at every step (Eq. 19); the run
+    """Under emo1 the logged loss equals ce in value at every step (Eq. 19); the run
     says so once and logs demd, where EMO's effect shows."""
     run_training(_cfg(
         tmp_path / "run", "objective.name=emo", "objective.cost_embedding=model",

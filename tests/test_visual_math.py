@@ -1,4 +1,4 @@
-"""The generated visual math task (issue 39): row format, determinism per seed, train/dev/test
+"""The generated visual math task: row format, determinism per seed, train/dev/test
 disjointness (and the train and test streams of the default parameters pinned as they were
 before the dev split), every sub-task's answer drawn correctly (bar heights, line points and
 shape counts measured on the pixels), the multiple-choice rows, the per-row number scope and

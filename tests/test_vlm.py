@@ -233,7 +233,7 @@ def test_lengths_match_what_the_collator_builds(tmp_path: Path) -> None:
 
 
 def test_cut_rows_are_counted_before_training(tmp_path: Path, capsys: Any) -> None:
-    """Issue 12: never cut or drop data without saying how much (image rows too)."""
+    """Image rows cut for length are counted and said before training (never a silent drop)."""
     from emdlm.datasets.image_rows import cut_image_rows
 
     tok, built = _built("tiny-qwen2-vl")
@@ -253,7 +253,7 @@ def test_cut_rows_are_counted_before_training(tmp_path: Path, capsys: Any) -> No
 
 
 def test_max_length_errors_say_the_measured_need(tmp_path: Path, capsys: Any) -> None:
-    """Issue 36: the image max_length error says how many tokens image + prompt + answer need
+    """The image max_length error says how many tokens image + prompt + answer need
     (measured on the rows, image tokens as the processor expands them)."""
     from emdlm.datasets.image_rows import cut_image_rows
 

@@ -1,6 +1,6 @@
 """A key written twice in YAML is an error naming the key and both lines, everywhere emdlm reads
 YAML: run configs, experiment configs, a run's saved run_config.yaml, override values, accelerate
-configs (second fault audit, point 5). YAML's own loaders keep the last key silently."""
+configs. YAML's own loaders keep the last key silently."""
 
 from __future__ import annotations
 

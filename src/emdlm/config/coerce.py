@@ -43,14 +43,17 @@ def _build(cls: type, data: Any, where: str) -> Any:
 
 
 def _coerce(hint: Any, value: Any, where: str) -> Any:
-    """Convert YAML scalars to the field's scalar type ("1e-3" -> 0.001 for a float field)."""
+    """Convert YAML scalars to the field's scalar type ("1e-3" -> 0.001 for a float field); a
+    field that takes a mapping (a section or a ``dict[...]``) refuses any other value."""
     origin = typing.get_origin(hint)
-    is_union = origin is typing.Union or origin is types.UnionType
+    is_union = _is_union(hint)
     args = typing.get_args(hint) if is_union else ()
     if value is None:
         if hint is type(None) or type(None) in args:
             return None
         raise ConfigError(f"{where} may not be null")
+    if not isinstance(value, dict) and _takes_mapping(hint):
+        raise ConfigError(_not_a_mapping(hint, value, where))
     if origin is not None and not is_union:  # list[...] / dict[...]: checked by the consumer
         return value
     scalar = [t for t in (args or (hint,)) if t in (bool, int, float, str)]
@@ -73,6 +76,30 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
     except ValueError:
         pass
     raise ConfigError(f"{where} must be {target.__name__}, got {value!r}")
+
+
+def _takes_mapping(hint: Any) -> bool:
+    """Whether every value ``hint`` allows (other than None) is a mapping."""
+    allowed = [a for a in (typing.get_args(hint) if _is_union(hint) else (hint,))
+               if a is not type(None)]
+    return bool(allowed) and all(
+        dataclasses.is_dataclass(a) or typing.get_origin(a) is dict or a is dict for a in allowed)
+
+
+def _not_a_mapping(hint: Any, value: Any, where: str) -> str:
+    """The one-line error for a non-mapping value of a mapping-valued key."""
+    section = _dataclass_in(hint)
+    if section is None:
+        return (f"{where} must be a mapping (set its entries as {where}.NAME=VALUE, or "
+                f"{where}={{NAME: VALUE}}), got {value!r}")
+    keys = [f.name for f in dataclasses.fields(section)]
+    return (f"{where} must be a mapping of {', '.join(keys)} (set them as {where}.{keys[0]}=..., "
+            f"or {where}={{{keys[0]}: ...}}), got {value!r}")
+
+
+def _is_union(hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    return origin is typing.Union or origin is types.UnionType
 
 
 def _dataclass_in(hint: Any) -> type | None:

@@ -47,12 +47,15 @@ def _save(fig: Any, path: Path) -> None:
 LOG_SCALE_METRICS = ("abs_error_mean", "abs_error_median")
 
 
-def _panels(plt: Any, n: int, *, columns: int, width: float, height: float) -> tuple[Any, list]:
+def _panels(plt: Any, n: int, *, columns: int, width: float, height: float,
+            layout: str | None = None) -> tuple[Any, list]:
     """A figure of ``n`` panels at most ``columns`` a row (one long row shrank every panel to
-    unreadable on a page), each ``width`` x ``height`` inches; the unused panels removed."""
+    unreadable on a page), each ``width`` x ``height`` inches; the unused panels removed.
+    ``layout``: matplotlib's layout engine ("constrained" makes room for a figure legend)."""
     cols = min(n, columns)
     rows = -(-n // cols)
-    fig, grid = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    fig, grid = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False,
+                             layout=layout)
     axes = [ax for row in grid for ax in row]
     for ax in axes[n:]:
         ax.remove()
@@ -63,15 +66,28 @@ def plot_learning_curves(rows: Sequence[Row], task: str, variants: Sequence[str]
                          path: Path, title: str | None = None) -> bool:
     """Mean over seeds and min-max band per variant for each key metric; False if no data or
     a single evaluated step (no curve to draw)."""
-    if len({r.step for r in rows if r.task == task}) < 2:
+    fig = learning_curves_figure(rows, task, variants, title)
+    if fig is None:
         return False
+    _save(fig, path)
+    _pyplot().close(fig)
+    return True
+
+
+def learning_curves_figure(rows: Sequence[Row], task: str, variants: Sequence[str],
+                           title: str | None = None) -> Any:
+    """The figure of :func:`plot_learning_curves` (None where it draws nothing): one panel per
+    metric, the variants' legend below the panels, where it covers no curve and no title."""
+    if len({r.step for r in rows if r.task == task}) < 2:
+        return None
     table = curves(rows, task)
     metrics = ([m for m in key_metrics(table) if not is_extra_metric(m)]
                or ordered_metrics(table)[:4])
     if not metrics:
-        return False
+        return None
     plt = _pyplot()
-    fig, axes = _panels(plt, len(metrics), columns=2, width=5.6, height=3.8)
+    fig, axes = _panels(plt, len(metrics), columns=2, width=5.6, height=3.8, layout="constrained")
+    legend: dict[str, Any] = {}  # label -> line, across panels (a variant may lack a metric)
     for ax, metric in zip(axes, metrics, strict=False):
         for variant in variants:
             by_seed = table[metric].get(variant)
@@ -85,20 +101,20 @@ def plot_learning_curves(rows: Sequence[Row], task: str, variants: Sequence[str]
                 warnings.simplefilter("ignore", RuntimeWarning)
                 mean = np.nanmean(grid, axis=0)
                 lo, hi = np.nanmin(grid, axis=0), np.nanmax(grid, axis=0)
-            line = ax.plot(steps, mean, marker="o", ms=3, label=f"{variant} (n={len(by_seed)})")
+            label = f"{variant} (n={len(by_seed)})"
+            line = ax.plot(steps, mean, marker="o", ms=3, label=label)
             ax.fill_between(steps, lo, hi, color=line[0].get_color(), alpha=0.2, linewidth=0)
+            legend.setdefault(label, line[0])
         ax.set_title(metric)
         ax.set_xlabel("step")
         if metric in LOG_SCALE_METRICS:  # one diverged seed would flatten every other curve
             ax.set_yscale("symlog", linthresh=1.0)
             ax.set_title(f"{metric} (symlog)")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    fig.legend(list(legend.values()), list(legend), loc="outside lower center",
+               ncol=min(len(legend), 4) or 1, fontsize=8, frameon=False)
     fig.suptitle(f"{title or task}: mean over seeds, band = min–max")
-    fig.tight_layout()
-    _save(fig, path)
-    plt.close(fig)
-    return True
+    return fig
 
 
 def plot_final_values(rows: Sequence[Row], task: str, variants: Sequence[str],

@@ -270,12 +270,19 @@ def _sigterm_as_ctrl_c() -> Iterator[None]:
 
 
 def _forward_sigterm(signum: int, frame: Any) -> None:
-    """SIGINT to every worker process, then to the runner itself."""
+    """SIGINT to every worker process, then the runner's own SIGINT handler (a training
+    running in this process saves a checkpoint at its stop); where SIGINT has no Python
+    handler (ignored since the process started, as for ``cmd &`` from a non-interactive
+    shell, where re-sending SIGINT did nothing), KeyboardInterrupt all the same."""
     for worker in active_children():
         if worker.pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(worker.pid, signal.SIGINT)
-    signal.raise_signal(signal.SIGINT)
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler):
+        handler(signal.SIGINT, frame)
+    else:
+        raise KeyboardInterrupt
 
 
 def _watch_runner(runner_pid: int, poll_s: float = RUNNER_POLL_S,

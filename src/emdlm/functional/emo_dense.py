@@ -41,6 +41,7 @@ from typing import Literal
 import torch
 
 from emdlm._output import LossOutput
+from emdlm.domains import POSITIVE, UNIT, domain_problems
 from emdlm.functional._common import (
     IGNORE_INDEX,
     Reduction,
@@ -66,8 +67,23 @@ def check_distill_options(
             f"base='none' (pure DEMD) only works with mode='static'; mode={mode!r} weights DEMD "
             "by a ratio to the base term"
         )
-    if not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+    _check_temperature(temperature)
+
+
+def check_kl_distill_options(alpha: float, temperature: float) -> None:
+    """Validate the options of the CE + KL distillation baseline (ValueError naming the bad
+    one, in the words of the objective registry's domains: α in [0, 1], τ finite and > 0)."""
+    problems = domain_problems({"alpha": UNIT}, {"alpha": alpha})
+    if problems:
+        raise ValueError(problems[0])
+    _check_temperature(temperature)
+
+
+def _check_temperature(temperature: float) -> None:
+    """τ of a softmax: a finite number > 0 (``POSITIVE``; inf would flatten the teacher)."""
+    problems = domain_problems({"temperature": POSITIVE}, {"temperature": temperature})
+    if problems:
+        raise ValueError(problems[0])
 
 
 def check_teacher_logits(logits: torch.Tensor, teacher_logits: torch.Tensor) -> None:
@@ -184,10 +200,7 @@ def kl_distill_loss(
     Returns:
         LossOutput with components "ce", "kl" (τ²·KL; means over scored positions), "n_tokens".
     """
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
-    if not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+    check_kl_distill_options(alpha, temperature)
     check_logits_labels(logits, labels, ignore_index)
     check_teacher_logits(logits, teacher_logits)
     vocab = logits.shape[-1]
@@ -226,6 +239,7 @@ __all__ = [
     "DISTILL_BASES",
     "DistillBase",
     "check_distill_options",
+    "check_kl_distill_options",
     "check_teacher_logits",
     "emo_distill_loss",
     "kl_distill_loss",

@@ -179,11 +179,7 @@ class KLDistillLoss(EMDLMLoss):
         reduction: Reduction = "mean",
     ) -> None:
         super().__init__()
-        check_reduction(reduction)
-        if not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
-        if not (isinstance(temperature, (int, float)) and temperature > 0):
-            raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+        check_reduction(reduction)  # α and τ: their registry domains, checked in EMDLMLoss.__new__
         self.alpha = float(alpha)
         self.temperature = float(temperature)
         self.ignore_index = ignore_index
