@@ -93,6 +93,16 @@ def on_hidden(fn: nn.Module, d: dict[str, torch.Tensor], **kw: Any) -> tuple[Any
 ROUTES = {"logits": on_logits, "hidden": on_hidden}
 
 
+def assert_same_call(a: Any, grads_a: list[Any], b: Any, grads_b: list[Any]) -> None:
+    """Two calls agree: loss, the same components with the same values, every gradient."""
+    torch.testing.assert_close(a.loss, b.loss)
+    assert a.components.keys() == b.components.keys()
+    for key in a.components:
+        torch.testing.assert_close(a.components[key], b.components[key], msg=key)
+    for ga, gb in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(ga, gb)
+
+
 def test_weighted_objectives_are_read_from_the_registry() -> None:
     """The declaration is read from the registry: the weighted-CE family, EMO, EMO
     distillation, NTIL, digit EMD and the NTL losses take weights."""
@@ -109,12 +119,7 @@ def test_logits_route_equals_from_hidden(name: str, path: str, reduction: str) -
     fn = build(name, path, reduction=reduction)
     a, grads_a = on_logits(fn, d, loss_weights=d["weights"])
     b, grads_b = on_hidden(fn, d, loss_weights=d["weights"])
-    torch.testing.assert_close(a.loss, b.loss)
-    assert a.components.keys() == b.components.keys()
-    for key in a.components:
-        torch.testing.assert_close(a.components[key], b.components[key], msg=key)
-    for ga, gb in zip(grads_a, grads_b, strict=True):
-        torch.testing.assert_close(ga, gb)
+    assert_same_call(a, grads_a, b, grads_b)
     unweighted, _ = on_logits(fn, d)  # the weights do change the loss
     assert not torch.allclose(a.loss, unweighted.loss)
 
@@ -189,11 +194,7 @@ def test_weight_zero_equals_ignored_label(name: str, path: str, route: str) -> N
     ignored[1, 4] = -100  # the token whose weight is 0
     a, grads_a = ROUTES[route](fn, d, loss_weights=d["weights"])
     b, grads_b = ROUTES[route](fn, d, labels=ignored, loss_weights=d["weights"])
-    torch.testing.assert_close(a.loss, b.loss)
-    for key in a.components:
-        torch.testing.assert_close(a.components[key], b.components[key], msg=key)
-    for ga, gb in zip(grads_a, grads_b, strict=True):
-        torch.testing.assert_close(ga, gb)
+    assert_same_call(a, grads_a, b, grads_b)
 
 
 @pytest.mark.parametrize("route", sorted(ROUTES))
@@ -488,12 +489,7 @@ def test_weight_zero_inside_a_number_equals_an_ignored_label(
     ignored = d["labels"].masked_fill(d["weights"] == 0, -100)
     a, grads_a = ROUTES[route](fn, d, loss_weights=d["weights"])
     b, grads_b = ROUTES[route](fn, d, labels=ignored, loss_weights=d["weights"])
-    torch.testing.assert_close(a.loss, b.loss)
-    assert a.components.keys() == b.components.keys()
-    for key in a.components:
-        torch.testing.assert_close(a.components[key], b.components[key], msg=key)
-    for ga, gb in zip(grads_a, grads_b, strict=True):
-        torch.testing.assert_close(ga, gb)
+    assert_same_call(a, grads_a, b, grads_b)
 
 
 @pytest.mark.parametrize("route", sorted(ROUTES))
