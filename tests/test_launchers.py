@@ -106,6 +106,7 @@ class KillMidCell(threading.Thread):
         self.join()
 
 
+@pytest.mark.slow  # starts a process
 def test_kill_mid_cell_kills_at_any_checkpoint_past_its_step(tmp_path):
     """The helper kills at the first checkpoint at or past its step, also when checkpoint-20
     has already rotated away (only checkpoint-40 left), and not before (checkpoint-10, or a
