@@ -242,6 +242,27 @@ def test_the_learning_curves_legend_covers_no_panel_and_no_title(tmp_path, monke
     assert (tmp_path / "c.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_sixteen_variants_get_sixteen_distinguishable_lines(tmp_path, monkeypatch):
+    """A 4 x 4 learning-rate grid: no two variants' curves share colour and line style (the
+    default 10-colour cycle gave the 1st and the 11th the same blue)."""
+    from matplotlib.colors import to_hex
+
+    from emdlm.experiments import plots
+    from emdlm.experiments.results import Row
+
+    variants = [f"{o}_lr{lr}" for o in ("ce", "ntil", "emd", "ntl_was")
+                for lr in ("5e-4", "1e-3", "2e-3", "4e-3")]
+    rows = [Row("t", v, 0, step, "abs_error_mean", 1.0 + i + step / 1000)
+            for i, v in enumerate(variants) for step in (500, 1000)]
+    saved = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: saved.append(fig))
+    plots.plot_learning_curves(rows, "t", variants, tmp_path / "c.png")
+    lines = saved[0].axes[0].get_lines()
+    assert len(lines) == 16
+    assert len({(to_hex(ln.get_color()), ln.get_linestyle()) for ln in lines}) == 16
+    assert len({style for style in plots.variant_styles(45)}) == 45  # past 20: dashes too
+
+
 def test_single_step_grid_plots_final_values_and_a_text_note(tmp_path):
     """checkpoints: final (one evaluated step): final values, not curves; text metrics explained."""
     from emdlm.experiments.plots import plot_learning_curves

@@ -47,6 +47,18 @@ def _save(fig: Any, path: Path) -> None:
 LOG_SCALE_METRICS = ("abs_error_mean", "abs_error_median")
 
 
+def variant_styles(n: int) -> list[tuple[Any, str]]:
+    """(colour, line style) of each of ``n`` variants, no two alike: matplotlib's "tab10"
+    colours up to 10 variants, "tab20" up to 20, then "tab20" again with dashed, dotted and
+    dash-dot lines (a grid of 16 learning-rate variants would repeat the 10-colour cycle)."""
+    from matplotlib import colormaps
+
+    palette = colormaps["tab10" if n <= 10 else "tab20"].colors
+    styles = ("-", "--", ":", "-.")
+    return [(palette[i % len(palette)], styles[(i // len(palette)) % len(styles)])
+            for i in range(n)]
+
+
 def _panels(plt: Any, n: int, *, columns: int, width: float, height: float,
             layout: str | None = None) -> tuple[Any, list]:
     """A figure of ``n`` panels at most ``columns`` a row (one long row shrank every panel to
@@ -88,6 +100,7 @@ def learning_curves_figure(rows: Sequence[Row], task: str, variants: Sequence[st
     plt = _pyplot()
     fig, axes = _panels(plt, len(metrics), columns=2, width=5.6, height=3.8, layout="constrained")
     legend: dict[str, Any] = {}  # label -> line, across panels (a variant may lack a metric)
+    styles = dict(zip(variants, variant_styles(len(variants)), strict=True))
     for ax, metric in zip(axes, metrics, strict=False):
         for variant in variants:
             by_seed = table[metric].get(variant)
@@ -102,8 +115,10 @@ def learning_curves_figure(rows: Sequence[Row], task: str, variants: Sequence[st
                 mean = np.nanmean(grid, axis=0)
                 lo, hi = np.nanmin(grid, axis=0), np.nanmax(grid, axis=0)
             label = f"{variant} (n={len(by_seed)})"
-            line = ax.plot(steps, mean, marker="o", ms=3, label=label)
-            ax.fill_between(steps, lo, hi, color=line[0].get_color(), alpha=0.2, linewidth=0)
+            color, style = styles[variant]
+            line = ax.plot(steps, mean, marker="o", ms=3, label=label, color=color,
+                           linestyle=style)
+            ax.fill_between(steps, lo, hi, color=color, alpha=0.2, linewidth=0)
             legend.setdefault(label, line[0])
         ax.set_title(metric)
         ax.set_xlabel("step")
@@ -127,6 +142,7 @@ def plot_final_values(rows: Sequence[Row], task: str, variants: Sequence[str],
         return False
     plt = _pyplot()
     fig, axes = _panels(plt, len(metrics), columns=3, width=4.0, height=3.6)
+    colors = [color for color, _ in variant_styles(len(variants))]
     for ax, metric in zip(axes, metrics, strict=False):
         for x, variant in enumerate(variants):
             by_seed = table[metric].get(variant, {})
@@ -135,8 +151,8 @@ def plot_final_values(rows: Sequence[Row], task: str, variants: Sequence[str],
             if not values:
                 continue
             mean = float(np.mean(values))
-            ax.bar(x, mean, color=f"C{x}", alpha=0.35, width=0.6)
-            ax.scatter([x] * len(values), values, color=f"C{x}", s=14, zorder=3)
+            ax.bar(x, mean, color=colors[x], alpha=0.35, width=0.6)
+            ax.scatter([x] * len(values), values, color=[colors[x]], s=14, zorder=3)
             ax.annotate(f"{mean:.3g}", (x, mean), ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(variants)), list(variants), rotation=45, ha="right", fontsize=8)
         ax.set_title(metric, fontsize=9)
