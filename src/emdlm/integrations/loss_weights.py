@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from emdlm.config import ConfigError
+from emdlm.functional._common import IGNORE_INDEX
 
 #: a row's weight, and a tokenized item's (and a batch's) per-token weights
 LOSS_WEIGHT_KEY = "loss_weight"
 TOKEN_WEIGHTS_KEY = "loss_weights"
-IGNORE_INDEX = -100
 
 
 def check_loss_weight(value: Any, where: str) -> float:

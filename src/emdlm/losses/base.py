@@ -146,7 +146,7 @@ class EMDLMLoss(nn.Module):
 
         labels = drop_zero_weights(labels, loss_weights, self.ignore_index, logits.device)
         objective, labels = self.chunk_objective(logits, labels, **given)
-        _weigh(objective, loss_weights, labels, logits)
+        _weigh(objective, loss_weights, logits)
         head = HeadOptions(
             ignore_index=self.ignore_index,
             reduction=self.reduction,  # type: ignore[arg-type]
@@ -273,7 +273,7 @@ class EMDLMLoss(nn.Module):
             options["teacher_logits"] = teacher_logits
         objective, labels = self.chunk_objective(stand_in, labels, **options)
         if loss_weights is not None:
-            _weigh(objective, loss_weights, labels, stand_in)
+            _weigh(objective, loss_weights, stand_in)
         if chunk_size is None:
             chunk_size = self.from_hidden_chunk_rows(lm_head_weight.shape[0])
         head = HeadOptions(
@@ -365,13 +365,12 @@ def drop_zero_weights(
     return labels.to(device).masked_fill(loss_weights.to(device) == 0, ignore_index)
 
 
-def _weigh(objective: Any, loss_weights: Any, labels: torch.Tensor, like: torch.Tensor) -> None:
-    """Check ``loss_weights`` against ``labels`` and hand them, flat, in the compute dtype on
-    ``like``'s device, to ``objective.weigh_tokens`` (NotImplementedError where the objective
-    does not declare ``takes_token_weights``)."""
+def _weigh(objective: Any, loss_weights: torch.Tensor, like: torch.Tensor) -> None:
+    """Hand ``loss_weights`` (type and shape already checked by :func:`drop_zero_weights`),
+    flat, in the compute dtype on ``like``'s device, to ``objective.weigh_tokens``
+    (NotImplementedError where the objective does not declare ``takes_token_weights``)."""
     from emdlm.functional._common import compute_dtype
 
-    check_loss_weights(loss_weights, labels)
     objective.weigh_tokens(
         loss_weights.to(device=like.device, dtype=compute_dtype(like.dtype)).reshape(-1)
     )

@@ -60,7 +60,7 @@ from emdlm.functional.ntl import (
 from emdlm.losses._number_vocab import NumberVocabSource, NumericLoss
 from emdlm.number_spans import SpanOptions
 from emdlm.numbers import NumberVocab
-from emdlm.ops.chunked import head_logits
+from emdlm.ops.chunked import count_divisor, head_logits
 from emdlm.ops.objectives.ntl import NTLObjective
 
 NTLPreset = Literal["classes", "ntloss"]
@@ -197,8 +197,7 @@ class _NTLBase(NumericLoss):
         rows = spans.flat_index.index_select(0, first_tokens(spans))  # [S]
         grad = objective.lse_grad.index_select(0, first_tokens(spans))  # [S] sum units
         if self.settings.reduction == "mean":
-            count = objective.count.double()
-            grad = grad / torch.where(count > 0, count, 1.0)
+            grad = grad / count_divisor(objective.count, torch.float64)
         lse = torch.logsumexp(rows_logits(rows), dim=-1)  # [S]
         term = (grad.to(lse.dtype) * (lse - lse.detach())).sum()  # value 0
         return LossOutput(loss=out.loss + term.to(out.loss.dtype), components=out.components)

@@ -261,6 +261,13 @@ def predicted_tokens(
     return torch.where(labels.reshape(-1) != ignore_index, flat, ignore_index).view(labels.shape)
 
 
+def count_divisor(count: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What a "mean" divides by, in ``dtype``: the 0-d ``count`` (counted labels, or their
+    weight sum Σ w_t with per-token weights), or 1 where it is 0, so that nothing counted gives
+    an exact 0. Not ``clamp_min(1)``: a weight sum may lie in (0, 1)."""
+    return torch.where(count > 0, count, 1).to(dtype)
+
+
 @dataclass(frozen=True)
 class HeadOptions:
     """Options of the head and of the loop.
@@ -379,7 +386,7 @@ class _Pass:
         valid = flat != options.ignore_index
         count = objective.counted(valid)
         if options.reduction == "mean":  # a count of 0 (or a weight sum of 0) divides by 1
-            scale = 1.0 / torch.where(count > 0, count, 1).to(cdtype)
+            scale = 1.0 / count_divisor(count, cdtype)
         else:
             scale = torch.ones((), dtype=cdtype, device=labels.device)
         parts = [bad_label_count(flat, vocab, options.ignore_index).reshape(1)]
@@ -867,6 +874,7 @@ __all__ = [
     "check_linear_inputs",
     "chunked_linear_loss",
     "chunked_logits_loss",
+    "count_divisor",
     "counts_before",
     "default_chunk_rows",
     "head_logits",

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from emdlm.ops.chunked import ChunkObjective, ChunkOut, Finish
+from emdlm.ops.chunked import ChunkObjective, ChunkOut, Finish, count_divisor
 
 #: f(q_y) -> (a, reported weight), both [n]; q_y is detached.
 TokenWeights = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -286,7 +286,7 @@ class WeightedCEObjective(ChunkObjective):
         return ChunkOut(loss=per_token.sum(), grad=g, stats=stats)
 
     def finish(self, stats: torch.Tensor, count: torch.Tensor, want_grad: bool) -> Finish:
-        denom = torch.where(count > 0, count, 1).to(stats.dtype)  # a weight sum may be < 1
+        denom = count_divisor(count, stats.dtype)
         components = {"ce": stats[0] / denom, "n_tokens": count}
         if self.weights is not None:
             components["weight_mean"] = stats[1] / denom

@@ -32,7 +32,14 @@ from emdlm.ops._chunking import (
     emo_chunk,
     prepare_cost,
 )
-from emdlm.ops.chunked import ChunkObjective, ChunkOut, Finish, HeadOptions, chunked_logits_loss
+from emdlm.ops.chunked import (
+    ChunkObjective,
+    ChunkOut,
+    Finish,
+    HeadOptions,
+    chunked_logits_loss,
+    count_divisor,
+)
 
 
 def emo_cost(
@@ -124,7 +131,7 @@ class EMOObjective(ChunkObjective):
 
     def finish(self, stats: torch.Tensor, count: torch.Tensor, want_grad: bool) -> Finish:
         self.scratch = None
-        denom = torch.where(count > 0, count, 1).to(stats.dtype)  # a weight sum may be < 1
+        denom = count_divisor(count, stats.dtype)
         components = {"ce": stats[0] / denom, "demd": stats[1] / denom, "n_tokens": count}
         return Finish(extra_loss=stats.new_zeros(()), sparse=None, components=components)
 

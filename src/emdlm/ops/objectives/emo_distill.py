@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from emdlm.ops._chunking import mode_coefficients, row_blocks
-from emdlm.ops.chunked import ChunkObjective, ChunkOut, Finish
+from emdlm.ops.chunked import ChunkObjective, ChunkOut, Finish, count_divisor
 
 
 def _chunk(
@@ -156,7 +156,7 @@ class EMODistillObjective(ChunkObjective):
 
     def finish(self, stats: torch.Tensor, count: torch.Tensor, want_grad: bool) -> Finish:
         self.blocks, self.flat = [], None
-        denom = torch.where(count > 0, count, 1).to(stats.dtype)  # a weight sum may be < 1
+        denom = count_divisor(count, stats.dtype)
         components = {"base": stats[0] / denom, "demd": stats[1] / denom, "n_tokens": count}
         return Finish(extra_loss=stats.new_zeros(()), sparse=None, components=components)
 

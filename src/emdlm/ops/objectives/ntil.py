@@ -23,7 +23,7 @@ import torch
 from emdlm.functional.ntil import NTILSettings, mix_coefficient, ntil_terms, sample_noise
 from emdlm.number_spans import SpanDraft
 from emdlm.numbers import NumberVocab
-from emdlm.ops.chunked import Finish, SparseLogitGrad
+from emdlm.ops.chunked import Finish, SparseLogitGrad, count_divisor
 from emdlm.ops.objectives.candidates import CandidateCEObjective
 
 
@@ -76,7 +76,7 @@ class NTILObjective(CandidateCEObjective):
         spans, candidates = kept.spans, kept.candidates
         assert spans is not None and candidates is not None and kept.logits is not None
         count_f = count.to(torch.float64)
-        ce_mean = stats[0].double() / torch.where(count_f > 0, count_f, 1.0)  # a weight sum: < 1?
+        ce_mean = stats[0].double() / count_divisor(count, torch.float64)
         token_weight = None
         if self.token_weights is not None:  # w_m of the number tokens (> 0: zeros were dropped)
             token_weight = self.token_weights.index_select(0, spans.flat_index).double()

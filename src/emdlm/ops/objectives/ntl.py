@@ -29,7 +29,7 @@ from emdlm.functional.ntl import (
 )
 from emdlm.number_spans import SpanDraft
 from emdlm.numbers import NumberVocab
-from emdlm.ops.chunked import Finish, SparseLogitGrad
+from emdlm.ops.chunked import Finish, SparseLogitGrad, count_divisor
 from emdlm.ops.objectives.candidates import CandidateCEObjective
 from emdlm.ops.objectives.ce import RowTerms, WeightedCEObjective
 
@@ -218,7 +218,7 @@ class NTLObjective(CandidateCEObjective):
         assert self.lse_kept is not None
         self.count = count
         dtype = stats.dtype
-        ce_mean = stats[0] / torch.where(count > 0, count, 1).to(dtype)  # a weight sum: < 1?
+        ce_mean = stats[0] / count_divisor(count, dtype)
         extra = stats.new_zeros(())
         sparse = None
         if settings.level == "token":
