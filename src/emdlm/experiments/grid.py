@@ -22,6 +22,9 @@ An experiment file (YAML) holds one base run config and what varies around it::
     keep_checkpoints: false        # delete checkpoint-* folders once a cell is evaluated
     launcher: local                # or {name: ray, num_gpus: 1}, {name: slurm, partition: gpu}
     output_dir: runs/experiments/arithmetic_objectives
+    select:                        # optional: a dev sweep's rule, applied by the report
+      metric: abs_error_mean       #   (emdlm.experiments.selection)
+      groups: {ce: "ce_lr*", ntil: "ntil_lr*"}
 
 Every cell is one ``emdlm train`` + ``emdlm eval`` per evaluated checkpoint, in
 ``<output_dir>/<task>/<variant>/seed<k>/``, plus one ``emdlm eval`` of the final model per
@@ -54,10 +57,11 @@ from emdlm.config import (
     parse_override,
     read_yaml_file,
 )
+from emdlm.experiments.selection import SelectionRule, parse_selection
 
 EXPERIMENT_KEYS = (
     "name", "base", "base_overrides", "variants", "baseline", "seeds", "tasks", "eval", "workers",
-    "threads_per_worker", "keep_checkpoints", "output_dir", "launcher",
+    "threads_per_worker", "keep_checkpoints", "output_dir", "launcher", "select",
 )
 EVAL_KEYS = ("checkpoints", "overrides", "extra")
 DEFAULT_TASK = "default"
@@ -102,6 +106,8 @@ class Experiment:
     #: how the cells run: ``{"name": <launcher>, <option>: <value>, ...}``, checked against
     #: the launcher registry (:mod:`emdlm.experiments.launchers`) before any cell runs
     launcher: dict[str, Any] = field(default_factory=lambda: {"name": DEFAULT_LAUNCHER})
+    #: the config's selection rule (a dev sweep's), applied by the report; None without one
+    select: SelectionRule | None = None
 
 
 @dataclass
@@ -320,6 +326,7 @@ def parse_experiment(data: dict[str, Any], folder: Path = Path(".")) -> Experime
         keep_checkpoints=keep,
         output_dir=Path(output_dir),
         launcher=launcher_mapping(data.get("launcher")),
+        select=parse_selection(data.get("select"), list(variants)),
     )
 
 

@@ -25,7 +25,8 @@ from emdlm._files import atomic_write
 from emdlm.eval_outputs import EvalOutputError, read_eval_outputs
 from emdlm.experiments.cell_folder import EVAL_DIR, cell_problem
 from emdlm.experiments.grid import Cell
-from emdlm.experiments.results import Row, curves, is_extra_metric, key_metrics, ordered_metrics
+from emdlm.experiments.metric_names import is_extra_metric
+from emdlm.experiments.results import Row, curves, key_metrics, ordered_metrics
 
 
 def _pyplot():  # type: ignore[no-untyped-def]

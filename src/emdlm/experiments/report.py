@@ -33,7 +33,9 @@ from emdlm.experiments.components import component_lines
 from emdlm.experiments.digits import place_accuracy_lines
 from emdlm.experiments.floor import TaskFloor, task_floor
 from emdlm.experiments.grid import DEFAULT_TASK, Cell, Experiment, task_title
-from emdlm.experiments.results import Row, better_direction, fmt, fmt_p
+from emdlm.experiments.metric_names import better_direction
+from emdlm.experiments.results import Row, fmt, fmt_p
+from emdlm.experiments.selection import SelectionRule, pick_group
 from emdlm.experiments.stats import (
     ALPHA,
     MIN_BOOTSTRAP_SEEDS,
@@ -188,6 +190,33 @@ def _plateau_lines(plateau: Plateau | None, exp: Experiment) -> list[str]:
             + "; ".join(parts) + ". " + WITHIN_SCHEDULE_CAVEAT]
 
 
+def _selection_lines(rule: SelectionRule, final: dict[str, dict[int, float]],
+                     seeds: list[int]) -> list[str]:
+    """The "Selection" subsection of a task (:mod:`emdlm.experiments.selection`): a row per
+    group with every variant's mean over the seeds (the pick in bold), the pick, and whether
+    it is an edge of the sweep; "not yet" while a cell of the group is unfinished."""
+    lines = [f"### Selection by the config's rule: the {rule.better} mean `{rule.metric}` at "
+             f"the final checkpoint over seeds {', '.join(map(str, seeds))}", "",
+             "| group | mean per variant, in sweep order | pick |", "|---|---|---|"]
+    for group, members in rule.groups.items():
+        res = pick_group(rule, group, final, seeds)
+        shown = []
+        for v in members:
+            if v not in res.means:
+                shown.append(f"{v} ({res.seeds[v]}/{len(seeds)} seeds)")
+                continue
+            text = f"{v} {fmt(res.means[v])}"
+            shown.append(f"**{text}**" if v == res.pick else text)
+        if res.pick is not None:
+            verdict = f"`{res.pick}`" + (" (edge of the sweep)" if res.edge else "")
+        elif res.missing:
+            verdict = f"not yet: {res.missing} cell(s) unfinished"
+        else:
+            verdict = "none: every mean is NaN"
+        lines.append(f"| {group} | " + "; ".join(shown) + f" | {verdict} |")
+    return [*lines, ""]
+
+
 def _task_section(exp: Experiment, task: str, rows: Sequence[Row],
                   plots: dict[str, list[str]], floor: Sequence[str] = (),
                   components: Sequence[str] = (), stats: TaskStats | None = None) -> list[str]:
@@ -207,7 +236,10 @@ def _task_section(exp: Experiment, task: str, rows: Sequence[Row],
             mean, std, n = mean_std(list(final[m].get(variant, {}).values()))
             cells.append(f"{fmt(mean)} ± {fmt(std)} ({n})")
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
-    lines += ["", *floor, *([""] if floor else []), *_plateau_lines(st.plateau, exp)]
+    lines.append("")
+    if exp.select is not None:
+        lines += _selection_lines(exp.select, st.final.get(exp.select.metric, {}), exp.seeds)
+    lines += [*floor, *([""] if floor else []), *_plateau_lines(st.plateau, exp)]
     lines += ["", "### Final checkpoint: paired difference against the baseline", "",
               "Lower is better for "
               + ", ".join(m for m in key if better_direction(m) == "lower")

@@ -11,7 +11,7 @@ its evaluation folders has a metrics.json agreeing with the rows of its predicti
 A cell marked done whose outputs are not whole is left out and named with the file and the
 reason (:attr:`GridRead.left_out`): no metric is computed from part of a file.
 
-Also here: the metrics' report order and better direction, learning-curve tables, and how a
+Also here: the metrics' report order, learning-curve tables, and how a
 value is printed (:func:`fmt`).
 """
 
@@ -34,50 +34,11 @@ from emdlm.experiments.cell_folder import CELL_DONE, EVAL_DIR, cell_problem, rea
 from emdlm.experiments.cell_record import refusal
 from emdlm.experiments.digits import digit_accuracies, parsed_answers
 from emdlm.experiments.grid import Cell
+from emdlm.experiments.metric_names import METRIC_ORDER, base_metric, is_extra_metric
 from emdlm.experiments.stats import (
     normalized_auc,
 )
 
-# (metric, better) in report order: numeric errors lead, exact match follows
-METRIC_ORDER: tuple[tuple[str, str], ...] = (
-    ("abs_error_mean", "lower"),
-    ("abs_error_median", "lower"),
-    ("log10_error_mean", "lower"),
-    ("within_1pct", "higher"),
-    ("within_5pct", "higher"),
-    ("rel_error_mean", "lower"),
-    ("rel_error_median", "lower"),
-    ("magnitude_error_rate", "lower"),
-    ("sign_error_rate", "lower"),
-    ("digit_accuracy", "higher"),
-    ("leading_digit_accuracy", "higher"),
-    ("parse_failure_rate", "lower"),
-    ("exact_match", "higher"),
-    ("perplexity", "lower"),
-    # clocks (eval.kind clock: "H_MM") and boxes (eval.kind box / boxes)
-    ("time_gap_mean_worst", "lower"),
-    ("time_gap_mean", "lower"),
-    ("time_gap_median", "lower"),
-    ("time_gap_minutes_mean_worst", "lower"),
-    ("time_gap_minutes_mean", "lower"),
-    ("time_gap_minutes_median", "lower"),
-    ("hour_accuracy", "higher"),
-    ("minute_accuracy", "higher"),
-    ("acc_iou50", "higher"),
-    ("mean_iou", "higher"),
-    ("acc_at_0.5", "higher"),  # several boxes: the NTIL paper's Acc@0.5 (recall at IoU 0.5)
-    ("f1", "higher"),
-    ("parse_failures", "lower"),  # eval.kind math: a count
-    # text tasks (eval.kind text: EMO's protocol) and choice by perplexity
-    ("mauve", "higher"),
-    ("ppl_test", "lower"),
-    ("ppl_oracle", "lower"),
-    ("rouge1", "higher"),
-    ("rougeL", "higher"),
-    ("distinct_2", "higher"),
-    ("rep_4", "lower"),
-    ("accuracy", "higher"),
-)
 # the metrics compared pairwise in the report (the rest are in the mean +- std table and csv)
 KEY_METRICS = ("abs_error_mean", "log10_error_mean", "within_5pct", "exact_match",
                "time_gap_mean_worst", "acc_iou50", "mean_iou", "acc_at_0.5", "f1",
@@ -252,25 +213,6 @@ def write_csv(rows: Sequence[Row], path: Path) -> None:
         writer.writerow([r.task, r.variant, r.seed, r.step, r.metric, repr(r.value)])
     with atomic_write(path, binary=True) as fh:
         fh.write(buffer.getvalue().encode("utf-8"))
-
-
-def is_extra_metric(name: str) -> bool:
-    """True for ``<extra>.<metric>``: an ``eval.extra`` evaluation, of the final model only."""
-    return "." in name
-
-
-def base_metric(name: str) -> str:
-    """``choice.accuracy`` -> ``accuracy``: the metric of an ``eval.extra`` evaluation."""
-    return name.rsplit(".", 1)[-1]
-
-
-def better_direction(name: str) -> str | None:
-    """"lower" / "higher" for a known metric (extra evaluations' too), else None; the per-type
-    exact match of eval.kind math (``exact_match_multi_choice``, ...) is higher-better."""
-    base = base_metric(name)
-    if base.startswith("exact_match_"):
-        return "higher"
-    return dict(METRIC_ORDER).get(base)
 
 
 def key_metrics(names: Iterable[str]) -> list[str]:

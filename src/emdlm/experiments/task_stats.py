@@ -12,14 +12,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from emdlm.experiments.grid import Experiment
+from emdlm.experiments.metric_names import better_direction, is_extra_metric
 from emdlm.experiments.results import (
     Row,
     Table,
     auc_values,
-    better_direction,
     curves,
     final_values,
-    is_extra_metric,
     key_metrics,
     ordered_metrics,
 )
