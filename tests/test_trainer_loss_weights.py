@@ -21,6 +21,7 @@ from emdlm.integrations.transformers import (
     make_compute_loss_func,
 )
 from emdlm.losses.ce import CrossEntropyLoss
+from emdlm.losses.emo_distill import KLDistillLoss
 from emdlm.models import build_model
 from emdlm.tasks import generate_task
 from emdlm.tokenizers import load_tokenizer
@@ -113,25 +114,33 @@ def test_weighted_item_count_is_the_weight_sum_of_the_scored_labels(tok):
 # ------------------------------------------------------------------- the trainer, accumulation
 
 
-def _reference_grads(tok, ds):
-    """Σ w_t·CE_t / Σ w_t over the scored tokens of all 4 rows, on the initial model, by hand
-    (F.cross_entropy per token, the weights applied here): (loss, gradients)."""
+def _reference_grads(tok, ds, teacher=None, alpha=0.0, temperature=1.0):
+    """Σ w_t·l_t / Σ w_t over the scored tokens of all 4 rows, on the initial model, by hand
+    (F.cross_entropy per token, the weights applied here): (loss, gradients). With a
+    ``teacher``, l_t = (1-α)·CE_t + α·τ²·KL(p_τ ‖ q_τ)_t on the teacher's logits."""
     model = _model(tok)
     batch = DataCollator(tok.pad_token_id)([ds[i] for i in range(4)])
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    logits = model(**inputs).logits
     labels, w = batch["labels"][:, 1:], batch["loss_weights"][:, 1:]
-    ce = torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none",
-        ignore_index=-100,
-    )
+    z = logits[:, :-1].reshape(-1, logits.shape[-1])
+    per = torch.nn.functional.cross_entropy(z, labels.reshape(-1), reduction="none",
+                                            ignore_index=-100)
+    if teacher is not None:
+        with torch.no_grad():
+            u = teacher(**inputs).logits[:, :-1].reshape(-1, logits.shape[-1])
+        log_p = torch.log_softmax(u / temperature, -1)
+        kl = (log_p.exp() * (log_p - torch.log_softmax(z / temperature, -1))).sum(-1)
+        per = (1.0 - alpha) * per + alpha * temperature**2 * kl
     scored = labels.reshape(-1) != -100
     weights = torch.where(scored, w.reshape(-1), 0.0)
-    loss = (weights * ce).sum() / weights.sum()
+    loss = (weights * torch.where(scored, per, 0.0)).sum() / weights.sum()
     loss.backward()
     return float(loss.detach()), [p.grad.detach().clone() for p in model.parameters()]
 
 
-def _one_step(tmp_path, tok, ds, batch_size, accumulation, from_hidden, loss_fn=None):
+def _one_step(tmp_path, tok, ds, batch_size, accumulation, from_hidden, loss_fn=None,
+              teacher=None):
     model = _model(tok)
     start = [p.detach().clone() for p in model.parameters()]
     args = TrainingArguments(
@@ -148,6 +157,7 @@ def _one_step(tmp_path, tok, ds, batch_size, accumulation, from_hidden, loss_fn=
     trainer = EMDLMTrainer(
         model=model, args=args, train_dataset=ds, data_collator=DataCollator(tok.pad_token_id),
         compute_loss_func=compute_loss, callbacks=[LossComponentsCallback(compute_loss)],
+        teacher=teacher,
     )  # fmt: skip
     trainer.train()
     step = [s - p.detach() for s, p in zip(start, model.parameters(), strict=True)]  # lr = 1
@@ -168,6 +178,35 @@ def test_accumulated_weighted_step_equals_one_batch_and_the_hand_reference(
     for log in (big_log, acc_log):
         assert log["loss"] == pytest.approx(ref_loss, rel=1e-5)
         assert log["emdlm/loss"] == pytest.approx(ref_loss, rel=1e-5)
+        assert log["emdlm/n_scored"] == pytest.approx(
+            sum(w * sum(lab != -100 for lab in ds[i]["labels"][1:])
+                for i, w in enumerate(WEIGHTS)))
+    assert max(float(g.abs().max()) for g in ref_grads) > 1e-3
+    for a, b, r in zip(acc, big, ref_grads, strict=True):
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(b, r, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_distillation_accumulated_weighted_step_equals_one_batch_and_the_hand_reference(
+    tmp_path, tok
+):
+    """kl_distill with a teacher (EMDLMTrainer, weighted rows): 2 micro-batches x
+    accumulation 2 = one batch of 4 = Σ w·((1-α)·CE + α·τ²·KL) / Σ w by hand, τ = 2."""
+    torch.manual_seed(1)
+    teacher = build_model(ModelConfig("tiny-gpt2", {"n_layer": 1, "n_embd": 32}), tok).eval()
+    teacher.requires_grad_(False)
+    ds = build_dataset(_rows(), tok, max_length=32)
+    alpha, temperature = 0.3, 2.0
+    ref_loss, ref_grads = _reference_grads(tok, ds, teacher, alpha, temperature)
+
+    def loss_fn():
+        return KLDistillLoss(alpha=alpha, temperature=temperature, reduction="sum")
+
+    big_log, big = _one_step(tmp_path, tok, ds, 4, 1, False, loss_fn(), teacher)
+    acc_log, acc = _one_step(tmp_path, tok, ds, 2, 2, False, loss_fn(), teacher)
+    for log in (big_log, acc_log):
+        assert log["loss"] == pytest.approx(ref_loss, rel=1e-5)
         assert log["emdlm/n_scored"] == pytest.approx(
             sum(w * sum(lab != -100 for lab in ds[i]["labels"][1:])
                 for i, w in enumerate(WEIGHTS)))
