@@ -51,7 +51,7 @@ def _rows(n: int = 4, weights=WEIGHTS):
 # ------------------------------------------------------------------------------ the data field
 
 
-@pytest.mark.parametrize("bad", ["-1", '"2"', "true", "1e999", "null"])
+@pytest.mark.parametrize("bad", ["-1", '"2"', "true", "1e999"])
 def test_bad_row_weight_is_a_one_line_error_naming_the_line(tmp_path, bad):
     path = tmp_path / "d.jsonl"
     path.write_text('{"text": "1+1=2"}\n{"text": "2+2=4", "loss_weight": ' + bad + "}\n")
@@ -59,6 +59,87 @@ def test_bad_row_weight_is_a_one_line_error_naming_the_line(tmp_path, bad):
                                           r"number >= 0") as err:
         read_jsonl(path)
     assert "\n" not in str(err.value)
+
+
+#: rows with a weight, without the field, with a JSON null, a zero: what a datasets column makes
+#: of them is the same (None for the missing one)
+MIXED = [{"text": "12+3=15", "loss_weight": 2.0}, {"text": "4+4=8"},
+         {"text": "7+1=8", "loss_weight": None}, {"text": "9+9=18", "loss_weight": 0.5}]
+
+
+def _collated_weights(tok, rows):
+    """The [B, T] ``loss_weights`` the collator gives a dataset built from ``rows``."""
+    ds = build_dataset(rows, tok, max_length=32)
+    return DataCollator(tok.pad_token_id)([ds[i] for i in range(len(ds))])["loss_weights"]
+
+
+def test_null_row_weight_is_no_weight_given(tmp_path, tok):
+    """JSON null = the field absent = weight 1 (it used to be refused)."""
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in MIXED))
+    rows = read_jsonl(path)
+    ds = build_dataset(rows, tok, max_length=32)
+    assert "loss_weight" not in ds[1] and "loss_weight" not in ds[2]  # as a row without one
+    w = _collated_weights(tok, rows)
+    n = len(ds[2]["input_ids"])
+    assert bool((w[2, :n] == 1.0).all()) and bool((w[1, : len(ds[1]["input_ids"])] == 1.0).all())
+    assert float(w[0, 0]) == 2.0 and float(w[3, 0]) == 0.5
+
+
+def test_jsonl_and_a_datasets_dataset_give_identical_weights(tmp_path, tok):
+    """The same rows as a JSONL file (null and a missing field) and as
+    ``datasets.Dataset.from_list`` (None in the column for both), handed to build_dataset, read
+    from a save_to_disk folder, or checked by a trainer's setup: the same weights."""
+    datasets = pytest.importorskip("datasets")
+    from emdlm.config import DataSourceConfig
+    from emdlm.data import load_examples
+
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in MIXED))
+    hf = datasets.Dataset.from_list(MIXED)
+    assert hf["loss_weight"] == [2.0, None, None, 0.5]
+    hf.save_to_disk(str(tmp_path / "folder"))
+    from_jsonl = _collated_weights(tok, load_examples(DataSourceConfig(path=str(path)), seed=0))
+    from_folder = _collated_weights(
+        tok, load_examples(DataSourceConfig(path=str(tmp_path / "folder")), seed=0))
+    for got in (from_folder, _collated_weights(tok, hf), _collated_weights(tok, list(hf))):
+        assert torch.equal(got, from_jsonl)
+    assert dataset_loss_weights(hf) is True
+    # a column of None only is no weight given, as rows without the field
+    none_only = datasets.Dataset.from_list([{"text": "1+1=2", "loss_weight": None}])
+    assert dataset_loss_weights(none_only) is False
+
+
+def test_each_row_weight_is_checked_once_before_training(tmp_path, tok, monkeypatch):
+    """One check per row and source: a JSONL file's as it is read (not again by build_dataset,
+    a trainer's setup or the collator), a datasets.Dataset's once by the trainer's setup however
+    often it asks."""
+    datasets = pytest.importorskip("datasets")
+    import emdlm.data
+    import emdlm.integrations.loss_weights as lw
+
+    calls = []
+    real = lw.check_loss_weight
+
+    def counted(value, where):
+        calls.append(where)
+        return real(value, where)
+
+    monkeypatch.setattr(lw, "check_loss_weight", counted)
+    monkeypatch.setattr(emdlm.data, "check_loss_weight", counted)
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in MIXED))
+    ds = build_dataset(read_jsonl(path), tok, max_length=32)
+    compute_loss = make_compute_loss_func(CrossEntropyLoss(reduction="sum"))
+    compute_loss.check_dataset(ds)  # emdlm train's setup check, then the trainer's
+    compute_loss.check_dataset(ds)
+    DataCollator(tok.pad_token_id)([ds[i] for i in range(len(ds))])
+    assert len(calls) == len(MIXED), calls
+    calls.clear()
+    hf = datasets.Dataset.from_list(MIXED)
+    assert compute_loss.check_dataset(hf) is True
+    assert compute_loss.check_dataset(hf) is True
+    assert len(calls) == len(MIXED), calls
 
 
 def test_bad_weight_of_a_generated_row_names_the_example(tok):

@@ -113,6 +113,8 @@ class ComputeLoss:
         # the model whose output embedding the loss applies; set by enable_from_hidden.
         self.model: nn.Module | None = None
         self._warned_mask = False
+        # the dataset check_dataset last read, and whether it had weights: read once
+        self._checked: tuple[Any, bool | None] | None = None
 
     def enable_from_hidden(self, model: nn.Module, install: bool = True) -> None:
         """Score ``model``'s final hidden states (``install``: wrap its forward in mode
@@ -166,13 +168,20 @@ class ComputeLoss:
             "takes_loss_weights"
         )
 
-    def check_dataset(self, dataset: Any, where: str = "train_dataset") -> None:
+    def check_dataset(self, dataset: Any, where: str = "train_dataset") -> bool | None:
         """Refuse, at setup, a ``dataset`` whose rows carry loss weights when the loss takes
         none (:meth:`unweighable`), and a bad row weight either way
-        (:func:`~emdlm.integrations.loss_weights.dataset_loss_weights`)."""
-        found = dataset_loss_weights(dataset, where)  # checks the rows' weights too
+        (:func:`~emdlm.integrations.loss_weights.dataset_loss_weights`); returns what that
+        found (True / False, None: not readable). The same dataset object is read once: a
+        second call (the trainer's setup, then its train dataloader) gives the first answer."""
+        if self._checked is not None and self._checked[0] is dataset:
+            found = self._checked[1]
+        else:
+            found = dataset_loss_weights(dataset, where)  # checks the rows' weights too
+            self._checked = (dataset, found)
         if found and not self.needs.takes_loss_weights:
             raise self.unweighable(f"{where} has loss weights")
+        return found
 
     def inputs(
         self, outputs: Any, labels: torch.Tensor | None, *, shifted: bool = False,

@@ -57,7 +57,6 @@ from emdlm.functional._common import IGNORE_INDEX
 from emdlm.integrations.loss_weights import (
     LOSS_WEIGHT_KEY,
     TOKEN_WEIGHTS_KEY,
-    dataset_loss_weights,
     has_loss_weights,
     pad_loss_weights,
 )
@@ -222,12 +221,12 @@ class EMDLMSFTTrainer(EMDLMTrainerMixin, SFTTrainer):
             config = _default_config(args[0] if args else kwargs.get("model"), bf16_on_cpu)
         config = fp32_on_cpu(config, bf16_on_cpu)
         train_dataset = args[2] if len(args) > 2 else kwargs.get("train_dataset")
-        if getattr(config, "packing", False) and dataset_loss_weights(train_dataset):
+        weighted = emdlm_loss.check_dataset(train_dataset)  # the rows' weights, read once
+        if getattr(config, "packing", False) and weighted:
             raise ValueError(
                 "EMDLMSFTTrainer: packing merges rows, so their loss weights cannot follow "
                 "them: set SFTConfig(packing=False) or drop the loss_weight field"
             )
-        emdlm_loss.check_dataset(train_dataset)
         if len(args) > 1:
             args = (args[0], config, *args[2:])
         else:
