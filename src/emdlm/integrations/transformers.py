@@ -115,6 +115,9 @@ class ComputeLoss:
         self._warned_mask = False
         # the dataset check_dataset last read, and whether it had weights: read once
         self._checked: tuple[Any, bool | None] | None = None
+        #: (hits, counted) of the last call (LossInputs.token_hits), None when the loss gave
+        #: no predicted tokens: TRL's mean_token_accuracy on the from-hidden route
+        self.last_token_hits: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def enable_from_hidden(self, model: nn.Module, install: bool = True) -> None:
         """Score ``model``'s final hidden states (``install``: wrap its forward in mode
@@ -257,6 +260,7 @@ class ComputeLoss:
             teacher_logits=teacher_logits, loss_weights=loss_weights,
         )
         out, count = self.step(inputs)
+        self.last_token_hits = inputs.token_hits(out, self.ignore_index)
         if torch.is_grad_enabled():
             self._record(out.loss.detach(), out.components, count)
         return scaled_loss(out.loss, count, num_items_in_batch)
