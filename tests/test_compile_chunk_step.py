@@ -21,8 +21,8 @@ agree. ``start`` is a Python int: each chunk is its own specialization (``dynami
 
 The logits path of CE / TaiLr / MixCE / NTIL / digit EMD / EMO used to break
 the graph at ``z.data_ptr() != out.data_ptr()`` (Dynamo: "Data pointer comparison"); the
-objectives now test ``z is out``. ``kl_distill`` has no chunk objective (plain autograd,
-:func:`emdlm.functional.emo_dense.kl_distill_loss`).
+objectives now test ``z is out``. The distillation objectives (EMO distillation, the CE + KL
+baseline) have no from-hidden path: their chunk objectives run on the logits path only.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from emdlm.numbers import NumberVocab
 from emdlm.ops._chunking import prepare_cost
 from emdlm.ops.chunked import ChunkObjective, HeadOptions, _Pass
 from emdlm.ops.objectives.candidates import CandidateLogits
-from emdlm.ops.objectives.emo_distill import EMODistillObjective
+from emdlm.ops.objectives.emo_distill import EMODistillObjective, KLDistillObjective
 
 TOKENS = (
     [str(d) for d in range(10)]
@@ -97,6 +97,11 @@ def _distill(base: str, mode: str) -> Callable[[torch.Tensor], ChunkObjective]:
     return lambda labels: EMODistillObjective(teacher.view(B, T, V), _cost(), opts)
 
 
+def _kl_distill(alpha: float, temperature: float) -> Callable[[torch.Tensor], ChunkObjective]:
+    teacher = torch.randn(N, V, generator=torch.Generator().manual_seed(9))
+    return lambda labels: KLDistillObjective(teacher.view(B, T, V), alpha, temperature)
+
+
 #: case -> (registered objective, builder of its ChunkObjective from the labels, paths).
 BOTH, LOGITS = ("logits", "hidden"), ("logits",)
 CaseTable = dict[str, tuple[str, Callable[[torch.Tensor], ChunkObjective], tuple[str, ...]]]
@@ -109,7 +114,7 @@ DERIVED: CaseTable = {
     if SPECS[name].from_hidden and path != SPECS[name].reference
 }
 #: Options beyond the registered paths, and the objectives without a from-hidden path whose
-#: logits path runs a ChunkObjective (EMO distillation: the teacher's [N, V] logits).
+#: logits path runs a ChunkObjective (the distillation ones: the teacher's [N, V] logits).
 EXTRA: CaseTable = {
     "tailr_gamma_min_weight_smoothing": (
         "tailr",
@@ -123,11 +128,13 @@ EXTRA: CaseTable = {
     "emo_distill_kl": ("emo_distill", _distill("kl", "static"), LOGITS),
     "emo_distill_ce_emo1": ("emo_distill", _distill("ce", "emo1"), LOGITS),
     "emo_distill_none_emo2": ("emo_distill", _distill("none", "emo2"), LOGITS),
+    "kl_distill_tau1": ("kl_distill", _kl_distill(0.5, 1.0), LOGITS),
+    "kl_distill_tau2": ("kl_distill", _kl_distill(0.3, 2.0), LOGITS),
 }
 assert not DERIVED.keys() & EXTRA.keys()
 CASES: CaseTable = {**DERIVED, **EXTRA}
 #: Registered objectives without a chunk step, and why.
-NO_CHUNK_STEP = {"kl_distill": "plain autograd (emdlm.functional.emo_dense.kl_distill_loss)"}
+NO_CHUNK_STEP: dict[str, str] = {}
 
 
 def test_every_registered_objective_has_a_case() -> None:
@@ -195,7 +202,7 @@ def _cases() -> list[Any]:
         for path in paths:
             params.append(pytest.param(case, path, torch.float32, True, id=f"{case}-{path}"))
     staging = ("ce-default", "tailr_gamma_min_weight_smoothing", "ntil-fused", "emo1_max_ratio")
-    for case in (*staging, "emo_distill_kl"):  # bfloat16 logits staged into a float32 out
+    for case in (*staging, "emo_distill_kl", "kl_distill_tau2"):  # bf16 staged into float32
         params.append(pytest.param(case, "logits", torch.bfloat16, True, id=f"{case}-bf16"))
     for case in ("ce-default", "mixce-default", "ntil-fused", "emo_static", "emo_distill_kl"):
         params.append(pytest.param(case, "logits", torch.float32, False, id=f"{case}-values"))

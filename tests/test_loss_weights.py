@@ -5,7 +5,8 @@ the registry): "sum" is Σ_t w_t·l_t and "mean" Σ_t w_t·l_t / Σ_t w_t over t
 a weight of 0 scores a token exactly as an ignored label (loss and gradients); all-zero
 weights give an exact, finite 0; bad weights are a ValueError naming the problem; the logits
 route equals the from-hidden route; CE, DFT and MixCE equal a hand-written reference built on
-``F.cross_entropy(reduction="none")``. Objectives that do not declare it still refuse by name.
+``F.cross_entropy(reduction="none")``, EMO, EMO distillation, the KL distillation baseline and
+NTIL references of their own. An objective that does not declare it refuses by name.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from _objectives import SPECS, random_cost_embedding
 from emdlm.functional.digit_emd import weighted_digit_emd
 from emdlm.functional.ntil import class_candidates, resolve_spans
 from emdlm.losses.ntil import NTILLoss
+from emdlm.objectives import weighable_objectives
 from test_host_syncs import SyncCounter
 
 F64 = torch.float64
@@ -104,12 +106,11 @@ def assert_same_call(a: Any, grads_a: list[Any], b: Any, grads_b: list[Any]) -> 
 
 
 def test_weighted_objectives_are_read_from_the_registry() -> None:
-    """The declaration is read from the registry: the weighted-CE family, EMO, EMO
-    distillation, NTIL, digit EMD and the NTL losses take weights."""
-    assert {name for name, _ in WEIGHTED} == {
-        "ce", "dft", "mixce", "tailr", "emo", "ntil", "emd", "ntl_mse", "ntl_was", "number_level",
-        "emo_distill",
-    }
+    """The declaration is read from the registry (``weighable_objectives``, the classes'
+    ``takes_loss_weights``): every registered objective takes weights, the distillation ones
+    included."""
+    assert {name for name, _ in WEIGHTED} == set(weighable_objectives()) == set(SPECS)
+    assert not REFUSING
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -235,24 +236,38 @@ BAD = {
 }
 
 
+WEIGHABLE = sorted({name for name, _ in WEIGHTED})
+
+
 @pytest.mark.parametrize("route", sorted(ROUTES))
 @pytest.mark.parametrize("bad", sorted(BAD))
-def test_bad_weights_are_a_clear_error(bad: str, route: str) -> None:
+@pytest.mark.parametrize("name", WEIGHABLE)
+def test_bad_weights_are_a_clear_error(name: str, bad: str, route: str) -> None:
+    """The one check of every weighted objective (``check_loss_weights`` for the type and
+    shape, the engine's host sync for the values): the same one-line error, no gradient."""
     weights, message = BAD[bad]
     d = inputs(5)
     h, w, b = (d[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
-    fn = build("ce")
-    with pytest.raises(ValueError, match=message):
+    fn = build(name)
+    kw = seeded(fn, {"loss_weights": weights})
+    with pytest.raises(ValueError, match=message) as err:
         if route == "logits":
-            fn(h @ w.T + b, d["labels"], loss_weights=weights)
+            fn(h @ w.T + b, d["labels"], **kw)
+        elif not fn.has_from_hidden:
+            pytest.skip(f"{type(fn).__name__} has no from-hidden path")
         else:
-            fn.from_hidden(h, w, d["labels"], b, loss_weights=weights)
+            fn.from_hidden(h, w, d["labels"], b, **kw)
+    assert "\n" not in str(err.value)
     assert h.grad is None and w.grad is None
 
 
-@pytest.mark.parametrize("name", REFUSING)
+@pytest.mark.parametrize("name", REFUSING or ["ce"])
 def test_objectives_without_weights_refuse_by_name(name: str) -> None:
+    """An objective that does not declare ``takes_loss_weights`` refuses them by name (every
+    registered one declares it now: CE with the declaration turned off stands in)."""
     fn = build(name)
+    if name not in REFUSING:
+        fn.takes_loss_weights = False  # this instance only
     d = inputs(6)
     logits = d["hidden"] @ d["weight"].T
     teacher = {"teacher_logits": torch.zeros_like(logits)} if fn.needs_teacher else {}
@@ -339,6 +354,44 @@ def test_emo_distill_equals_hand_written_reference(path: str, reduction: str) ->
     for g, r in zip(grads, [h.grad, w.grad, b.grad], strict=True):
         torch.testing.assert_close(g, r)
     torch.testing.assert_close(got.components["n_tokens"], n)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize(("alpha", "temperature"), [(0.3, 2.5), (1.0, 0.5), (0.0, 3.0)])
+def test_kl_distill_equals_hand_written_reference(
+    alpha: float, temperature: float, reduction: str
+) -> None:
+    """Σ w_t·L_t (/ Σ w_t over the counted tokens), L_t = (1-α)·CE_t + α·τ²·KL(p_τ ‖ q_τ)_t
+    written out in float64 (log-softmax by hand, τ ≠ 1): loss, gradients, components."""
+    d = inputs(13)
+    fn = build("kl_distill", alpha=alpha, temperature=temperature, reduction=reduction)
+    got, grads = on_logits(fn, d, loss_weights=d["weights"])
+    u = seeded(fn, {})["teacher_logits"].reshape(-1, V)
+    h, w, b = (d[k].clone().requires_grad_() for k in ("hidden", "weight", "bias"))
+    z, y, wt = (h @ w.T + b).reshape(-1, V), d["labels"].reshape(-1), d["weights"].reshape(-1)
+    keep = y != -100
+
+    def log_softmax(x: torch.Tensor) -> torch.Tensor:
+        return x - torch.log(torch.exp(x - x.amax(-1, keepdim=True)).sum(-1, keepdim=True)) \
+            - x.amax(-1, keepdim=True)
+
+    ce = -log_softmax(z).gather(1, torch.where(keep, y, 0)[:, None]).squeeze(1)
+    log_p, log_q = log_softmax(u / temperature), log_softmax(z / temperature)
+    kl = temperature**2 * (log_p.exp() * (log_p - log_q)).sum(-1)
+    per = torch.where(keep, (1.0 - alpha) * ce + alpha * kl, 0.0)
+    n = wt[keep].sum()
+    total = (wt * per).sum()
+    expected = total if reduction == "sum" else total / n
+    expected.backward()
+    assert got.loss.dtype == F64
+    torch.testing.assert_close(got.loss, expected)
+    for g, r in zip(grads, [h.grad, w.grad, b.grad], strict=True):
+        torch.testing.assert_close(g, r)
+    torch.testing.assert_close(got.components["n_tokens"], n)
+    torch.testing.assert_close(got.components["ce"], (wt * torch.where(keep, ce, 0.0)).sum() / n)
+    torch.testing.assert_close(got.components["kl"], (wt * torch.where(keep, kl, 0.0)).sum() / n)
+    unweighted, _ = on_logits(fn, d)
+    assert not torch.allclose(got.loss, unweighted.loss)
 
 
 # ---------------------------------------------------------------------------------------------

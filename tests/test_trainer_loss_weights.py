@@ -21,6 +21,7 @@ from emdlm.integrations.transformers import (
     make_compute_loss_func,
 )
 from emdlm.losses.ce import CrossEntropyLoss
+from emdlm.losses.emo_distill import KLDistillLoss
 from emdlm.models import build_model
 from emdlm.tasks import generate_task
 from emdlm.tokenizers import load_tokenizer
@@ -50,7 +51,7 @@ def _rows(n: int = 4, weights=WEIGHTS):
 # ------------------------------------------------------------------------------ the data field
 
 
-@pytest.mark.parametrize("bad", ["-1", '"2"', "true", "1e999", "null"])
+@pytest.mark.parametrize("bad", ["-1", '"2"', "true", "1e999"])
 def test_bad_row_weight_is_a_one_line_error_naming_the_line(tmp_path, bad):
     path = tmp_path / "d.jsonl"
     path.write_text('{"text": "1+1=2"}\n{"text": "2+2=4", "loss_weight": ' + bad + "}\n")
@@ -58,6 +59,87 @@ def test_bad_row_weight_is_a_one_line_error_naming_the_line(tmp_path, bad):
                                           r"number >= 0") as err:
         read_jsonl(path)
     assert "\n" not in str(err.value)
+
+
+#: rows with a weight, without the field, with a JSON null, a zero: what a datasets column makes
+#: of them is the same (None for the missing one)
+MIXED = [{"text": "12+3=15", "loss_weight": 2.0}, {"text": "4+4=8"},
+         {"text": "7+1=8", "loss_weight": None}, {"text": "9+9=18", "loss_weight": 0.5}]
+
+
+def _collated_weights(tok, rows):
+    """The [B, T] ``loss_weights`` the collator gives a dataset built from ``rows``."""
+    ds = build_dataset(rows, tok, max_length=32)
+    return DataCollator(tok.pad_token_id)([ds[i] for i in range(len(ds))])["loss_weights"]
+
+
+def test_null_row_weight_is_no_weight_given(tmp_path, tok):
+    """JSON null = the field absent = weight 1 (it used to be refused)."""
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in MIXED))
+    rows = read_jsonl(path)
+    ds = build_dataset(rows, tok, max_length=32)
+    assert "loss_weight" not in ds[1] and "loss_weight" not in ds[2]  # as a row without one
+    w = _collated_weights(tok, rows)
+    n = len(ds[2]["input_ids"])
+    assert bool((w[2, :n] == 1.0).all()) and bool((w[1, : len(ds[1]["input_ids"])] == 1.0).all())
+    assert float(w[0, 0]) == 2.0 and float(w[3, 0]) == 0.5
+
+
+def test_jsonl_and_a_datasets_dataset_give_identical_weights(tmp_path, tok):
+    """The same rows as a JSONL file (null and a missing field) and as
+    ``datasets.Dataset.from_list`` (None in the column for both), handed to build_dataset, read
+    from a save_to_disk folder, or checked by a trainer's setup: the same weights."""
+    datasets = pytest.importorskip("datasets")
+    from emdlm.config import DataSourceConfig
+    from emdlm.data import load_examples
+
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in MIXED))
+    hf = datasets.Dataset.from_list(MIXED)
+    assert hf["loss_weight"] == [2.0, None, None, 0.5]
+    hf.save_to_disk(str(tmp_path / "folder"))
+    from_jsonl = _collated_weights(tok, load_examples(DataSourceConfig(path=str(path)), seed=0))
+    from_folder = _collated_weights(
+        tok, load_examples(DataSourceConfig(path=str(tmp_path / "folder")), seed=0))
+    for got in (from_folder, _collated_weights(tok, hf), _collated_weights(tok, list(hf))):
+        assert torch.equal(got, from_jsonl)
+    assert dataset_loss_weights(hf) is True
+    # a column of None only is no weight given, as rows without the field
+    none_only = datasets.Dataset.from_list([{"text": "1+1=2", "loss_weight": None}])
+    assert dataset_loss_weights(none_only) is False
+
+
+def test_each_row_weight_is_checked_once_before_training(tmp_path, tok, monkeypatch):
+    """One check per row and source: a JSONL file's as it is read (not again by build_dataset,
+    a trainer's setup or the collator), a datasets.Dataset's once by the trainer's setup however
+    often it asks."""
+    datasets = pytest.importorskip("datasets")
+    import emdlm.data
+    import emdlm.integrations.loss_weights as lw
+
+    calls = []
+    real = lw.check_loss_weight
+
+    def counted(value, where):
+        calls.append(where)
+        return real(value, where)
+
+    monkeypatch.setattr(lw, "check_loss_weight", counted)
+    monkeypatch.setattr(emdlm.data, "check_loss_weight", counted)
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in MIXED))
+    ds = build_dataset(read_jsonl(path), tok, max_length=32)
+    compute_loss = make_compute_loss_func(CrossEntropyLoss(reduction="sum"))
+    compute_loss.check_dataset(ds)  # emdlm train's setup check, then the trainer's
+    compute_loss.check_dataset(ds)
+    DataCollator(tok.pad_token_id)([ds[i] for i in range(len(ds))])
+    assert len(calls) == len(MIXED), calls
+    calls.clear()
+    hf = datasets.Dataset.from_list(MIXED)
+    assert compute_loss.check_dataset(hf) is True
+    assert compute_loss.check_dataset(hf) is True
+    assert len(calls) == len(MIXED), calls
 
 
 def test_bad_weight_of_a_generated_row_names_the_example(tok):
@@ -113,25 +195,33 @@ def test_weighted_item_count_is_the_weight_sum_of_the_scored_labels(tok):
 # ------------------------------------------------------------------- the trainer, accumulation
 
 
-def _reference_grads(tok, ds):
-    """Σ w_t·CE_t / Σ w_t over the scored tokens of all 4 rows, on the initial model, by hand
-    (F.cross_entropy per token, the weights applied here): (loss, gradients)."""
+def _reference_grads(tok, ds, teacher=None, alpha=0.0, temperature=1.0):
+    """Σ w_t·l_t / Σ w_t over the scored tokens of all 4 rows, on the initial model, by hand
+    (F.cross_entropy per token, the weights applied here): (loss, gradients). With a
+    ``teacher``, l_t = (1-α)·CE_t + α·τ²·KL(p_τ ‖ q_τ)_t on the teacher's logits."""
     model = _model(tok)
     batch = DataCollator(tok.pad_token_id)([ds[i] for i in range(4)])
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    logits = model(**inputs).logits
     labels, w = batch["labels"][:, 1:], batch["loss_weights"][:, 1:]
-    ce = torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none",
-        ignore_index=-100,
-    )
+    z = logits[:, :-1].reshape(-1, logits.shape[-1])
+    per = torch.nn.functional.cross_entropy(z, labels.reshape(-1), reduction="none",
+                                            ignore_index=-100)
+    if teacher is not None:
+        with torch.no_grad():
+            u = teacher(**inputs).logits[:, :-1].reshape(-1, logits.shape[-1])
+        log_p = torch.log_softmax(u / temperature, -1)
+        kl = (log_p.exp() * (log_p - torch.log_softmax(z / temperature, -1))).sum(-1)
+        per = (1.0 - alpha) * per + alpha * temperature**2 * kl
     scored = labels.reshape(-1) != -100
     weights = torch.where(scored, w.reshape(-1), 0.0)
-    loss = (weights * ce).sum() / weights.sum()
+    loss = (weights * torch.where(scored, per, 0.0)).sum() / weights.sum()
     loss.backward()
     return float(loss.detach()), [p.grad.detach().clone() for p in model.parameters()]
 
 
-def _one_step(tmp_path, tok, ds, batch_size, accumulation, from_hidden, loss_fn=None):
+def _one_step(tmp_path, tok, ds, batch_size, accumulation, from_hidden, loss_fn=None,
+              teacher=None):
     model = _model(tok)
     start = [p.detach().clone() for p in model.parameters()]
     args = TrainingArguments(
@@ -148,6 +238,7 @@ def _one_step(tmp_path, tok, ds, batch_size, accumulation, from_hidden, loss_fn=
     trainer = EMDLMTrainer(
         model=model, args=args, train_dataset=ds, data_collator=DataCollator(tok.pad_token_id),
         compute_loss_func=compute_loss, callbacks=[LossComponentsCallback(compute_loss)],
+        teacher=teacher,
     )  # fmt: skip
     trainer.train()
     step = [s - p.detach() for s, p in zip(start, model.parameters(), strict=True)]  # lr = 1
@@ -168,6 +259,35 @@ def test_accumulated_weighted_step_equals_one_batch_and_the_hand_reference(
     for log in (big_log, acc_log):
         assert log["loss"] == pytest.approx(ref_loss, rel=1e-5)
         assert log["emdlm/loss"] == pytest.approx(ref_loss, rel=1e-5)
+        assert log["emdlm/n_scored"] == pytest.approx(
+            sum(w * sum(lab != -100 for lab in ds[i]["labels"][1:])
+                for i, w in enumerate(WEIGHTS)))
+    assert max(float(g.abs().max()) for g in ref_grads) > 1e-3
+    for a, b, r in zip(acc, big, ref_grads, strict=True):
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(b, r, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_distillation_accumulated_weighted_step_equals_one_batch_and_the_hand_reference(
+    tmp_path, tok
+):
+    """kl_distill with a teacher (EMDLMTrainer, weighted rows): 2 micro-batches x
+    accumulation 2 = one batch of 4 = Σ w·((1-α)·CE + α·τ²·KL) / Σ w by hand, τ = 2."""
+    torch.manual_seed(1)
+    teacher = build_model(ModelConfig("tiny-gpt2", {"n_layer": 1, "n_embd": 32}), tok).eval()
+    teacher.requires_grad_(False)
+    ds = build_dataset(_rows(), tok, max_length=32)
+    alpha, temperature = 0.3, 2.0
+    ref_loss, ref_grads = _reference_grads(tok, ds, teacher, alpha, temperature)
+
+    def loss_fn():
+        return KLDistillLoss(alpha=alpha, temperature=temperature, reduction="sum")
+
+    big_log, big = _one_step(tmp_path, tok, ds, 4, 1, False, loss_fn(), teacher)
+    acc_log, acc = _one_step(tmp_path, tok, ds, 2, 2, False, loss_fn(), teacher)
+    for log in (big_log, acc_log):
+        assert log["loss"] == pytest.approx(ref_loss, rel=1e-5)
         assert log["emdlm/n_scored"] == pytest.approx(
             sum(w * sum(lab != -100 for lab in ds[i]["labels"][1:])
                 for i, w in enumerate(WEIGHTS)))

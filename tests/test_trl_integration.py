@@ -263,3 +263,89 @@ def test_no_args_gets_trls_default_in_fp32_on_cpu(tmp_path, tok, dataset, monkey
         warnings.simplefilter("always")
         next(iter(trainer.get_train_dataloader()))
     assert not [w for w in caught if "pin_memory" in str(w.message)]
+
+
+@pytest.fixture(scope="module")
+def trained_state(tmp_path_factory, tok, dataset) -> dict[str, torch.Tensor]:
+    """A tiny model trained 12 steps (a random one gets about 1 token of 56 right)."""
+    trainer = EMDLMSFTTrainer(
+        model=tiny_gpt2(len(tok)), args=sft_config(tmp_path_factory.mktemp("trained")),
+        train_dataset=dataset, processing_class=tok, loss_fn=CrossEntropyLoss(reduction="sum"),
+    )  # fmt: skip
+    trainer.train()
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def _trained(tok, state) -> GPT2LMHeadModel:
+    model = tiny_gpt2(len(tok))
+    model.load_state_dict(state)
+    return model
+
+
+def _token_accuracy(tmp_path, tok, state, dataset, loss_fn, from_hidden: bool) -> list[float]:
+    """TRL's logged ``mean_token_accuracy`` of one training-mode ``compute_loss`` on the first
+    batch (the same tiny model and batch on both routes); [] when it is absent."""
+    trainer = EMDLMSFTTrainer(
+        model=_trained(tok, state), args=sft_config(tmp_path), train_dataset=dataset,
+        processing_class=tok, loss_fn=loss_fn, from_hidden=from_hidden,
+    )  # fmt: skip
+    batch = _first_batch(trainer)
+    trainer.model.train()
+    trainer.compute_loss(trainer.model, dict(batch))
+    return list(trainer._metrics["train"].get("mean_token_accuracy", []))
+
+
+def _weighted_dataset():
+    """The addition rows with loss weights, two of them 0 (scored as ignored labels)."""
+    rows = [{**row, "loss_weight": [0.0, 2.0, 0.5, 1.0][i % 4]}
+            for i, row in enumerate(addition_dataset(16, seed=1))]
+    return datasets.Dataset.from_list(rows)
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("option", ["predicted_tokens", "token_accuracy"])
+def test_from_hidden_logs_the_logits_routes_mean_token_accuracy(
+    tmp_path, tok, trained_state, option, weighted
+) -> None:
+    """From hidden states (no logits) ``mean_token_accuracy`` is the loss's own argmax count
+    (hits and positions, as the logits route counts them; a weight-0 token is an ignored label
+    on both), equal to the logits route's on the same batch; ``token_accuracy=True`` gives it
+    only without loss weights (its weighted share is not a count), and a loss with neither
+    option gives none."""
+    data = _weighted_dataset() if weighted else addition_dataset(16, seed=1)
+
+    def loss_fn(**options):
+        return CrossEntropyLoss(reduction="sum", **options)
+
+    state = trained_state
+    by_logits = _token_accuracy(tmp_path, tok, state, data, loss_fn(**{option: True}), False)
+    by_hidden = _token_accuracy(tmp_path, tok, state, data, loss_fn(**{option: True}), True)
+    assert len(by_logits) == 1 and 0.0 < by_logits[0] < 1.0  # some hits, some misses
+    if option == "token_accuracy" and weighted:
+        assert by_hidden == []
+    else:
+        assert by_hidden == pytest.approx(by_logits, abs=1e-6)
+    assert _token_accuracy(tmp_path, tok, state, data, loss_fn(), True) == []
+
+
+def test_logits_route_mean_token_accuracy_skips_weight_zero_tokens(
+    tmp_path, tok, trained_state
+) -> None:
+    """The logits route's count by hand: argmax == label over labels != -100 of weight > 0."""
+    data = _weighted_dataset()
+    trainer = EMDLMSFTTrainer(
+        model=_trained(tok, trained_state), args=sft_config(tmp_path), train_dataset=data,
+        processing_class=tok, loss_fn=CrossEntropyLoss(reduction="sum"),
+    )  # fmt: skip
+    batch = _first_batch(trainer)
+    trainer.model.train()
+    trainer.compute_loss(trainer.model, dict(batch))
+    with torch.no_grad():
+        logits = trainer.model(input_ids=batch["input_ids"],
+                               attention_mask=batch["attention_mask"]).logits
+    labels, w = batch["labels"][:, 1:], batch["loss_weights"][:, 1:]
+    mask = (labels != -100) & (w > 0)
+    hits = (logits[:, :-1].argmax(-1) == labels) & (labels != -100)
+    assert bool((hits & (w == 0)).any())  # weight-0 tokens the model gets right: not counted
+    expected = float(((logits[:, :-1].argmax(-1) == labels) & mask).sum() / mask.sum())
+    assert trainer._metrics["train"]["mean_token_accuracy"] == pytest.approx([expected], abs=1e-6)

@@ -17,13 +17,19 @@ eos) is trained; text examples are
 tensor "pixel_values") are kept as tensors and stacked by the collator, so a model taking more
 inputs needs no trainer change.
 
-Loss weights: a row's optional ``"loss_weight"`` (a finite number ≥ 0; absent = 1; anything
-else is a ConfigError naming the row, raised when the data is read) scales every scored token
-of that row. The item keeps it, and the collator turns the batch's weights into ``loss_weights``
-[B, T] (the row's weight on its tokens, 0 on padding), which the trainers hand to a loss that
-takes per-token weights (:class:`emdlm.losses.base.EMDLMLoss`, ``takes_loss_weights``). A
-tokenized item may instead carry its own per-token ``"loss_weights"`` list, aligned with its
-``input_ids`` (the two multiply when both are given).
+Loss weights: a row's optional ``"loss_weight"`` (a finite number ≥ 0) scales every scored
+token of that row. Absent, JSON ``null`` and ``None`` (what a ``datasets`` column gives a row
+that lacks the field while others have it) all mean "no weight given": weight 1, the same in
+every source (:func:`emdlm.integrations.loss_weights.check_loss_weight`, the one rule). Anything
+else is a ConfigError naming the row, raised once, where the rows enter: as a file is read
+(:func:`load_examples`, which checks a task generator's rows too and returns
+:class:`CheckedRows`), or in :func:`build_dataset` for rows given to it otherwise. The item
+keeps the weight (an item of a row without one has none), and the collator only converts the
+batch's checked weights into ``loss_weights`` [B, T] (the row's weight on its tokens, 0 on
+padding), which the trainers hand to a loss that takes per-token weights
+(:class:`emdlm.losses.base.EMDLMLoss`, ``takes_loss_weights``). A tokenized item may instead
+carry its own per-token ``"loss_weights"`` list, aligned with its ``input_ids`` (the two
+multiply when both are given).
 """
 
 from __future__ import annotations
@@ -63,11 +69,16 @@ CHARACTER_CAP_SLACK = 8
 TOKEN_CHARACTERS_FALLBACK = 256
 
 
+class CheckedRows(list):  # type: ignore[type-arg]
+    """Rows whose fields (and ``loss_weight``) were checked where they entered
+    (:func:`load_examples`, :func:`read_jsonl`): :func:`build_dataset` does not check their
+    weights again."""
+
+
 def _check_row(row: Any, where: str) -> dict[str, Any]:
     if not isinstance(row, dict):
         raise ConfigError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    if LOSS_WEIGHT_KEY in row:
-        check_loss_weight(row[LOSS_WEIGHT_KEY], where)
+    check_loss_weight(row.get(LOSS_WEIGHT_KEY), where)  # null: no weight given
     if TOKEN_WEIGHTS_KEY in row:
         raise ConfigError(
             f"{where}: field {TOKEN_WEIGHTS_KEY!r} (per-token weights) belongs to tokenized items "
@@ -108,12 +119,12 @@ def _decode_line(raw: bytes, where: str) -> str:
         ) from None
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+def read_jsonl(path: str | Path) -> CheckedRows:
     """Rows of a JSONL file; ConfigError naming ``file:line`` for any malformed line."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"data file not found: {p}")
-    rows: list[dict[str, Any]] = []
+    rows = CheckedRows()
     # bytes, decoded line by line, so that an encoding error names its line like JSON errors
     with p.open("rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
@@ -130,7 +141,7 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _read_saved_dataset(path: Path, split: str) -> list[dict[str, Any]]:
+def _read_saved_dataset(path: Path, split: str) -> CheckedRows:
     import datasets
 
     try:
@@ -141,24 +152,28 @@ def _read_saved_dataset(path: Path, split: str) -> list[dict[str, Any]]:
         if split not in ds:
             raise ConfigError(f"{path}: has splits {list(ds)}, not {split!r}")
         ds = ds[split]
-    rows = [_check_row(dict(r), f"{path}: row {i}") for i, r in enumerate(ds)]
+    rows = CheckedRows(_check_row(dict(r), f"{path}: row {i}") for i, r in enumerate(ds))
     if not rows:
         raise ConfigError(f"{path}: no examples")
     return rows
 
 
-def load_examples(src: DataSourceConfig, *, seed: int) -> list[dict[str, Any]]:
-    """Examples (dicts) from one source; errors are ConfigError naming the source."""
+def load_examples(src: DataSourceConfig, *, seed: int) -> CheckedRows:
+    """Examples (dicts) from one source, their loss weights checked (a file's as it is read,
+    a task generator's here); errors are ConfigError naming the source."""
     if src.task is not None:
         from emdlm.tasks import generate_task
 
         try:
-            rows = generate_task(
+            generated = generate_task(
                 src.task, n=src.n, split=src.resolved_split,
                 seed=seed if src.seed is None else src.seed, **src.params,
             )
         except ValueError as err:
             raise ConfigError(str(err)) from err
+        for i, row in enumerate(generated):
+            check_loss_weight(row.get(LOSS_WEIGHT_KEY), f"{src.describe()}: example {i}")
+        rows = CheckedRows(generated)
     else:
         assert src.path is not None
         p = Path(src.path)
@@ -169,7 +184,7 @@ def load_examples(src: DataSourceConfig, *, seed: int) -> list[dict[str, Any]]:
         else:
             raise ConfigError(f"data path not found: {p}")
     if src.limit is not None:
-        rows = rows[: src.limit]
+        rows = CheckedRows(rows[: src.limit])
     return rows
 
 
@@ -256,8 +271,9 @@ def tokenize_example(
     item: dict[str, Any] = {"input_ids": ids, "labels": labels}
     if scope is not None:
         item["number_mask"] = mask[:max_length]
-    if LOSS_WEIGHT_KEY in example:
-        item[LOSS_WEIGHT_KEY] = check_loss_weight(example[LOSS_WEIGHT_KEY], "example")
+    weight = check_loss_weight(example.get(LOSS_WEIGHT_KEY), "example")
+    if weight is not None:
+        item[LOSS_WEIGHT_KEY] = weight
     for key in extra_keys:
         if key not in example:
             raise ConfigError(f"extra key {key!r} missing from an example")
@@ -305,7 +321,13 @@ class CutCounts:
 
 class TokenizedDataset(torch.utils.data.Dataset):
     """A list of tokenized examples (dicts of lists / tensors); ``cuts`` says how many examples
-    truncation cut or dropped (None when not built by :func:`build_dataset`)."""
+    truncation cut or dropped (None when not built by :func:`build_dataset`).
+
+    ``loss_weights_checked``: the items' ``loss_weight`` values were checked when the rows
+    entered (:func:`build_dataset`), so a trainer's setup does not read them again
+    (:func:`emdlm.integrations.loss_weights.dataset_loss_weights`)."""
+
+    loss_weights_checked = True
 
     def __init__(self, items: list[dict[str, Any]], cuts: CutCounts | None = None) -> None:
         self.items = items
@@ -363,14 +385,17 @@ def build_dataset(
     ``number_scope`` is the rows' default scope and ``task`` the source's task (for "answer"),
     see the module docstring: when any row's scope is not "all", every item gets
     ``number_mask`` (list of bool aligned with ``labels``)."""
+    checked = isinstance(examples, CheckedRows)  # their weights checked as they were read
     rows, char_cut_rows, chars_cut, char_cap = cap_characters(
         list(examples), tokenizer, max_length
     )
     scopes = row_scopes(rows, number_scope, task, source)
-    weights = {  # checked before anything is tokenized
-        i: check_loss_weight(ex[LOSS_WEIGHT_KEY], f"{source}: example {i}")
-        for i, ex in enumerate(rows) if LOSS_WEIGHT_KEY in ex
-    }
+    # the rows' weights (None: no weight given), checked before anything is tokenized
+    weights = {i: ex[LOSS_WEIGHT_KEY] for i, ex in enumerate(rows)
+               if ex.get(LOSS_WEIGHT_KEY) is not None}
+    if not checked:
+        for i, value in weights.items():
+            check_loss_weight(value, f"{source}: example {i}")
     pc = [i for i, ex in enumerate(rows) if "completion" in ex]
     tx = [i for i, ex in enumerate(rows) if "completion" not in ex]
     eos = [tokenizer.eos_token_id] if add_eos else []
@@ -417,8 +442,8 @@ def build_dataset(
         item: dict[str, Any] = {"input_ids": ids, "labels": labels}
         if scopes is not None:
             item["number_mask"] = mask_of[i]
-        if LOSS_WEIGHT_KEY in ex:
-            item[LOSS_WEIGHT_KEY] = weights[i]
+        if i in weights:
+            item[LOSS_WEIGHT_KEY] = float(weights[i])
         for key in extra_keys:
             if key not in ex:
                 raise ConfigError(f"{source}: example {i} has no extra key {key!r}")

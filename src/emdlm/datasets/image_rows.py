@@ -121,7 +121,12 @@ def load_image_examples(
 
 class ImageRowsDataset:
     """Rows kept as dicts; the VLM collator opens images and tokenizes per batch. ``cuts``
-    says how many rows truncation cut or dropped (:func:`cut_image_rows`)."""
+    says how many rows truncation cut or dropped (:func:`cut_image_rows`).
+    ``loss_weights_checked``: the rows come from :func:`load_image_examples`, whose
+    :func:`emdlm.data.load_examples` checked their ``loss_weight`` (a trainer's setup does not
+    read them again)."""
+
+    loss_weights_checked = True
 
     def __init__(self, rows: list[dict[str, Any]], cuts: CutCounts | None = None) -> None:
         self.rows = rows

@@ -96,6 +96,36 @@ class LossInputs:
         )
         return {k: v for k, v in given if v is not None}
 
+    def counted(self, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+        """[B, T] bool: the positions the loss scores, labels ≠ ``ignore_index`` and, with
+        ``loss_weights``, weight > 0 (a weight of 0 scores a token as an ignored label)."""
+        valid = self.labels != ignore_index
+        if self.loss_weights is not None:
+            valid = valid & (self.loss_weights.to(valid.device) > 0)
+        return valid
+
+    def token_hits(
+        self, out: Any, ignore_index: int = IGNORE_INDEX
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(hits, counted), 0-d long: of the :meth:`counted` positions, how many the loss's
+        output ``out`` says the model's argmax got right, and how many there are (no host
+        sync), the counts of TRL's ``mean_token_accuracy``. From ``out.predicted_tokens`` (the
+        argmax per position, ``CrossEntropyLoss(predicted_tokens=True)``), else from the
+        component ``token_accuracy`` (hits / counted, ``token_accuracy=True``) when the call
+        has no ``loss_weights`` (with weights it is a weighted share, not a count); None when
+        ``out`` gives neither."""
+        predicted = getattr(out, "predicted_tokens", None)
+        if predicted is not None:
+            counted = self.counted(ignore_index)
+            hits = (predicted.to(self.labels.device) == self.labels) & counted
+            return hits.sum(), counted.sum()
+        share = (getattr(out, "components", None) or {}).get("token_accuracy")
+        if share is None or self.loss_weights is not None:
+            return None
+        n = self.counted(ignore_index).sum()
+        share = torch.as_tensor(share).detach().to(device=n.device, dtype=torch.float64)
+        return (share * n).round().long(), n
+
     def scored(self, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
         """What the call's summed loss is divided by when no ``num_items_in_batch`` is given
         (and what its components are averaged with): the scored labels, or with

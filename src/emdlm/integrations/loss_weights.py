@@ -1,12 +1,22 @@
 """Per-row and per-token loss weights in the data, and the weighted token count of a batch.
 
 A training row (a JSONL line, a ``datasets`` row) may carry ``"loss_weight"``: a finite number
-≥ 0 that scales each of its scored tokens (absent, or ``None`` in a dataset column with gaps:
-1). A tokenized item may instead carry ``"loss_weights"``, one weight per token of its
-``input_ids`` (the two multiply). The collators (:class:`emdlm.data.DataCollator`, the TRL
-route's) turn a batch's weights into ``loss_weights`` [B, T] float32 aligned with ``labels``
-(:func:`pad_loss_weights`), which the trainers take out of the model's inputs and hand to a loss
-that declares ``takes_loss_weights`` (:class:`emdlm.losses.base.EMDLMLoss`).
+≥ 0 that scales each of its scored tokens. One rule, :func:`check_loss_weight`, for every
+source: ``None`` (JSON ``null``; in a ``datasets`` column, a row that lacks the field while
+others have it) means "no weight given", exactly as the field absent: weight 1. A tokenized
+item may instead carry ``"loss_weights"``, one weight per token of its ``input_ids`` (the two
+multiply).
+
+Each source's weights are checked once, before training, where they enter: rows read from a
+file as they are read (:func:`emdlm.data.load_examples`), rows handed to
+:func:`emdlm.data.build_dataset` there, a dataset handed to a trainer at its setup
+(:func:`dataset_loss_weights`; a dataset built by emdlm declares ``loss_weights_checked`` and is
+not read again). The collators (:class:`emdlm.data.DataCollator`, the TRL and VLM routes')
+take the values as checked and only convert them (:func:`pad_loss_weights`) into
+``loss_weights`` [B, T] float32 aligned with ``labels``, which the trainers take out of the
+model's inputs and hand to a loss that declares ``takes_loss_weights``
+(:class:`emdlm.losses.base.EMDLMLoss`); the loss's own check (finite and ≥ 0, in its one host
+sync) still refuses a bad value from a dataset no setup could read.
 
 With weights the loss of a micro-batch is Σ_t w_t·l_t, and the normaliser of gradient
 accumulation is the weight sum over the scored tokens of the whole accumulated batch,
@@ -36,9 +46,13 @@ LOSS_WEIGHT_KEY = "loss_weight"
 TOKEN_WEIGHTS_KEY = "loss_weights"
 
 
-def check_loss_weight(value: Any, where: str) -> float:
-    """A row's ``loss_weight`` as a float, or a ConfigError naming ``where``: it must be a
-    finite number ≥ 0 (a bool, a string, NaN, ±inf or a negative number is refused)."""
+def check_loss_weight(value: Any, where: str) -> float | None:
+    """The one rule for a row's ``loss_weight`` value (``value`` None where the field is absent
+    too): None is "no weight given" (weight 1) and is returned as None; any other value must be
+    a finite number ≥ 0 and is returned as a float; anything else (a bool, a string, NaN, ±inf,
+    a negative number) is a ConfigError naming ``where``."""
+    if value is None:
+        return None
     number = isinstance(value, numbers.Real) and not isinstance(value, bool)
     if not number or not math.isfinite(value) or value < 0:
         raise ConfigError(
@@ -47,9 +61,15 @@ def check_loss_weight(value: Any, where: str) -> float:
     return float(value)
 
 
+def row_weight(value: Any) -> float:
+    """A checked ``loss_weight`` value (:func:`check_loss_weight`) as the collators use it: 1.0
+    for None ("no weight given"), else the number as a float (no check)."""
+    return 1.0 if value is None else float(value)
+
+
 def has_loss_weights(features: Sequence[Mapping[str, Any]]) -> bool:
-    """Whether any item carries a row weight or per-token weights (a missing weight, or a
-    ``None`` one from a dataset column with gaps, counts as 1)."""
+    """Whether any item carries a row weight or per-token weights (a ``None`` weight is no
+    weight given, as :func:`check_loss_weight` says)."""
     keys = (LOSS_WEIGHT_KEY, TOKEN_WEIGHTS_KEY)
     return any(f.get(k) is not None for f in features for k in keys)
 
@@ -58,14 +78,12 @@ def pad_loss_weights(
     features: Sequence[Mapping[str, Any]], lengths: Sequence[int], width: int, *, left: bool = False
 ) -> torch.Tensor:
     """[B, width] float32 ``loss_weights`` of the batch: item i's ``loss_weight`` (1 when
-    absent) times its per-token ``loss_weights`` (when given, one per token) on its tokens, 0 on
-    padding. ConfigError naming the item for a bad row weight or a per-token list whose length
-    is not the item's."""
+    absent or None; checked at its source, :func:`row_weight` only converts it) times its
+    per-token ``loss_weights`` (when given, one per token) on its tokens, 0 on padding.
+    ConfigError naming the item for a per-token list whose length is not the item's."""
     out = torch.zeros((len(features), width), dtype=torch.float32)
     for i, (f, length) in enumerate(zip(features, lengths, strict=True)):
-        weight = f.get(LOSS_WEIGHT_KEY)
-        w = 1.0 if weight is None else check_loss_weight(weight, f"batch item {i}")
-        row = torch.full((length,), w, dtype=torch.float32)
+        row = torch.full((length,), row_weight(f.get(LOSS_WEIGHT_KEY)), dtype=torch.float32)
         if f.get(TOKEN_WEIGHTS_KEY) is not None:
             per_token = torch.as_tensor(f[TOKEN_WEIGHTS_KEY], dtype=torch.float32).reshape(-1)
             if per_token.numel() != length:
@@ -80,11 +98,14 @@ def pad_loss_weights(
 
 
 def dataset_loss_weights(dataset: Any, where: str = "train_dataset") -> bool | None:
-    """Whether ``dataset`` carries loss weights, every row weight checked on the way (a
-    ConfigError naming the row; ``None`` counts as 1): True / False for a list-backed dataset
-    (``dataset.items``, :class:`emdlm.data.TokenizedDataset`; ``dataset.rows``, the image-text
-    rows) or a ``datasets.Dataset`` (its columns); None for another dataset (not read: the
-    loss refuses weights it cannot take at the first weighted batch)."""
+    """Whether ``dataset`` carries loss weights, every row weight checked on the way
+    (:func:`check_loss_weight`: a ConfigError naming the row; ``None`` is no weight given):
+    True / False for a list-backed dataset (``dataset.items``, :class:`emdlm.data.
+    TokenizedDataset`; ``dataset.rows``, the image-text rows) or a ``datasets.Dataset`` (its
+    columns); None for another dataset (not read: the loss refuses weights it cannot take at
+    the first weighted batch). A dataset that declares ``loss_weights_checked`` (emdlm's own,
+    built from rows checked where they entered) is only looked at, not checked again."""
+    checked = bool(getattr(dataset, "loss_weights_checked", False))
     rows = getattr(dataset, "items", None)
     if not isinstance(rows, list):
         rows = getattr(dataset, "rows", None)
@@ -94,11 +115,12 @@ def dataset_loss_weights(dataset: Any, where: str = "train_dataset") -> bool | N
         found = has_loss_weights(rows)
     elif isinstance(columns, list):
         values = list(dataset[LOSS_WEIGHT_KEY]) if LOSS_WEIGHT_KEY in columns else []
-        found = LOSS_WEIGHT_KEY in columns or TOKEN_WEIGHTS_KEY in columns
+        # a column of None only (no row gives a weight) is no weight given, as in a list
+        found = TOKEN_WEIGHTS_KEY in columns or any(v is not None for v in values)
     else:
         return None
-    for i, value in enumerate(values):
-        if value is not None:
+    if not checked:
+        for i, value in enumerate(values):
             check_loss_weight(value, f"{where}: row {i}")
     return found
 
@@ -142,5 +164,6 @@ def weighted_item_count(batch_samples: Sequence[Any]) -> torch.Tensor | None:
 
 __all__ = [
     "LOSS_WEIGHT_KEY", "TOKEN_WEIGHTS_KEY", "check_loss_weight", "dataset_loss_weights",
-    "has_loss_weights", "pad_loss_weights", "refuse_weights_on", "weighted_item_count",
+    "has_loss_weights", "pad_loss_weights", "refuse_weights_on", "row_weight",
+    "weighted_item_count",
 ]

@@ -113,6 +113,11 @@ class ComputeLoss:
         # the model whose output embedding the loss applies; set by enable_from_hidden.
         self.model: nn.Module | None = None
         self._warned_mask = False
+        # the dataset check_dataset last read, and whether it had weights: read once
+        self._checked: tuple[Any, bool | None] | None = None
+        #: (hits, counted) of the last call (LossInputs.token_hits), None when the loss gave
+        #: no predicted tokens: TRL's mean_token_accuracy on the from-hidden route
+        self.last_token_hits: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def enable_from_hidden(self, model: nn.Module, install: bool = True) -> None:
         """Score ``model``'s final hidden states (``install``: wrap its forward in mode
@@ -166,13 +171,20 @@ class ComputeLoss:
             "takes_loss_weights"
         )
 
-    def check_dataset(self, dataset: Any, where: str = "train_dataset") -> None:
+    def check_dataset(self, dataset: Any, where: str = "train_dataset") -> bool | None:
         """Refuse, at setup, a ``dataset`` whose rows carry loss weights when the loss takes
         none (:meth:`unweighable`), and a bad row weight either way
-        (:func:`~emdlm.integrations.loss_weights.dataset_loss_weights`)."""
-        found = dataset_loss_weights(dataset, where)  # checks the rows' weights too
+        (:func:`~emdlm.integrations.loss_weights.dataset_loss_weights`); returns what that
+        found (True / False, None: not readable). The same dataset object is read once: a
+        second call (the trainer's setup, then its train dataloader) gives the first answer."""
+        if self._checked is not None and self._checked[0] is dataset:
+            found = self._checked[1]
+        else:
+            found = dataset_loss_weights(dataset, where)  # checks the rows' weights too
+            self._checked = (dataset, found)
         if found and not self.needs.takes_loss_weights:
             raise self.unweighable(f"{where} has loss weights")
+        return found
 
     def inputs(
         self, outputs: Any, labels: torch.Tensor | None, *, shifted: bool = False,
@@ -248,6 +260,7 @@ class ComputeLoss:
             teacher_logits=teacher_logits, loss_weights=loss_weights,
         )
         out, count = self.step(inputs)
+        self.last_token_hits = inputs.token_hits(out, self.ignore_index)
         if torch.is_grad_enabled():
             self._record(out.loss.detach(), out.components, count)
         return scaled_loss(out.loss, count, num_items_in_batch)

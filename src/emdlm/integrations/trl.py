@@ -57,7 +57,6 @@ from emdlm.functional._common import IGNORE_INDEX
 from emdlm.integrations.loss_weights import (
     LOSS_WEIGHT_KEY,
     TOKEN_WEIGHTS_KEY,
-    dataset_loss_weights,
     has_loss_weights,
     pad_loss_weights,
 )
@@ -194,8 +193,13 @@ class EMDLMSFTTrainer(EMDLMTrainerMixin, SFTTrainer):
     :mod:`emdlm.integrations.loss_weights`) are kept through TRL's column pruning and its
     collator and weight the loss (a loss that takes no weights is refused before training;
     packing is refused with weights). Logged next to TRL's metrics: ``mean_token_accuracy``
-    (TRL's, the argmax of the full logits on scored positions, train and eval; the from-hidden
-    route has no logits, so it is absent there) and, in training, each loss component as
+    (TRL's: the share of scored positions whose argmax is the label, hits and positions summed
+    over processes; a weight-0 token counts as an ignored label). On the logits route from the
+    full logits, train and eval; from hidden states (no logits) from the loss's own argmax, so
+    the same value on the same batch, where the loss gives it: ``predicted_tokens=True`` of a
+    CE-family loss, or ``token_accuracy=True`` on a batch without loss weights
+    (:meth:`~emdlm.integrations.loss_contract.LossInputs.token_hits`); absent otherwise. And,
+    in training, each loss component as
     ``emdlm/<name>``: with ``from_hidden`` a CE-family loss built with ``token_accuracy=True``
     / ``entropy=True`` gives ``emdlm/token_accuracy`` / ``emdlm/entropy`` from the fused
     path's chunks.
@@ -222,12 +226,12 @@ class EMDLMSFTTrainer(EMDLMTrainerMixin, SFTTrainer):
             config = _default_config(args[0] if args else kwargs.get("model"), bf16_on_cpu)
         config = fp32_on_cpu(config, bf16_on_cpu)
         train_dataset = args[2] if len(args) > 2 else kwargs.get("train_dataset")
-        if getattr(config, "packing", False) and dataset_loss_weights(train_dataset):
+        weighted = emdlm_loss.check_dataset(train_dataset)  # the rows' weights, read once
+        if getattr(config, "packing", False) and weighted:
             raise ValueError(
                 "EMDLMSFTTrainer: packing merges rows, so their loss weights cannot follow "
                 "them: set SFTConfig(packing=False) or drop the loss_weight field"
             )
-        emdlm_loss.check_dataset(train_dataset)
         if len(args) > 1:
             args = (args[0], config, *args[2:])
         else:
@@ -274,9 +278,16 @@ class EMDLMSFTTrainer(EMDLMTrainerMixin, SFTTrainer):
             if logits is not None:
                 shift_labels = labels[:, 1:].to(logits.device)
                 mask = shift_labels != IGNORE_INDEX
+                weights = inputs.get(TOKEN_WEIGHTS_KEY)
+                if weights is not None:  # weight 0 scores a token as an ignored label
+                    mask = mask & (weights[:, 1:].to(mask.device) > 0)
                 hits = ((logits[:, :-1].argmax(-1) == shift_labels) & mask).sum()
-                n_valid = self.accelerator.gather_for_metrics(mask.sum()).sum()
-                n_hits = self.accelerator.gather_for_metrics(hits).sum()
+                counts: tuple[torch.Tensor, torch.Tensor] | None = (hits, mask.sum())
+            else:  # from hidden states: the loss's own argmax, where it gives one
+                counts = self.emdlm_loss.last_token_hits
+            if counts is not None:  # counts summed over processes, then divided (TRL's way)
+                n_valid = self.accelerator.gather_for_metrics(counts[1]).sum()
+                n_hits = self.accelerator.gather_for_metrics(counts[0]).sum()
                 acc = (n_hits / n_valid).item() if n_valid > 0 else 0.0
                 self._metrics[mode]["mean_token_accuracy"].append(acc)
             # The adapter records components only when gradients are on (training).

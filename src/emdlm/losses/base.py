@@ -30,8 +30,9 @@ attributes or signatures. Every loss is called one way, on both routes::
 
 ``loss_weights`` (per-token weights w, a floating-point tensor of the labels' shape, finite
 and ≥ 0) is taken by the losses that declare ``takes_loss_weights`` (the weighted-CE family
-CE, DFT, MixCE, TaiLr; EMO and EMO distillation; NTIL, digit EMD and the NTL losses, whose
-number-level terms weigh each number by its tokens' mean weight); any other raises
+CE, DFT, MixCE, TaiLr; EMO, EMO distillation and the KL distillation baseline; NTIL, digit
+EMD and the NTL losses, whose number-level terms weigh each number by its tokens' mean
+weight); any other raises
 NotImplementedError naming itself (:meth:`EMDLMLoss.check_call`), never silently ignoring
 them. Over the counted tokens C (labels
 not ``ignore_index``), with l_t the loss's own per-token term::

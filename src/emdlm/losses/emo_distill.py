@@ -166,10 +166,18 @@ class KLDistillLoss(EMDLMLoss):
     Hinton, Vinyals & Dean 2015 (Sec. 2): teacher and student both softened by τ, the KL scaled
     by τ². Plain autograd (:func:`emdlm.functional.emo_dense.kl_distill_loss`). Called as
     ``loss_fn(logits, labels, teacher_logits=u)``; components "ce", "kl", "n_tokens".
+
+    Per-token ``loss_weights=`` w (logits route: the chunk objective
+    :class:`emdlm.ops.objectives.emo_distill.KLDistillObjective`, run by
+    :meth:`EMDLMLoss.weighted_logits_loss`): Σ_t w_t·L_t ("sum") or Σ_t w_t·L_t / Σ_t w_t
+    ("mean", 0 when Σ w = 0), "ce" / "kl" the same weighted means, "n_tokens" Σ_t w_t. No
+    from-hidden path (``has_from_hidden = False``, as EMO distillation): the teacher's target
+    is its [N, V] logits.
     """
 
     needs_teacher = True
     has_from_hidden = False
+    takes_loss_weights = True  # per-token weights (EMDLMLoss.weighted_logits_loss)
 
     def __init__(
         self,
@@ -192,6 +200,18 @@ class KLDistillLoss(EMDLMLoss):
             logits, teacher_logits, labels, alpha=self.alpha, temperature=self.temperature,
             ignore_index=self.ignore_index, reduction=self.reduction,
         )  # fmt: skip
+
+    def chunk_objective(
+        self, logits: torch.Tensor, labels: torch.Tensor, *, teacher_logits: torch.Tensor
+    ) -> tuple[Any, torch.Tensor]:
+        """:class:`emdlm.ops.objectives.emo_distill.KLDistillObjective` for ``logits`` [..., V]
+        and the teacher's (shape checks only: the label range is read in the engine's one
+        host sync); the weighted logits route runs it."""
+        from emdlm.ops.objectives.emo_distill import KLDistillObjective
+
+        check_logits_labels_shapes(logits, labels)
+        check_teacher_logits(logits, teacher_logits)
+        return KLDistillObjective(teacher_logits, self.alpha, self.temperature), labels
 
     def extra_repr(self) -> str:
         return f"alpha={self.alpha}, temperature={self.temperature}, reduction={self.reduction!r}"

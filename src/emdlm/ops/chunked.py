@@ -44,9 +44,9 @@ backward never reads grad_output on an accelerator (:func:`_grad_output_is_one`)
 tests/test_host_syncs.py pins this for every registered objective.
 
 Users: one :class:`ChunkObjective` per family in :mod:`emdlm.ops.objectives` (CE, TaiLr,
-MixCE, DFT; NTIL and digit EMD; the NTL losses; EMO; EMO distillation), built by each loss's
-``chunk_objective`` and run from hidden states by ``EMDLMLoss.from_hidden`` and from logits by
-the losses' chunked logits paths.
+MixCE, DFT; NTIL and digit EMD; the NTL losses; EMO; EMO distillation and the KL baseline),
+built by each loss's ``chunk_objective`` and run from hidden states by
+``EMDLMLoss.from_hidden`` and from logits by the losses' chunked logits paths.
 
 Memory of the hidden driver beyond the inputs and their gradients: one [n, V] buffer of the head
 output (input dtype; the CE family computes its softmax and gradient in it, in place), one
