@@ -72,6 +72,7 @@ V vocabulary, M kept positions, K kept logits per position.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,16 +193,53 @@ def _finish_loss(loss_sum: torch.Tensor, fin: Finish, run: _Pass) -> torch.Tenso
     return (loss_sum.double() + fin.extra_loss.double()) * run.scale.double()
 
 
-def _pack(fin: Finish, names: list[tuple[str, torch.dtype]], like: torch.Tensor) -> torch.Tensor:
-    """Components as one float64 vector (one non-differentiable Function output)."""
+#: (name, dtype) of each component packed by :func:`_forward_outputs`, in order.
+_Names = list[tuple[str, torch.dtype]]
+
+
+def _forward_outputs(
+    ctx: Any,
+    grads: tuple[Any, ...],
+    inplace_backward: bool,
+    loss: torch.Tensor,
+    fin: Finish,
+    names: _Names,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What both drivers' Functions keep in forward and return: the gradients computed there
+    (handed over in backward, in place unless ``inplace_backward`` is False), then the loss and
+    the components as one float64 vector, a non-differentiable output (their names and dtypes
+    appended to ``names``, for :func:`_loss_output`)."""
+    ctx.grads = grads
+    ctx.inplace_backward = inplace_backward
     names.extend((k, v.dtype) for k, v in fin.components.items())
     values = [v.detach().double().reshape(()) for v in fin.components.values()]
-    return torch.stack(values) if values else like.new_zeros(0, dtype=torch.float64)
+    packed = torch.stack(values) if values else loss.new_zeros(0, dtype=torch.float64)
+    ctx.mark_non_differentiable(packed)
+    return loss, packed
 
 
-def _unpack(names: list[tuple[str, torch.dtype]], packed: torch.Tensor) -> dict[str, Any]:
-    """Inverse of :func:`_pack`: the components with their own dtypes."""
-    return {k: v.to(dt) for (k, dt), v in zip(names, packed.unbind(0), strict=True)}
+def _loss_output(
+    objective: ChunkObjective,
+    labels: torch.Tensor,
+    ignore_index: int,
+    apply: Callable[[_Names], tuple[torch.Tensor, torch.Tensor]] | None,
+    values: Callable[[], tuple[torch.Tensor, Finish]],
+) -> LossOutput:
+    """A driver's LossOutput: from its autograd Function when a gradient is wanted
+    (``apply(names)``: the loss and the packed components of :func:`_forward_outputs`), else
+    from its pass under ``no_grad`` (``values()``: the loss and the Finish); with the
+    objective's predicted tokens (:func:`predicted_tokens`)."""
+    if apply is not None:
+        names: _Names = []
+        loss, packed = apply(names)
+        # Components travel packed as float64 (one non-differentiable output); restore dtypes.
+        components = {k: v.to(dt) for (k, dt), v in zip(names, packed.unbind(0), strict=True)}
+    else:
+        with torch.no_grad():
+            loss, fin = values()
+        components = {k: v.detach() for k, v in fin.components.items()}
+    predicted = predicted_tokens(objective, labels, ignore_index)
+    return LossOutput(loss=loss, components=components, predicted_tokens=predicted)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -343,23 +381,13 @@ class ChunkedLinearLossFunction(torch.autograd.Function):
         objective: ChunkObjective,
         options: HeadOptions,
         inplace_backward: bool,
-        names: list[tuple[str, torch.dtype]],
+        names: _Names,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         need = tuple(bool(x) for x in ctx.needs_input_grad[:3])  # hidden, weight, bias
         loss, fin, grads = _engine_forward(
-            hidden,
-            weight,
-            bias,
-            labels,
-            objective,
-            options,
-            need,  # type: ignore[arg-type]
+            hidden, weight, bias, labels, objective, options, need  # type: ignore[arg-type]
         )
-        ctx.grads = grads
-        ctx.inplace_backward = inplace_backward
-        packed = _pack(fin, names, loss)
-        ctx.mark_non_differentiable(packed)
-        return loss, packed
+        return _forward_outputs(ctx, grads, inplace_backward, loss, fin, names)
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
@@ -404,21 +432,15 @@ def chunked_linear_loss(
     wants_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
-    if wants_grad:
-        names: list[tuple[str, torch.dtype]] = []
-        loss, packed = ChunkedLinearLossFunction.apply(
+    return _loss_output(
+        objective,
+        labels,
+        options.ignore_index,
+        (lambda names: ChunkedLinearLossFunction.apply(
             hidden, weight, bias, labels, objective, options, inplace_backward, names
-        )
-        # Components travel packed as float64 (one non-differentiable output); restore dtypes.
-        components = _unpack(names, packed)
-    else:
-        with torch.no_grad():
-            loss, fin, _ = _engine_forward(
-                hidden, weight, bias, labels, objective, options, (False, False, False)
-            )
-        components = {k: v.detach() for k, v in fin.components.items()}
-    predicted = predicted_tokens(objective, labels, options.ignore_index)
-    return LossOutput(loss=loss, components=components, predicted_tokens=predicted)
+        )) if wants_grad else None,
+        lambda: _engine_forward(hidden, weight, bias, labels, objective, options, (False,) * 3)[:2],
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -511,15 +533,12 @@ class ChunkedLogitsLossFunction(torch.autograd.Function):
         objective: ChunkObjective,
         options: HeadOptions,
         inplace_backward: bool,
-        names: list[tuple[str, torch.dtype]],
+        names: _Names,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         loss, fin, grad, later = _logits_forward(logits, labels, objective, options, True)
-        ctx.grads = (grad.view(logits.shape),)  # type: ignore[union-attr]
         ctx.later = later
-        ctx.inplace_backward = inplace_backward
-        packed = _pack(fin, names, loss)
-        ctx.mark_non_differentiable(packed)
-        return loss, packed
+        grads = (grad.view(logits.shape),)  # type: ignore[union-attr]
+        return _forward_outputs(ctx, grads, inplace_backward, loss, fin, names)
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
@@ -568,18 +587,16 @@ def chunked_logits_loss(
     # Label range: checked in the driver's one host sync (before any gradient is computed).
     check_logits_labels_shapes(logits, labels)
     labels = labels.to(logits.device)
-    if torch.is_grad_enabled() and logits.requires_grad:
-        names: list[tuple[str, torch.dtype]] = []
-        loss, packed = ChunkedLogitsLossFunction.apply(
+    wants_grad = torch.is_grad_enabled() and logits.requires_grad
+    return _loss_output(
+        objective,
+        labels,
+        options.ignore_index,
+        (lambda names: ChunkedLogitsLossFunction.apply(
             logits, labels, objective, options, inplace_backward, names
-        )
-        components = _unpack(names, packed)
-    else:
-        with torch.no_grad():
-            loss, fin, _, _ = _logits_forward(logits, labels, objective, options, False)
-        components = {k: v.detach() for k, v in fin.components.items()}
-    predicted = predicted_tokens(objective, labels, options.ignore_index)
-    return LossOutput(loss=loss, components=components, predicted_tokens=predicted)
+        )) if wants_grad else None,
+        lambda: _logits_forward(logits, labels, objective, options, False)[:2],
+    )
 
 
 
