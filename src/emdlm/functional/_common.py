@@ -11,6 +11,8 @@ from typing import Any, Literal
 import torch
 
 Reduction = Literal["mean", "sum"]
+#: The label value that is not scored (the default ``ignore_index`` of
+#: ``torch.nn.functional.cross_entropy``).
 IGNORE_INDEX = -100
 
 

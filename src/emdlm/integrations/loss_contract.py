@@ -22,9 +22,8 @@ from typing import Any
 
 import torch
 
+from emdlm.functional._common import IGNORE_INDEX
 from emdlm.losses.base import EMDLMLoss
-
-IGNORE_INDEX = -100
 
 
 def require_sum_reduction(loss_fn: Any, who: str = "make_compute_loss_func") -> None:
