@@ -137,11 +137,9 @@ class ChunkObjective:
         the values of :meth:`host_sizes` (empty when it gave None)."""
 
     def counted(self, valid: torch.Tensor) -> torch.Tensor:
-        """0-d count the "mean" reduction divides by (and ``finish`` gets): the counted labels
-        Σ valid, or with per-token weights Σ_t w_t over them."""
-        if self.token_weights is None:
-            return valid.sum()
-        return torch.where(valid, self.token_weights, 0.0).sum()
+        """0-d count the "mean" reduction divides by (and ``finish`` gets):
+        :func:`token_count` of ``valid`` with the call's :attr:`token_weights`."""
+        return token_count(valid, self.token_weights)
 
     def chunk(
         self,
@@ -189,11 +187,21 @@ def predicted_tokens(
     return torch.where(labels.reshape(-1) != ignore_index, flat, ignore_index).view(labels.shape)
 
 
-def count_divisor(count: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """What a "mean" divides by, in ``dtype``: the 0-d ``count`` (counted labels, or their
-    weight sum Σ w_t with per-token weights), or 1 where it is 0, so that nothing counted gives
-    an exact 0. Not ``clamp_min(1)``: a weight sum may lie in (0, 1)."""
-    return torch.where(count > 0, count, 1).to(dtype)
+def token_count(valid: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """0-d count of the counted tokens: Σ_t valid_t, or with per-token ``weights`` (the shape
+    of ``valid``) their weight sum Σ_{t: valid_t} w_t (no host sync)."""
+    if weights is None:
+        return valid.sum()
+    return torch.where(valid, weights, 0.0).sum()
+
+
+def count_divisor(count: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """What a "mean" divides by, in ``dtype`` (None: the count's own): the 0-d ``count``
+    (:func:`token_count`: counted labels, or their weight sum Σ w_t with per-token weights), or
+    1 where it is 0, so that nothing counted gives an exact 0. Not ``clamp_min(1)``: a weight
+    sum may lie in (0, 1)."""
+    divisor = torch.where(count > 0, count, 1)
+    return divisor if dtype is None else divisor.to(dtype)
 
 
 __all__ = [
@@ -203,4 +211,5 @@ __all__ = [
     "SparseLogitGrad",
     "count_divisor",
     "predicted_tokens",
+    "token_count",
 ]
