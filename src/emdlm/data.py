@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from emdlm.config import ConfigError, DataSourceConfig
+from emdlm.functional._common import IGNORE_INDEX
 from emdlm.integrations.loss_weights import (
     LOSS_WEIGHT_KEY,
     TOKEN_WEIGHTS_KEY,
@@ -56,7 +57,6 @@ from emdlm.integrations.loss_weights import (
 from emdlm.json_io import JSONDataError, parse_json
 from emdlm.number_scope import NUMBER_SCOPE_KEY, piece_masks, row_scopes, scope_pattern
 
-IGNORE_INDEX = -100
 CUT_POLICIES = ("warn", "error")  # data.on_truncate / data.on_drop
 _BASE_KEYS = (
     "input_ids", "labels", "attention_mask", "number_mask", LOSS_WEIGHT_KEY, TOKEN_WEIGHTS_KEY,

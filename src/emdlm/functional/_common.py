@@ -10,7 +10,11 @@ from typing import Any, Literal
 
 import torch
 
+from emdlm._output import LossOutput
+
 Reduction = Literal["mean", "sum"]
+#: The label value that is not scored (the default ``ignore_index`` of
+#: ``torch.nn.functional.cross_entropy``).
 IGNORE_INDEX = -100
 
 
@@ -106,6 +110,29 @@ class TokenLogProbs:
     valid: torch.Tensor
     safe_labels: torch.Tensor
     count: torch.Tensor
+
+
+def token_weighted_ce_output(
+    tokens: TokenLogProbs,
+    per_token: torch.Tensor,
+    multiplier: torch.Tensor,
+    reduction: Reduction,
+) -> LossOutput:
+    """The output of a CE whose tokens are weighted by a detached multiplier m_t (DFT, MixCE,
+    TaiLr): the loss Σ_t L_t (``per_token`` [N]) reduced by :func:`reduce_sum`, and over the n
+    counted tokens the components
+
+        ce = Σ_t CE_t / max(n, 1),   weight_mean = Σ_t m_t / max(n, 1),   n_tokens = n
+
+    (``multiplier`` [N] is read at the counted tokens only)."""
+    ce, count = tokens.ce, tokens.count
+    denom = count.clamp_min(1).to(ce.dtype)
+    components: dict[str, torch.Tensor | float] = {
+        "ce": ce.detach().sum() / denom,
+        "weight_mean": torch.where(tokens.valid, multiplier, ce.new_zeros(())).sum() / denom,
+        "n_tokens": count,
+    }
+    return LossOutput(loss=reduce_sum(per_token, count, reduction), components=components)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -26,8 +26,8 @@ from emdlm.functional._common import (
     Reduction,
     check_logits_labels,
     check_reduction,
-    reduce_sum,
     token_log_probs,
+    token_weighted_ce_output,
 )
 
 
@@ -54,17 +54,9 @@ def dft_loss(
     check_reduction(reduction)
     check_logits_labels(logits, labels, ignore_index)
     tokens = token_log_probs(logits, labels, ignore_index)
-    ce, valid = tokens.ce, tokens.valid  # [N], [N]
-    zero = ce.new_zeros(())
-    weight = torch.where(valid, torch.exp(-ce.detach()), zero)  # sg(q_y): [N]
-    loss = reduce_sum(weight * ce, tokens.count, reduction)
-    denom = tokens.count.clamp_min(1).to(ce.dtype)
-    components: dict[str, torch.Tensor | float] = {
-        "ce": ce.detach().sum() / denom,
-        "weight_mean": weight.sum() / denom,
-        "n_tokens": tokens.count,
-    }
-    return LossOutput(loss=loss, components=components)
+    ce = tokens.ce  # [N]
+    weight = torch.where(tokens.valid, torch.exp(-ce.detach()), ce.new_zeros(()))  # sg(q_y): [N]
+    return token_weighted_ce_output(tokens, weight * ce, weight, reduction)
 
 
 __all__ = ["dft_loss"]

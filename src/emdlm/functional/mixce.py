@@ -23,8 +23,8 @@ from emdlm.functional._common import (
     IGNORE_INDEX,
     Reduction,
     check_logits_labels,
-    reduce_sum,
     token_log_probs,
+    token_weighted_ce_output,
 )
 
 
@@ -57,19 +57,8 @@ def mixce_loss(
     check_mixce_options(eta)
     check_logits_labels(logits, labels, ignore_index)
     tokens = token_log_probs(logits, labels, ignore_index)
-    ce, valid = tokens.ce, tokens.valid  # [N], [N]
-    dtype, zero = ce.dtype, ce.new_zeros(())
-    multiplier = eta + (1.0 - eta) * torch.exp(-ce.detach())  # η + (1-η)·sg(q_y): [N]
-    per_token = multiplier * ce
-    count = tokens.count
-    loss = reduce_sum(per_token, count, reduction)
-    denom = count.clamp_min(1).to(dtype)
-    components: dict[str, torch.Tensor | float] = {
-        "ce": ce.detach().sum() / denom,
-        "weight_mean": torch.where(valid, multiplier, zero).sum() / denom,
-        "n_tokens": count,
-    }
-    return LossOutput(loss=loss, components=components)
+    multiplier = eta + (1.0 - eta) * torch.exp(-tokens.ce.detach())  # η + (1-η)·sg(q_y): [N]
+    return token_weighted_ce_output(tokens, multiplier * tokens.ce, multiplier, reduction)
 
 
 __all__ = ["check_mixce_options", "mixce_loss"]

@@ -38,8 +38,8 @@ from emdlm.functional._common import (
     IGNORE_INDEX,
     Reduction,
     check_logits_labels,
-    reduce_sum,
     token_log_probs,
+    token_weighted_ce_output,
 )
 
 TaiLrPreset = Literal["paper", "emo_repo"]
@@ -135,15 +135,7 @@ def tailr_loss(
         multiplier = eta + (1.0 - eta) * weight
         per_token = multiplier * ce
 
-    count = tokens.count
-    loss = reduce_sum(per_token, count, reduction)
-    denom_count = count.clamp_min(1).to(dtype)
-    components: dict[str, torch.Tensor | float] = {
-        "ce": ce.detach().sum() / denom_count,
-        "weight_mean": torch.where(valid, multiplier, zero).sum() / denom_count,
-        "n_tokens": count,
-    }
-    return LossOutput(loss=loss, components=components)
+    return token_weighted_ce_output(tokens, per_token, multiplier, reduction)
 
 
 __all__ = ["TaiLrPreset", "check_tailr_options", "tailr_loss"]

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
+from emdlm.functional._common import IGNORE_INDEX
 from emdlm.losses.base import EMDLMLoss
-
-IGNORE_INDEX = -100
+from emdlm.ops.chunk_objective import count_divisor, token_count
 
 
 def require_sum_reduction(loss_fn: Any, who: str = "make_compute_loss_func") -> None:
@@ -54,15 +54,16 @@ def scaled_loss(
     summed: torch.Tensor, count: torch.Tensor, num_items_in_batch: Any
 ) -> torch.Tensor:
     """Σ l_t / N with N = ``num_items_in_batch`` when given, else the call's scored count; an N
-    of 0 divides by 1. N may be a weight sum (per-token loss weights), so it is not rounded
-    and one below 1 is divided by as it is."""
+    of 0 divides by 1 (the chunk engine's :func:`~emdlm.ops.chunk_objective.count_divisor`).
+    N may be a weight sum (per-token loss weights), so it is not rounded and one below 1 is
+    divided by as it is."""
     if num_items_in_batch is None:
         n = count
     elif isinstance(num_items_in_batch, torch.Tensor):
         n = num_items_in_batch.to(summed.device)
     else:
         return summed / (num_items_in_batch if num_items_in_batch > 0 else 1)
-    return summed / torch.where(n > 0, n, 1)
+    return summed / count_divisor(n)
 
 
 @dataclass(frozen=True)
@@ -129,11 +130,9 @@ class LossInputs:
     def scored(self, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
         """What the call's summed loss is divided by when no ``num_items_in_batch`` is given
         (and what its components are averaged with): the scored labels, or with
-        ``loss_weights`` their weight sum Σ_{labels ≠ ignore_index} w_t (0-d, no host sync)."""
-        valid = self.labels != ignore_index
-        if self.loss_weights is None:
-            return valid.sum()
-        return torch.where(valid, self.loss_weights, 0.0).sum()
+        ``loss_weights`` their weight sum Σ_{labels ≠ ignore_index} w_t (0-d, no host sync),
+        counted as the chunk engine counts (:func:`~emdlm.ops.chunk_objective.token_count`)."""
+        return token_count(self.labels != ignore_index, self.loss_weights)
 
 
 def loss_inputs(

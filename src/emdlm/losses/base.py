@@ -75,7 +75,7 @@ from emdlm._output import LossOutput
 from emdlm.objective_specs import spec_of_class
 
 if TYPE_CHECKING:
-    from emdlm.ops.chunked import ChunkObjective
+    from emdlm.ops.chunk_objective import ChunkObjective
 
 #: The logit transforms a ``from_hidden`` may be asked to apply (see
 #: :class:`emdlm.integrations.hidden_forward.OutputHead`): every emdlm loss takes both.
@@ -143,7 +143,8 @@ class EMDLMLoss(nn.Module):
         :func:`emdlm.ops.chunked.chunked_logits_loss` (the same objective ``from_hidden``
         runs, so both routes agree). A class that declares ``takes_loss_weights`` without a
         weighable chunk objective (one with ``weigh_tokens``) overrides this."""
-        from emdlm.ops.chunked import HeadOptions, chunked_logits_loss
+        from emdlm.ops.chunked import chunked_logits_loss
+        from emdlm.ops.head import HeadOptions
 
         labels = drop_zero_weights(labels, loss_weights, self.ignore_index, logits.device)
         objective, labels = self.chunk_objective(logits, labels, **given)
@@ -199,7 +200,7 @@ class EMDLMLoss(nn.Module):
     def chunk_objective(
         self, logits: torch.Tensor, labels: torch.Tensor, **options: Any
     ) -> tuple[ChunkObjective, torch.Tensor]:
-        """The loss as a fresh :class:`emdlm.ops.chunked.ChunkObjective` for one call.
+        """The loss as a fresh :class:`emdlm.ops.chunk_objective.ChunkObjective` for one call.
 
         Args:
             logits: [..., V] logits, or the zero-stride stand-in ``from_hidden`` passes (read
@@ -253,12 +254,8 @@ class EMDLMLoss(nn.Module):
             options: the loss's own keywords, passed to :meth:`chunk_objective` (NTIL's
                 ``generator=`` for the Gumbel noise).
         """
-        from emdlm.ops.chunked import (
-            HeadOptions,
-            check_linear_inputs,
-            chunked_linear_loss,
-            stand_in_logits,
-        )
+        from emdlm.ops.chunked import chunked_linear_loss
+        from emdlm.ops.head import HeadOptions, check_linear_inputs, stand_in_logits
 
         self.check_call(number_mask, teacher_logits, loss_weights)
         # Shapes and dtypes only (the engine checks the label range in its one host sync).
@@ -290,9 +287,9 @@ class EMDLMLoss(nn.Module):
     def from_hidden_chunk_rows(self, vocab: int) -> int:
         """Rows per chunk of :meth:`from_hidden` on a ``vocab``-token output embedding when
         the call gives no ``chunk_size``: the engine's default ``DEFAULT_CHUNK_ELEMENTS // V``
-        (:func:`emdlm.ops.chunked.default_chunk_rows`); a loss with its own chunk setting
+        (:func:`emdlm.ops.head.default_chunk_rows`); a loss with its own chunk setting
         overrides this."""
-        from emdlm.ops.chunked import default_chunk_rows
+        from emdlm.ops.head import default_chunk_rows
 
         return default_chunk_rows(vocab)
 
@@ -306,7 +303,7 @@ class EMDLMLoss(nn.Module):
         head: Any,
     ) -> LossOutput:
         """Hook: a term the engine leaves to the loss (number-level NTL's dense lse rows);
-        ``head`` the call's :class:`emdlm.ops.chunked.HeadOptions`."""
+        ``head`` the call's :class:`emdlm.ops.head.HeadOptions`."""
         return out
 
     def _after_logits(self, out: LossOutput, objective: Any, logits: torch.Tensor) -> LossOutput:

@@ -20,7 +20,7 @@ from emdlm.functional._common import (
 from emdlm.losses.base import EMDLMLoss
 
 if TYPE_CHECKING:
-    from emdlm.ops.chunked import ChunkObjective
+    from emdlm.ops.chunk_objective import ChunkObjective
 
 
 class CrossEntropyLoss(EMDLMLoss):

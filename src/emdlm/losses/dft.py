@@ -16,7 +16,7 @@ from emdlm.functional.dft import dft_loss
 from emdlm.losses.base import EMDLMLoss
 
 if TYPE_CHECKING:
-    from emdlm.ops.chunked import ChunkObjective
+    from emdlm.ops.chunk_objective import ChunkObjective
 
 
 class DFTLoss(EMDLMLoss):

@@ -165,7 +165,8 @@ class EMOLoss(EMDLMLoss):
     def logits_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> LossOutput:
         if self.resolved_implementation(logits) == "chunked":
             # Lazy import: the engine is loaded on first use, not with emdlm.losses.
-            from emdlm.ops.chunked import HeadOptions, chunked_logits_loss
+            from emdlm.ops.chunked import chunked_logits_loss
+            from emdlm.ops.head import HeadOptions
 
             check_logits_labels_shapes(logits, labels)  # label range: in the engine's one sync
             objective, labels = self.chunk_objective(logits, labels)

@@ -15,7 +15,7 @@ from emdlm.functional.mixce import check_mixce_options, mixce_loss
 from emdlm.losses.base import EMDLMLoss
 
 if TYPE_CHECKING:
-    from emdlm.ops.chunked import ChunkObjective
+    from emdlm.ops.chunk_objective import ChunkObjective
 
 
 class MixCELoss(EMDLMLoss):

@@ -77,12 +77,8 @@ from emdlm.functional.ntil import (
 )
 from emdlm.losses._number_vocab import NumberVocabSource, NumericLoss
 from emdlm.number_spans import SpanOptions
-from emdlm.ops.chunked import (
-    DEFAULT_CHUNK_ELEMENTS,
-    HeadOptions,
-    chunked_logits_loss,
-    default_chunk_rows,
-)
+from emdlm.ops.chunked import chunked_logits_loss
+from emdlm.ops.head import DEFAULT_CHUNK_ELEMENTS, HeadOptions, default_chunk_rows
 from emdlm.ops.objectives.ntil import NTILObjective
 
 Preset = Literal["stable", "paper", "official"]

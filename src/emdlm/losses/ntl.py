@@ -60,7 +60,8 @@ from emdlm.functional.ntl import (
 from emdlm.losses._number_vocab import NumberVocabSource, NumericLoss
 from emdlm.number_spans import SpanOptions
 from emdlm.numbers import NumberVocab
-from emdlm.ops.chunked import count_divisor, head_logits
+from emdlm.ops.chunk_objective import count_divisor
+from emdlm.ops.head import head_logits
 from emdlm.ops.objectives.ntl import NTLObjective
 
 NTLPreset = Literal["classes", "ntloss"]

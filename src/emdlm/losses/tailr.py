@@ -15,7 +15,7 @@ from emdlm.functional.tailr import TaiLrPreset, check_tailr_options, tailr_loss
 from emdlm.losses.base import EMDLMLoss
 
 if TYPE_CHECKING:
-    from emdlm.ops.chunked import ChunkObjective
+    from emdlm.ops.chunk_objective import ChunkObjective
 
 
 class TaiLrLoss(EMDLMLoss):

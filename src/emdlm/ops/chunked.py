@@ -43,6 +43,10 @@ value: no ``nonzero`` / ``unique`` / ``.item()``, no host→device copy of a Pyt
 backward never reads grad_output on an accelerator (:func:`_grad_output_is_one`).
 tests/test_host_syncs.py pins this for every registered objective.
 
+This module holds the drivers (the passes over the chunks, their autograd Functions); the
+objective base is :mod:`emdlm.ops.chunk_objective` and the head with its options
+:mod:`emdlm.ops.head` (their public names are importable from here too).
+
 Users: one :class:`ChunkObjective` per family in :mod:`emdlm.ops.objectives` (CE, TaiLr,
 MixCE, DFT; NTIL and digit EMD; the NTL losses; EMO; EMO distillation and the KL baseline),
 built by each loss's ``chunk_objective`` and run from hidden states by
@@ -69,276 +73,39 @@ V vocabulary, M kept positions, K kept logits per position.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from emdlm._output import LossOutput
 from emdlm.functional._common import (
-    IGNORE_INDEX,
-    Reduction,
     bad_label_count,
-    check_logits_labels,
     check_logits_labels_shapes,
-    check_reduction,
     compute_dtype,
     label_range_error,
 )
-from emdlm.ops._chunking import check_chunk_size, row_chunks
+from emdlm.ops._chunking import row_chunks
 from emdlm.ops._compile import eager_under_compile
 from emdlm.ops._handover import hand_over_gradients
-
-#: Elements (V x rows) of one chunk buffer by default: 256 MiB of float32 (module docstring).
-DEFAULT_CHUNK_ELEMENTS = 1 << 26
-
-
-def default_chunk_rows(vocab: int, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> int:
-    """Rows per chunk so that one [rows, V] buffer holds about ``chunk_elements`` values."""
-    return max(1, chunk_elements // max(vocab, 1))
-
-
-@dataclass
-class ChunkOut:
-    """What an objective returns for one chunk.
-
-    Attributes:
-        loss: 0-d summed loss of the chunk's counted rows (compute dtype, no reduction).
-        grad: [n, V] grad_scale·d(loss)/d(z_c) in the compute dtype, or None when no gradient
-            was asked for. It may be ``out`` (preferred: no copy) or the objective's own
-            buffer. Rows of ignored labels may hold anything: the drivers zero them.
-        stats: [S] sums the objective wants back in ``finish`` (compute dtype).
-        scaled: False when ``grad`` is d(loss)/d(z_c) without grad_scale (where applying it
-            would cost the objective a pass of its own): the driver applies it, the logits
-            driver together with grad_output in backward.
-    """
-
-    loss: torch.Tensor
-    grad: torch.Tensor | None
-    stats: torch.Tensor
-    scaled: bool = True
-
-
-@dataclass
-class SparseLogitGrad:
-    """Gradient of the after-pass term w.r.t. a few logits z[rows[m], ids[m, k]].
-
-    Attributes:
-        rows: [M] long flattened positions.
-        ids: [M, K] long vocabulary ids (padding columns must carry grad 0).
-        grad: [M, K] d(term)/dz, unreduced (sum units, as ``ChunkOut.loss``).
-        logits: [M, K] the (scaled, capped) logits z at those places (for the soft-cap chain).
-        columns: optional, called when the driver needs them (from hidden states):
-            (uniq [U], col [M, K]), distinct ids covering ``ids`` (sorted) and the column of
-            each entry in them (a padding entry may point at any column), as
-            ``torch.unique(ids, return_inverse=True)`` would give but without its host sync;
-            None: the driver takes that unique (one host sync).
-    """
-
-    rows: torch.Tensor
-    ids: torch.Tensor
-    grad: torch.Tensor
-    logits: torch.Tensor
-    columns: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
-
-
-@dataclass
-class Finish:
-    """What an objective returns after the pass.
-
-    Attributes:
-        extra_loss: 0-d loss added to Σ_c L_c before the reduction (sum units).
-        sparse: the extra loss's gradient on a few logits, or None.
-        components: detached diagnostics for the :class:`LossOutput`.
-    """
-
-    extra_loss: torch.Tensor
-    sparse: SparseLogitGrad | None
-    components: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-class ChunkObjective:
-    """Base of the per-chunk functions plugged into :func:`chunked_linear_loss` and
-    :func:`chunked_logits_loss`.
-
-    Subclasses implement :meth:`chunk`; :meth:`host_sizes`, :meth:`begin` and :meth:`finish`
-    are optional hooks. An objective instance serves one call (it may keep state between
-    chunks).
-    """
-
-    #: Number of summed statistics returned per chunk (length of ``ChunkOut.stats``).
-    n_stats: int = 1
-    #: Whether :meth:`weigh_tokens` is implemented: the objective scales each token's terms by
-    #: its weight w_t (its ``chunk`` / ``finish`` read :attr:`token_weights`).
-    takes_token_weights: bool = False
-    #: [N] per-token weights of the call (:meth:`weigh_tokens`), or None.
-    token_weights: torch.Tensor | None = None
-
-    def weigh_tokens(self, weights: torch.Tensor) -> None:
-        """Score each flattened token t with weight w_t (``weights`` [N] floating point on the
-        logits' device). Their values are checked (finite and ≥ 0) by the drivers in the
-        call's one host sync (``_Pass.of``); :meth:`counted` then gives Σ_t w_t over the
-        counted tokens. An objective that does not declare ``takes_token_weights`` refuses."""
-        if not self.takes_token_weights:
-            raise NotImplementedError(
-                f"{type(self).__name__} takes no per-token weights (takes_token_weights is False)"
-            )
-        self.token_weights = weights.reshape(-1)
-
-    def chunk_weights(
-        self, valid: torch.Tensor, start: int, dtype: torch.dtype
-    ) -> torch.Tensor | None:
-        """The chunk's per-token weights [n] in ``dtype``, 0 where ignored (None: unweighted)."""
-        if self.token_weights is None:
-            return None
-        w = self.token_weights[start : start + valid.shape[0]].to(dtype)
-        return torch.where(valid, w, w.new_zeros(()))
-
-    def host_sizes(
-        self, labels: torch.Tensor, valid: torch.Tensor, bounds: list[int], vocab: int
-    ) -> torch.Tensor | None:
-        """Values the objective needs on the host (sizes of its tensors), as a 1-D long tensor
-        on the labels' device, or None. The driver reads them together with its own (the label
-        range check, the ignored rows) in ONE host sync per call and passes them to
-        :meth:`begin`. ``labels`` [N] long, ``valid`` [N] bool, ``bounds`` the first row of
-        every chunk then N, ``vocab`` V."""
-        return None
-
-    def begin(self, starts: list[int], n_rows: int, sizes: list[int]) -> None:
-        """Called once before the first chunk: the first row of every chunk, N rows in all, and
-        the values of :meth:`host_sizes` (empty when it gave None)."""
-
-    def counted(self, valid: torch.Tensor) -> torch.Tensor:
-        """0-d count the "mean" reduction divides by (and ``finish`` gets): the counted labels
-        Σ valid, or with per-token weights Σ_t w_t over them."""
-        if self.token_weights is None:
-            return valid.sum()
-        return torch.where(valid, self.token_weights, 0.0).sum()
-
-    def chunk(
-        self,
-        z: torch.Tensor,
-        out: torch.Tensor,
-        labels: torch.Tensor,
-        valid: torch.Tensor,
-        start: int,
-        grad_scale: torch.Tensor | None,
-    ) -> ChunkOut:
-        """Loss and scaled gradient of rows [start, start + n).
-
-        Args:
-            z: [n, V] logits of the chunk, read only, any float dtype and strides; it may be
-                ``out`` itself, the same tensor object (from hidden states), then it may be
-                overwritten (test ``z is out``, not ``data_ptr``: the step must trace).
-            out: [n, V] contiguous compute-dtype buffer the objective owns for this chunk.
-            labels: [n] long labels; valid: [n] bool, False where ignored.
-            start: first flattened row of the chunk.
-            grad_scale: 0-d multiplier of the returned gradient (k·s); None = values only.
-                An objective may leave it to the driver (``ChunkOut.scaled = False``).
-        """
-        raise NotImplementedError
-
-    def finish(self, stats: torch.Tensor, count: torch.Tensor, want_grad: bool) -> Finish:
-        """After the pass: ``stats`` [S] summed over chunks, ``count`` counted labels (0-d)."""
-        return Finish(extra_loss=stats.new_zeros(()), sparse=None)
-
-    def predicted(self) -> torch.Tensor | None:
-        """After the pass: the argmax token id of every row's logits, [N] long in row order
-        (any value at ignored rows: the drivers put ``ignore_index`` there), taken chunk by
-        chunk; None (the default) when the objective was not asked for them."""
-        return None
-
-
-def predicted_tokens(
-    objective: ChunkObjective, labels: torch.Tensor, ignore_index: int
-) -> torch.Tensor | None:
-    """``objective.predicted()`` in the labels' shape, ``ignore_index`` where the label is
-    ignored (elementwise, no host sync); None when it gave none."""
-    flat = objective.predicted()
-    if flat is None:
-        return None
-    flat = flat.to(labels.device)
-    return torch.where(labels.reshape(-1) != ignore_index, flat, ignore_index).view(labels.shape)
-
-
-def count_divisor(count: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """What a "mean" divides by, in ``dtype``: the 0-d ``count`` (counted labels, or their
-    weight sum Σ w_t with per-token weights), or 1 where it is 0, so that nothing counted gives
-    an exact 0. Not ``clamp_min(1)``: a weight sum may lie in (0, 1)."""
-    return torch.where(count > 0, count, 1).to(dtype)
-
-
-@dataclass(frozen=True)
-class HeadOptions:
-    """Options of the head and of the loop.
-
-    Attributes:
-        ignore_index: label value that is not scored.
-        reduction: "mean" over counted labels or "sum".
-        chunk_size: rows per chunk (None: :func:`default_chunk_rows`).
-        logit_scale: s, z = s·(hWᵀ + b) (e.g. Cohere's ``logit_scale``); None = 1. From hidden
-            states only.
-        softcap: cap, z = cap·tanh(z / cap) (Gemma-2's ``final_logit_softcapping``); None = off.
-            From hidden states only.
-    """
-
-    ignore_index: int = IGNORE_INDEX
-    reduction: Reduction = "mean"
-    chunk_size: int | None = None
-    logit_scale: float | None = None
-    softcap: float | None = None
-
-
-def check_head_options(options: HeadOptions) -> None:
-    """Clear errors for bad head options."""
-    check_reduction(options.reduction)
-    if options.chunk_size is not None:
-        check_chunk_size(options.chunk_size)
-    for name in ("logit_scale", "softcap"):
-        value = getattr(options, name)
-        if value is not None and not (0 < float(value) < float("inf")):
-            raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}")
-
-
-def stand_in_logits(hidden: torch.Tensor, vocab: int) -> torch.Tensor:
-    """A zero-stride [..., V] stand-in for the logits of the head over ``hidden`` [..., H]
-    (no memory): what the shape checks and a loss's ``chunk_objective`` read of the logits
-    (shape, vocabulary size, dtype, device) when there are none."""
-    return hidden.new_zeros(()).expand(*hidden.shape[:-1], vocab)
-
-
-def check_linear_inputs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    bias: torch.Tensor | None,
-    ignore_index: int,
-    *,
-    check_range: bool = True,
-) -> None:
-    """Clear errors for a head ``hidden [..., H] @ weight [V, H]ᵀ + bias [V]`` and its labels
-    (``check_range=False``: shapes and dtypes only, no host sync)."""
-    if not torch.is_floating_point(hidden) or not torch.is_floating_point(weight):
-        raise TypeError(
-            f"hidden and weight must be floating point, got {hidden.dtype} and {weight.dtype}"
-        )
-    if weight.dim() != 2 or hidden.dim() < 1 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"weight must have shape [V, H] with H = hidden.shape[-1]; got hidden "
-            f"{tuple(hidden.shape)} and weight {tuple(weight.shape)}"
-        )
-    if hidden.dtype != weight.dtype:
-        raise TypeError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) dtypes differ")
-    if bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != weight.dtype):
-        raise ValueError(
-            f"bias must have shape [V] = {tuple(weight.shape[:1])} and dtype {weight.dtype}, "
-            f"got {tuple(bias.shape)} {bias.dtype}"
-        )
-    stand_in = stand_in_logits(hidden, weight.shape[0])
-    if check_range:
-        check_logits_labels(stand_in, labels, ignore_index)
-    else:  # the drivers fold the range check into the one host sync of their call
-        check_logits_labels_shapes(stand_in, labels)
+from emdlm.ops.chunk_objective import (
+    ChunkObjective,
+    ChunkOut,
+    Finish,
+    SparseLogitGrad,
+    count_divisor,
+    predicted_tokens,
+)
+from emdlm.ops.head import (
+    DEFAULT_CHUNK_ELEMENTS,
+    HeadOptions,
+    check_head_options,
+    check_linear_inputs,
+    default_chunk_rows,
+    head_chunk_logits,
+    head_logits,
+    stand_in_logits,
+)
 
 
 def counts_before(mask: torch.Tensor, bounds: list[int]) -> torch.Tensor:
@@ -426,67 +193,58 @@ def _finish_loss(loss_sum: torch.Tensor, fin: Finish, run: _Pass) -> torch.Tenso
     return (loss_sum.double() + fin.extra_loss.double()) * run.scale.double()
 
 
-def _pack(fin: Finish, names: list[tuple[str, torch.dtype]], like: torch.Tensor) -> torch.Tensor:
-    """Components as one float64 vector (one non-differentiable Function output)."""
+#: (name, dtype) of each component packed by :func:`_forward_outputs`, in order.
+_Names = list[tuple[str, torch.dtype]]
+
+
+def _forward_outputs(
+    ctx: Any,
+    grads: tuple[Any, ...],
+    inplace_backward: bool,
+    loss: torch.Tensor,
+    fin: Finish,
+    names: _Names,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What both drivers' Functions keep in forward and return: the gradients computed there
+    (handed over in backward, in place unless ``inplace_backward`` is False), then the loss and
+    the components as one float64 vector, a non-differentiable output (their names and dtypes
+    appended to ``names``, for :func:`_loss_output`)."""
+    ctx.grads = grads
+    ctx.inplace_backward = inplace_backward
     names.extend((k, v.dtype) for k, v in fin.components.items())
     values = [v.detach().double().reshape(()) for v in fin.components.values()]
-    return torch.stack(values) if values else like.new_zeros(0, dtype=torch.float64)
+    packed = torch.stack(values) if values else loss.new_zeros(0, dtype=torch.float64)
+    ctx.mark_non_differentiable(packed)
+    return loss, packed
 
 
-def _unpack(names: list[tuple[str, torch.dtype]], packed: torch.Tensor) -> dict[str, Any]:
-    """Inverse of :func:`_pack`: the components with their own dtypes."""
-    return {k: v.to(dt) for (k, dt), v in zip(names, packed.unbind(0), strict=True)}
+def _loss_output(
+    objective: ChunkObjective,
+    labels: torch.Tensor,
+    ignore_index: int,
+    apply: Callable[[_Names], tuple[torch.Tensor, torch.Tensor]] | None,
+    values: Callable[[], tuple[torch.Tensor, Finish]],
+) -> LossOutput:
+    """A driver's LossOutput: from its autograd Function when a gradient is wanted
+    (``apply(names)``: the loss and the packed components of :func:`_forward_outputs`), else
+    from its pass under ``no_grad`` (``values()``: the loss and the Finish); with the
+    objective's predicted tokens (:func:`predicted_tokens`)."""
+    if apply is not None:
+        names: _Names = []
+        loss, packed = apply(names)
+        # Components travel packed as float64 (one non-differentiable output); restore dtypes.
+        components = {k: v.to(dt) for (k, dt), v in zip(names, packed.unbind(0), strict=True)}
+    else:
+        with torch.no_grad():
+            loss, fin = values()
+        components = {k: v.detach() for k, v in fin.components.items()}
+    predicted = predicted_tokens(objective, labels, ignore_index)
+    return LossOutput(loss=loss, components=components, predicted_tokens=predicted)
 
 
 # ----------------------------------------------------------------------------------------------
 # From hidden states
 # ----------------------------------------------------------------------------------------------
-
-
-def _logit_transforms(
-    z: torch.Tensor, options: HeadOptions, tanh_buf: torch.Tensor | None = None
-) -> torch.Tensor:
-    """z ← cap·tanh(s·z/cap) (scale and soft-cap as ``options`` ask), in place on ``z``; tanh
-    kept in ``tanh_buf`` when given (the driver's buffer), else out of place (autograd)."""
-    if options.logit_scale is not None:
-        z = z.mul_(options.logit_scale)
-    if options.softcap is not None:
-        cap = float(options.softcap)
-        if tanh_buf is None:
-            return cap * torch.tanh(z / cap)
-        torch.tanh(torch.div(z, cap, out=tanh_buf), out=tanh_buf)
-        z = torch.mul(tanh_buf, cap, out=z)
-    return z
-
-
-def head_logits(
-    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, options: HeadOptions
-) -> torch.Tensor:
-    """z = cap·tanh(s·(h Wᵀ + b)/cap) [n, V] in the compute dtype, with autograd: the head the
-    from-hidden driver applies chunk by chunk (same dtypes and order of operations), for a
-    caller that needs a few rows of it again (number-level NTL's reweigh term)."""
-    raw = h @ weight.T if bias is None else torch.addmm(bias, h, weight.T)  # input dtype
-    z = raw.to(compute_dtype(h.dtype))
-    return _logit_transforms(z, options)
-
-
-def _head_chunk(
-    h_c: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    raw: torch.Tensor,
-    staged: torch.Tensor | None,
-    tanh_buf: torch.Tensor | None,
-    options: HeadOptions,
-) -> torch.Tensor:
-    """:func:`head_logits` of chunk ``h_c`` in the driver's buffers (``raw`` the head output,
-    ``staged`` its compute-dtype copy, ``tanh_buf`` tanh for the soft-cap's backward)."""
-    if bias is None:
-        torch.mm(h_c, weight.T, out=raw)  # [n, V]
-    else:
-        torch.addmm(bias, h_c, weight.T, out=raw)
-    z = raw if staged is None else staged.copy_(raw)  # [n, V] compute dtype
-    return _logit_transforms(z, options, tanh_buf)
 
 
 def _add_sparse(
@@ -577,7 +335,7 @@ def _engine_forward(
         h_c = torch.where(valid_c[:, None], h2[lo:hi], 0.0)  # [n, H]
         tanh_c = None if tanh_buf is None else tanh_buf[:n]
         staged = None if staged_buf is None else staged_buf[:n]
-        z = _head_chunk(h_c, weight, bias, raw_buf[:n], staged, tanh_c, options)
+        z = head_chunk_logits(h_c, weight, bias, raw_buf[:n], staged, tanh_c, options)
         out = objective.chunk(z, z, run.labels[lo:hi], valid_c, lo, grad_scale)
         loss_sum = loss_sum + out.loss
         stats = stats + out.stats
@@ -623,23 +381,13 @@ class ChunkedLinearLossFunction(torch.autograd.Function):
         objective: ChunkObjective,
         options: HeadOptions,
         inplace_backward: bool,
-        names: list[tuple[str, torch.dtype]],
+        names: _Names,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         need = tuple(bool(x) for x in ctx.needs_input_grad[:3])  # hidden, weight, bias
         loss, fin, grads = _engine_forward(
-            hidden,
-            weight,
-            bias,
-            labels,
-            objective,
-            options,
-            need,  # type: ignore[arg-type]
+            hidden, weight, bias, labels, objective, options, need  # type: ignore[arg-type]
         )
-        ctx.grads = grads
-        ctx.inplace_backward = inplace_backward
-        packed = _pack(fin, names, loss)
-        ctx.mark_non_differentiable(packed)
-        return loss, packed
+        return _forward_outputs(ctx, grads, inplace_backward, loss, fin, names)
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
@@ -684,21 +432,15 @@ def chunked_linear_loss(
     wants_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
-    if wants_grad:
-        names: list[tuple[str, torch.dtype]] = []
-        loss, packed = ChunkedLinearLossFunction.apply(
+    return _loss_output(
+        objective,
+        labels,
+        options.ignore_index,
+        (lambda names: ChunkedLinearLossFunction.apply(
             hidden, weight, bias, labels, objective, options, inplace_backward, names
-        )
-        # Components travel packed as float64 (one non-differentiable output); restore dtypes.
-        components = _unpack(names, packed)
-    else:
-        with torch.no_grad():
-            loss, fin, _ = _engine_forward(
-                hidden, weight, bias, labels, objective, options, (False, False, False)
-            )
-        components = {k: v.detach() for k, v in fin.components.items()}
-    predicted = predicted_tokens(objective, labels, options.ignore_index)
-    return LossOutput(loss=loss, components=components, predicted_tokens=predicted)
+        )) if wants_grad else None,
+        lambda: _engine_forward(hidden, weight, bias, labels, objective, options, (False,) * 3)[:2],
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -791,15 +533,12 @@ class ChunkedLogitsLossFunction(torch.autograd.Function):
         objective: ChunkObjective,
         options: HeadOptions,
         inplace_backward: bool,
-        names: list[tuple[str, torch.dtype]],
+        names: _Names,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         loss, fin, grad, later = _logits_forward(logits, labels, objective, options, True)
-        ctx.grads = (grad.view(logits.shape),)  # type: ignore[union-attr]
         ctx.later = later
-        ctx.inplace_backward = inplace_backward
-        packed = _pack(fin, names, loss)
-        ctx.mark_non_differentiable(packed)
-        return loss, packed
+        grads = (grad.view(logits.shape),)  # type: ignore[union-attr]
+        return _forward_outputs(ctx, grads, inplace_backward, loss, fin, names)
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
@@ -848,18 +587,17 @@ def chunked_logits_loss(
     # Label range: checked in the driver's one host sync (before any gradient is computed).
     check_logits_labels_shapes(logits, labels)
     labels = labels.to(logits.device)
-    if torch.is_grad_enabled() and logits.requires_grad:
-        names: list[tuple[str, torch.dtype]] = []
-        loss, packed = ChunkedLogitsLossFunction.apply(
+    wants_grad = torch.is_grad_enabled() and logits.requires_grad
+    return _loss_output(
+        objective,
+        labels,
+        options.ignore_index,
+        (lambda names: ChunkedLogitsLossFunction.apply(
             logits, labels, objective, options, inplace_backward, names
-        )
-        components = _unpack(names, packed)
-    else:
-        with torch.no_grad():
-            loss, fin, _, _ = _logits_forward(logits, labels, objective, options, False)
-        components = {k: v.detach() for k, v in fin.components.items()}
-    predicted = predicted_tokens(objective, labels, options.ignore_index)
-    return LossOutput(loss=loss, components=components, predicted_tokens=predicted)
+        )) if wants_grad else None,
+        lambda: _logits_forward(logits, labels, objective, options, False)[:2],
+    )
+
 
 
 __all__ = [

@@ -14,7 +14,8 @@ import torch
 from emdlm.functional.ntil import ClassCandidates, class_candidates
 from emdlm.number_spans import NumberSpans, SpanDraft
 from emdlm.numbers import NumberVocab
-from emdlm.ops.chunked import ChunkOut, counts_before
+from emdlm.ops.chunk_objective import ChunkOut
+from emdlm.ops.chunked import counts_before
 from emdlm.ops.objectives.ce import WeightedCEObjective
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from emdlm.ops.chunked import ChunkObjective, ChunkOut, Finish, count_divisor
+from emdlm.ops.chunk_objective import ChunkObjective, ChunkOut, Finish, count_divisor
 
 #: f(q_y) -> (a, reported weight), both [n]; q_y is detached.
 TokenWeights = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -167,11 +167,11 @@ class WeightedCEObjective(ChunkObjective):
     row term) and dL_t/dz_t = (a_t + ε + 2s·lse_t + c_t)·q_t − a_t·onehot(y_t) − ε/V (+ the
     row term's sparse part), c_t the row term's ∂/∂lse_t.
 
-    Per-token weights w_t (:meth:`ChunkObjective.weigh_tokens`): every token's L_t, gradient
-    and stats are multiplied by w_t and the count is Σ_t w_t over the counted tokens
-    (:meth:`~emdlm.ops.chunked.ChunkObjective.counted`), so w_t = 0 scores the token exactly as
-    an ignored label. A row term (:meth:`_row_terms`) is multiplied by w_t with L_t in value and
-    in q's coefficient; its sparse part and stats are the subclass's to weigh.
+    Per-token weights w_t (:meth:`ChunkObjective.weigh_tokens`): every token's L_t, gradient and
+    stats are multiplied by w_t and the count is Σ_t w_t over the counted tokens
+    (:meth:`ChunkObjective.counted`), so w_t = 0 scores the token exactly as an ignored label. A row
+    term (:meth:`_row_terms`) is multiplied by w_t with L_t in value and in q's coefficient; its
+    sparse part and stats are the subclass's to weigh.
     """
 
     n_stats = 5

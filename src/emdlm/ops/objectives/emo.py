@@ -32,14 +32,9 @@ from emdlm.ops._chunking import (
     emo_chunk,
     prepare_cost,
 )
-from emdlm.ops.chunked import (
-    ChunkObjective,
-    ChunkOut,
-    Finish,
-    HeadOptions,
-    chunked_logits_loss,
-    count_divisor,
-)
+from emdlm.ops.chunk_objective import ChunkObjective, ChunkOut, Finish, count_divisor
+from emdlm.ops.chunked import chunked_logits_loss
+from emdlm.ops.head import HeadOptions
 
 
 def emo_cost(
@@ -73,7 +68,7 @@ class EMOObjective(ChunkObjective):
         max_ratio: cap of the emo1 ratio (None: no cap).
         demd_out: optional [N] tensor receiving the per-token DEMD (0 where ignored).
 
-    Per-token weights w_t (:meth:`~emdlm.ops.chunked.ChunkObjective.weigh_tokens`): the loss
+    Per-token weights w_t (:meth:`~emdlm.ops.chunk_objective.ChunkObjective.weigh_tokens`): the loss
     is Σ_t w_t·L_t ("sum") or Σ_t w_t·L_t / Σ_t w_t ("mean") over the counted tokens, and
     "ce" / "demd" are the same weighted means. The dynamic mix (emo1's sg(CE_t/DEMD_t), emo2's
     sg(DEMD_t/CE_t)) is a ratio of one token's own terms, so it is computed as without

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from emdlm.ops._chunking import mode_coefficients, row_blocks
-from emdlm.ops.chunked import ChunkObjective, ChunkOut, Finish, count_divisor
+from emdlm.ops.chunk_objective import ChunkObjective, ChunkOut, Finish, count_divisor
 
 
 def _chunk(

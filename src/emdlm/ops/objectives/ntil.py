@@ -6,7 +6,7 @@ of the number positions copied out of each chunk's z
 (:class:`emdlm.ops.objectives.candidates.CandidateCEObjective`). After the pass the NTIL terms are
 computed on that small tensor (:func:`emdlm.functional.ntil.ntil_terms` on a float64 leaf,
 :func:`~emdlm.functional.ntil.mix_coefficient` with the global CE mean), and their gradient
-goes back on those logits only (:class:`emdlm.ops.chunked.SparseLogitGrad`):
+goes back on those logits only (:class:`emdlm.ops.chunk_objective.SparseLogitGrad`):
 
     total = CE + c·NTIL,   c = λ·sg(CE/NTIL) ("dynamic") or λ ("static")
 
@@ -23,7 +23,7 @@ import torch
 from emdlm.functional.ntil import NTILSettings, mix_coefficient, ntil_terms, sample_noise
 from emdlm.number_spans import SpanDraft
 from emdlm.numbers import NumberVocab
-from emdlm.ops.chunked import Finish, SparseLogitGrad, count_divisor
+from emdlm.ops.chunk_objective import Finish, SparseLogitGrad, count_divisor
 from emdlm.ops.objectives.candidates import CandidateCEObjective
 
 
@@ -37,11 +37,11 @@ class NTILObjective(CandidateCEObjective):
         settings: the NTIL knobs (the reduction is applied by the engine).
         generator: draws the Gumbel noise of ``value_mode="gumbel"`` once the spans are made.
 
-    Per-token weights w_t (:meth:`~emdlm.ops.chunked.ChunkObjective.weigh_tokens`; a token of
-    weight 0 is an ignored label before the spans are found, ``EMDLMLoss``): CE is the weighted
-    CE family's (Σ w·CE / Σ w), n = Σ_t w_t, the NTIL terms are averaged with the number tokens'
-    w and the numbers' mean weights (:func:`emdlm.functional.ntil.ntil_terms`), and the dynamic
-    mix c = λ·sg(CE/NTIL) is taken, as without weights, from these weighted CE and NTIL.
+    Per-token weights w_t (:meth:`~emdlm.ops.chunk_objective.ChunkObjective.weigh_tokens`; a token
+    of weight 0 is an ignored label before the spans are found, ``EMDLMLoss``): CE is the weighted
+    CE family's (Σ w·CE / Σ w), n = Σ_t w_t, the NTIL terms are averaged with the number tokens' w
+    and the numbers' mean weights (:func:`emdlm.functional.ntil.ntil_terms`), and the dynamic mix
+    c = λ·sg(CE/NTIL) is taken, as without weights, from these weighted CE and NTIL.
 
     The span sizes and the widest class are read in the engine's one host sync of the call
     (:meth:`host_sizes`); spans, candidates and noise are made in :meth:`begin`. The chunk

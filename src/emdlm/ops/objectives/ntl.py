@@ -29,7 +29,7 @@ from emdlm.functional.ntl import (
 )
 from emdlm.number_spans import SpanDraft
 from emdlm.numbers import NumberVocab
-from emdlm.ops.chunked import Finish, SparseLogitGrad, count_divisor
+from emdlm.ops.chunk_objective import Finish, SparseLogitGrad, count_divisor
 from emdlm.ops.objectives.candidates import CandidateCEObjective
 from emdlm.ops.objectives.ce import RowTerms, WeightedCEObjective
 
@@ -93,8 +93,8 @@ class NTLObjective(CandidateCEObjective):
       number's first token, a dense q-row term, is left in :attr:`lse_grad` (sum units) for the
       caller to add through the head (``emdlm.losses.ntl.NTLLoss._after_from_hidden``).
 
-    Per-token weights w_t (:meth:`~emdlm.ops.chunked.ChunkObjective.weigh_tokens`; a token of
-    weight 0 is an ignored label before the spans are found, ``EMDLMLoss``): CE is the weighted
+    Per-token weights w_t (:meth:`~emdlm.ops.chunk_objective.ChunkObjective.weigh_tokens`; a token
+    of weight 0 is an ignored label before the spans are found, ``EMDLMLoss``): CE is the weighted
     CE family's, n = Σ_t w_t, and with item weights ω (token level: ω_m = w_m; number level:
     ω_s = the mean weight of the number's tokens, :func:`emdlm.functional.ntil.number_weights`)
 
