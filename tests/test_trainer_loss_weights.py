@@ -16,6 +16,7 @@ from emdlm.data import DataCollator, build_dataset, read_jsonl
 from emdlm.integrations.loss_weights import dataset_loss_weights, weighted_item_count
 from emdlm.integrations.patch import patch
 from emdlm.integrations.transformers import (
+    ComputeLoss,
     EMDLMTrainer,
     LossComponentsCallback,
     make_compute_loss_func,
@@ -422,3 +423,19 @@ def test_trl_refuses_weighted_rows_for_a_loss_without_weights(tmp_path):
             model=tiny_gpt2(len(tok)), train_dataset=bad, processing_class=tok,
             loss_fn=CrossEntropyLoss(reduction="sum"), args=sft_config(tmp_path),
         )  # fmt: skip
+
+
+def test_logged_loss_of_a_step_whose_weight_sum_is_below_one_is_the_weighted_mean():
+    """The logged loss and components divide by Σw, also when 0 < Σw < 1 (not by max(Σw, 1):
+    that logged a quarter of the loss for weights 0.05 on five tokens)."""
+    torch.manual_seed(0)
+    logits = torch.randn(1, 6, 11, dtype=torch.float64)
+    labels = torch.randint(0, 11, (1, 6))
+    weights = torch.full((1, 6), 0.05, dtype=torch.float64)
+    call = ComputeLoss(CrossEntropyLoss(reduction="sum"))
+    call(logits, labels, loss_weights=weights)
+    logged = call.pop_components()
+    per_token = torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], reduction="none")
+    w = weights[0, 1:]
+    assert logged["n_scored"] == pytest.approx(float(w.sum()))
+    assert logged["loss"] == pytest.approx(float((w * per_token).sum() / w.sum()), rel=1e-9)

@@ -191,8 +191,9 @@ class ComputeLoss:
         number_mask: torch.Tensor | None = None, teacher_logits: torch.Tensor | None = None,
         loss_weights: torch.Tensor | None = None,
     ) -> LossInputs:
-        """The aligned inputs of one call: the model ``outputs`` (logits, or the final hidden
-        state of the from-hidden forward), the unshifted ``labels`` (already aligned with
+        """The aligned inputs of one call: the model ``outputs`` (its output mapping or tuple
+        with the logits, the logits tensor itself, or the final hidden state of the from-hidden
+        forward), the unshifted ``labels`` (already aligned with
         ``shifted``), the batch's ``number_mask`` and per-token ``loss_weights`` (refused by
         :meth:`unweighable` for a loss that takes none) and the teacher's logits on the same
         inputs."""
@@ -212,7 +213,10 @@ class ComputeLoss:
         hidden = outputs.get("emdlm_hidden") if isinstance(outputs, Mapping) else None
         logits = None
         if hidden is None:
-            logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+            if isinstance(outputs, Mapping):
+                logits = outputs["logits"]
+            else:  # the logits tensor itself, or a model's tuple output (logits first)
+                logits = outputs if isinstance(outputs, torch.Tensor) else outputs[0]
         return loss_inputs(
             labels, logits=logits, hidden=hidden, model=self.model if hidden is not None else None,
             number_mask=self._usable_mask(number_mask), teacher_logits=teacher_logits,
@@ -308,9 +312,10 @@ class ComputeLoss:
             torch.distributed.all_reduce(stacked)
         values = stacked.cpu().tolist()  # the one host sync per optimizer step
         loss_sum, weight = values[0], values[1]
-        out = {"loss": loss_sum / max(weight, 1.0), "n_scored": weight}
+        divisor = weight if weight > 0 else 1.0  # a weight sum may lie in (0, 1): no max(w, 1)
+        out = {"loss": loss_sum / divisor, "n_scored": weight}
         for key, value in zip(keys, values[2:], strict=True):
-            out[key] = value if key.startswith("n_") else value / max(weight, 1.0)
+            out[key] = value if key.startswith("n_") else value / divisor
         return out
 
 
