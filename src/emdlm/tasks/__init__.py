@@ -105,6 +105,20 @@ def register_answer_pattern(task: str, pattern: str | re.Pattern[str]) -> None:
     _REGISTRY[task] = dataclasses.replace(old, answer_pattern=_compiled(pattern))
 
 
+def check_test_fraction(test_fraction: float) -> None:
+    """ValueError unless the share of the generated tasks' hash space held out for "test" is in
+    (0, 1)."""
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+
+
+def check_split(split: str, splits: tuple[str, ...]) -> None:
+    """ValueError unless ``split`` is one of ``splits`` (for a generator called without
+    :func:`generate_task`, which checks the registered splits itself)."""
+    if split not in splits:
+        raise ValueError(f"split must be one of {', '.join(splits)}, got {split!r}")
+
+
 def check_dev_fraction(split: str, test_fraction: float, dev_fraction: float) -> None:
     """ValueError unless ``dev_fraction`` fits beside ``test_fraction`` (in [0, 1 −
     test_fraction)) and a "dev" split has one (> 0): the rule of the generated tasks whose
@@ -184,6 +198,8 @@ __all__ = [
     "answer_patterns",
     "available_tasks",
     "check_dev_fraction",
+    "check_split",
+    "check_test_fraction",
     "generate_task",
     "get_task",
     "register_answer_pattern",

@@ -39,10 +39,10 @@ from emdlm.tasks.render import (
     add_clutter,
     add_noise,
     background,
-    cache_key,
-    cached_rows,
     check_common_params,
+    check_non_negative,
     contrasting_color,
+    generated_rows,
     load_font,
     unit_hash,
 )
@@ -156,8 +156,7 @@ def text_detection(
     check_common_params(image_size, 48, test_fraction)
     if not 1 <= min_words <= max_words <= 12:
         raise ValueError(f"need 1 <= min_words <= max_words <= 12, got {min_words}, {max_words}")
-    if noise < 0 or clutter < 0:
-        raise ValueError(f"noise and clutter must be >= 0, got {noise}, {clutter}")
+    check_non_negative(noise=noise, clutter=clutter)
     params = {
         "image_size": image_size,
         "min_words": min_words,
@@ -166,12 +165,9 @@ def text_detection(
         "noise": noise,
         "box_format": box_format,
     }
-    key = cache_key("text_detection", seed, split, test_fraction, params)
-    split_id = 0 if split == "train" else 1
     want_test = split == "test"
 
-    def make(k: int) -> tuple[Image.Image, dict[str, Any]]:
-        rng = np.random.default_rng([seed, split_id, k])
+    def make(rng: np.random.Generator) -> tuple[Image.Image, dict[str, Any]]:
         for _ in range(1000):  # rejection: a scene with words that hashes into this split
             count = int(rng.integers(min_words, max_words + 1))
             image, words, boxes, styles = render_words(rng, image_size, count, clutter)
@@ -191,4 +187,5 @@ def text_detection(
         }
         return image, row
 
-    return cached_rows("text_detection", key, n, make, cache_dir)
+    return generated_rows("text_detection", n, make, seed=seed, split=split,
+                          test_fraction=test_fraction, params=params, cache_dir=cache_dir)
