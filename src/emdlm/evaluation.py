@@ -128,6 +128,13 @@ def check_before_generating(
         raise EvalInputError(str(err)) from err
 
 
+def _check_prompt_completion(examples: Sequence[Mapping[str, Any]]) -> None:
+    """KeyError naming the first example without a "prompt" or a "completion"."""
+    for i, ex in enumerate(examples):
+        if "prompt" not in ex or "completion" not in ex:
+            raise KeyError(f"example {i} needs keys 'prompt' and 'completion', has {sorted(ex)}")
+
+
 def evaluate_examples(
     model: Any,
     tokenizer: Any,
@@ -172,9 +179,7 @@ def evaluate_examples(
     check_decode(decode)
     if decode == "mbr":
         mbr_distance(kind)  # ValueError for a kind without a short answer
-    for i, ex in enumerate(examples):
-        if "prompt" not in ex or "completion" not in ex:
-            raise KeyError(f"example {i} needs keys 'prompt' and 'completion', has {sorted(ex)}")
+    _check_prompt_completion(examples)
     if stop_at is None:
         stop_at = spec.stop_at
     prompts = [ex["prompt"] for ex in examples]
@@ -268,12 +273,6 @@ def _text_mauve(
     if problem:
         print(f"warning: {problem}", file=sys.stderr)
     return out
-
-
-def _check_prompt_completion(examples: Sequence[Mapping[str, Any]]) -> None:
-    for i, ex in enumerate(examples):
-        if "prompt" not in ex or "completion" not in ex:
-            raise KeyError(f"example {i} needs keys 'prompt' and 'completion', has {sorted(ex)}")
 
 
 def _pairs_perplexity(

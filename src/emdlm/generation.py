@@ -172,6 +172,25 @@ def generation_session(
         model.train(was_training)
 
 
+def generate_new_text(
+    model: Any, tokenizer: Any, inputs: dict[str, torch.Tensor], config: Any,
+    stop_at: Sequence[str],
+) -> list[str]:
+    """The new text of one left-padded batch: ``model.generate(**inputs)`` (``inputs`` on the
+    model's device, ``input_ids`` [b, L] first among them) with ``config``, each row stopped at
+    EOS or once its new text holds one of ``stop_at``, decoded without special tokens and cut
+    before the first stop string."""
+    from transformers import StoppingCriteriaList
+
+    width = inputs["input_ids"].shape[1]
+    criteria = [StopOnStrings(tokenizer, width, stop_at)] if any(stop_at) else []
+    out = model.generate(
+        **inputs, generation_config=config, stopping_criteria=StoppingCriteriaList(criteria)
+    )  # [b * num_return_sequences, L + new], prompt-major
+    texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    return [cut_at_stop(t, stop_at) for t in texts]
+
+
 @torch.no_grad()
 def generate_answers(
     model: Any,
@@ -200,8 +219,6 @@ def generate_answers(
 
     Raises ValueError if a prompt plus ``max_new_tokens`` exceeds the model's context length.
     """
-    from transformers import StoppingCriteriaList
-
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if batch_size < 1:
@@ -238,15 +255,9 @@ def generate_answers(
             for row, ids in enumerate(encoded):  # left padding
                 input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
                 attention_mask[row, width - len(ids) :] = 1
-            criteria = [StopOnStrings(tokenizer, width, stop_at)] if any(stop_at) else []
-            out = model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention_mask.to(device),
-                generation_config=gen_config,
-                stopping_criteria=StoppingCriteriaList(criteria),
-            )  # [b * num_return_sequences, L + new], prompt-major
-            texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-            answers.extend(cut_at_stop(t, stop_at) for t in texts)
+            inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+            inputs = {k: v.to(device) for k, v in inputs.items()}
+            answers.extend(generate_new_text(model, tokenizer, inputs, gen_config, stop_at))
     return answers
 
 
