@@ -28,8 +28,8 @@ from emdlm.datasets.reading import (
     PathLike,
     all_finite,
     check_box,
-    find_image,
     image_size,
+    label_image,
     read_text,
     sorted_files,
 )
@@ -91,9 +91,7 @@ def read_icdar2015(
     rows = []
     for gt in sorted_files(Path(gt_dir), "gt_*.txt"):
         stem = gt.stem[len("gt_") :]
-        image = find_image(images, stem)
-        if image is None:
-            raise ConfigError(f"{gt}:1: image not found: {images / stem}.jpg")
+        image = label_image(images, [stem], gt)
         width, height = image_size(image, f"{gt}:1")
         boxes, words, wheres = [], [], []
         for lineno, line in enumerate(read_text(gt).splitlines(), 1):
@@ -159,9 +157,7 @@ def read_td500(
     root = Path(folder)
     rows = []
     for gt in sorted_files(root, "*.gt"):
-        image = find_image(root, gt.stem)
-        if image is None:
-            raise ConfigError(f"{gt}:1: image not found: {root / gt.stem}.JPG")
+        image = label_image(root, [gt.stem], gt, ".JPG")
         width, height = image_size(image, f"{gt}:1")
         boxes, wheres = [], []
         for lineno, line in enumerate(read_text(gt).splitlines(), 1):
