@@ -210,9 +210,9 @@ def _launcher_override(item: str) -> str:
     return item
 
 
-def _positive_int(value: Any, where: str, *, optional: bool = False) -> int | None:
-    if value is None and optional:
-        return None
+def positive_int(value: Any, where: str) -> int:
+    """``value`` if it is an int >= 1 (not a bool), else a ConfigError naming ``where``: the
+    check of the grid's counts and of the launchers' (:mod:`emdlm.experiments.launchers`)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{where} must be an integer >= 1, got {value!r}")
     return value
@@ -302,6 +302,7 @@ def parse_experiment(data: dict[str, Any], folder: Path = Path(".")) -> Experime
     keep = data.get("keep_checkpoints", True)
     if not isinstance(keep, bool):
         raise ConfigError(f"experiment.keep_checkpoints must be true/false, got {keep!r}")
+    workers = data.get("workers")
     return Experiment(
         name=str(data.get("name") or Path(output_dir).name),
         base=apply_overrides(
@@ -313,10 +314,10 @@ def parse_experiment(data: dict[str, Any], folder: Path = Path(".")) -> Experime
         seeds=list(seeds),
         tasks=tasks or {DEFAULT_TASK: []},
         eval=_eval_plan(data.get("eval")),
-        workers=_positive_int(data.get("workers"), "experiment.workers", optional=True),
-        threads_per_worker=_positive_int(
+        workers=None if workers is None else positive_int(workers, "experiment.workers"),
+        threads_per_worker=positive_int(
             data.get("threads_per_worker", 1), "experiment.threads_per_worker"
-        ) or 1,
+        ),
         keep_checkpoints=keep,
         output_dir=Path(output_dir),
         launcher=launcher_mapping(data.get("launcher")),
