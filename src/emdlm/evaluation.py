@@ -19,6 +19,7 @@ from typing import Any
 from emdlm.decoding import check_decode, mbr_decode, mbr_distance
 from emdlm.eval_kinds import eval_kind
 from emdlm.generation import (
+    check_counts,
     check_generation_fits,
     check_scored_fit,
     cut_at_stop,
@@ -330,8 +331,7 @@ def evaluate_text(
     samples as generated (not stripped: the text PPL_oracle scored).
     """
     _check_prompt_completion(examples)
-    if num_samples < 1:
-        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    check_counts(num_samples=num_samples)
     if mauve and len(examples) < 2:
         raise ValueError("MAUVE needs at least 2 prompts; pass more examples or mauve=False")
     if mauve_mode not in MAUVE_MODES:

@@ -79,6 +79,14 @@ def check_scored_fit(
             )
 
 
+def check_counts(**counts: int) -> None:
+    """ValueError naming the first of ``counts`` below 1 (``"batch_size must be >= 1, got 0"``):
+    the check of the counts that generation and scoring calls take."""
+    for name, value in counts.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
 def _pad_id(tokenizer: Any) -> int:
     """The id used for padding: pad, else eos, else 0 (padding is masked out anyway)."""
     for name in ("pad_token_id", "eos_token_id"):
@@ -219,10 +227,7 @@ def generate_answers(
 
     Raises ValueError if a prompt plus ``max_new_tokens`` exceeds the model's context length.
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    check_counts(max_new_tokens=max_new_tokens, batch_size=batch_size)
     if num_return_sequences < 1 or (num_return_sequences > 1 and not do_sample):
         raise ValueError(
             f"num_return_sequences must be 1 for greedy decoding and >= 1 when sampling, got "
@@ -283,8 +288,7 @@ def sequence_nlls(
     scored too, as in training (``emdlm.data.tokenize_example``). Batches are right-padded and
     masked; one host sync per batch.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    check_counts(batch_size=batch_size)
     device = model_device(model)
     pad_id = _pad_id(tokenizer)
     eos: list[int] = []

@@ -37,11 +37,14 @@ def generate_vlm_answers(
     stop_at: Sequence[str] = ("\n",),
 ) -> list[str]:
     """One answer per row (dicts with the image and "prompt")."""
-    from emdlm.generation import generate_new_text, generation_session, model_device
+    from emdlm.generation import (
+        check_counts,
+        generate_new_text,
+        generation_session,
+        model_device,
+    )
 
-    if max_new_tokens < 1 or batch_size < 1:
-        raise ValueError(f"max_new_tokens and batch_size must be >= 1, got {max_new_tokens}, "
-                         f"{batch_size}")
+    check_counts(max_new_tokens=max_new_tokens, batch_size=batch_size)
     tokenizer = collator.tokenizer
     device = model_device(model)
     was_generation, collator.generation = collator.generation, True
