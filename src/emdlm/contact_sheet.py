@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 from PIL import Image, ImageDraw
 
 from emdlm._files import atomic_write
+from emdlm.config.errors import check_one_of
 from emdlm.datasets.images import open_rgb
 from emdlm.eval_kinds import PICTURE_KINDS
 from emdlm.math_answers import LETTERS, item_from_row, score_answer
@@ -232,9 +233,8 @@ def make_contact_sheet(
         thumb: side of the square each image is fitted into (>= 32).
         max_items: draw only the first ``max_items`` rows (None for all).
     """
-    drawer = SHEETS.get(kind) if isinstance(kind, str) else None
-    if drawer is None:
-        raise ValueError(f"kind must be one of {SHEET_KINDS}, got {kind!r}")
+    check_one_of("kind", kind, SHEET_KINDS)
+    drawer = SHEETS[kind]
     if len(rows) != len(predictions):
         raise ValueError(f"{len(rows)} rows but {len(predictions)} predictions")
     if not rows:

@@ -16,6 +16,7 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from emdlm.config.errors import check_one_of
 from emdlm.decoding import check_decode, mbr_decode, mbr_distance
 from emdlm.eval_kinds import eval_kind
 from emdlm.generation import (
@@ -334,8 +335,7 @@ def evaluate_text(
     check_counts(num_samples=num_samples)
     if mauve and len(examples) < 2:
         raise ValueError("MAUVE needs at least 2 prompts; pass more examples or mauve=False")
-    if mauve_mode not in MAUVE_MODES:
-        raise ValueError(f"mauve_mode must be one of {', '.join(MAUVE_MODES)}, got {mauve_mode!r}")
+    check_one_of("mauve_mode", mauve_mode, MAUVE_MODES)
     prompts = [str(ex["prompt"]) for ex in examples]
     refs = [str(ex["completion"]) for ex in examples]
     repeated = [p for p in prompts for _ in range(num_samples)]  # prompt-major order
@@ -418,8 +418,7 @@ def score_choices(
     by the scored ones.) ``scoring="completion"``: only the candidate's tokens, given the
     prompt (the evaluation convention of :func:`sequence_nll` for pairs).
     """
-    if scoring not in CHOICE_SCORING:
-        raise ValueError(f"scoring must be one of {CHOICE_SCORING}, got {scoring!r}")
+    check_one_of("scoring", scoring, CHOICE_SCORING)
     _check_choice_examples(examples)
     items: list[Any] = [
         ex["prompt"] + c if scoring == "text" else (ex["prompt"], c)

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from emdlm.config import ConfigError
+from emdlm.config.errors import check_one_of
 from emdlm.datasets.images import to_rgb
 from emdlm.datasets.reading import PathLike, image_size, jsonl_values, read_text
 from emdlm.json_io import JSONDataError, parse_json
@@ -268,8 +269,7 @@ def read_mathvista(
         rows ``{"image", "prompt", "completion", "question_type", "answer_type", "choices",
         "precision", "unit", "answer", "number_scope", "pid", "source": "mathvista"}``.
     """
-    if prompt not in PROMPT_SOURCES:
-        raise ValueError(f"prompt must be one of {PROMPT_SOURCES}, got {prompt!r}")
+    check_one_of("prompt", prompt, PROMPT_SOURCES)
     src, bases, cache = _sources(path, image_dir)
     rows = []
     for where, key, entry in _entries(src, split):

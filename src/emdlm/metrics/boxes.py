@@ -31,6 +31,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from emdlm.config.errors import check_one_of
+
 Box = tuple[float, float, float, float]  # x1, y1, x2, y2
 BOX_FORMATS = ("qwen2vl", "llava")
 GRID = 1000
@@ -55,8 +57,7 @@ _BOX_SKELETONS = frozenset(
 
 def check_box_format(box_format: str) -> None:
     """ValueError naming the known formats if ``box_format`` is not one of them."""
-    if box_format not in BOX_FORMATS:
-        raise ValueError(f"box_format must be one of {BOX_FORMATS}, got {box_format!r}")
+    check_one_of("box_format", box_format, BOX_FORMATS)
 
 
 def box_problem(box: Sequence[float], width: int, height: int) -> str | None:

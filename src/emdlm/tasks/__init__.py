@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from emdlm.config.errors import check_one_of
 from emdlm.eval_kinds import EVAL_KINDS
 
 TaskFn = Callable[..., list[dict[str, Any]]]
@@ -115,8 +116,7 @@ def check_test_fraction(test_fraction: float) -> None:
 def check_split(split: str, splits: tuple[str, ...]) -> None:
     """ValueError unless ``split`` is one of ``splits`` (for a generator called without
     :func:`generate_task`, which checks the registered splits itself)."""
-    if split not in splits:
-        raise ValueError(f"split must be one of {', '.join(splits)}, got {split!r}")
+    check_one_of("split", split, splits)
 
 
 def check_dev_fraction(split: str, test_fraction: float, dev_fraction: float) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
+from emdlm.config.errors import check_one_of
 from emdlm.tasks import register_task
 from emdlm.tasks.render import (
     add_clutter,
@@ -253,8 +254,7 @@ def clock(
     if not isinstance(minute_step, int) or minute_step < 1 or 60 % minute_step:
         raise ValueError(f"minute_step must be a divisor of 60 (1, 2, 3, 4, 5, 6, 10, 12, 15, "
                          f"20, 30, 60), got {minute_step!r}")
-    if palette not in PALETTES:
-        raise ValueError(f"palette must be one of {PALETTES}, got {palette!r}")
+    check_one_of("palette", palette, PALETTES)
     check_in_range("hand_width", hand_width, 0.2, 4.0)
     styles, shapes = tuple(dial_styles), tuple(hand_shapes)
     if not styles or set(styles) - set(DIAL_STYLES):

@@ -10,6 +10,7 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 from emdlm.config import ConfigError
+from emdlm.config.errors import check_one_of
 from emdlm.experiments.grid import Cell, Experiment
 from emdlm.experiments.grid import positive_int as positive_int  # the grid's count check
 from emdlm.experiments.runner import CellOutcome
@@ -56,8 +57,7 @@ def text_list(value: Any, where: str) -> tuple[str, ...]:
 
 def one_of(*choices: str) -> Check:
     def check(value: Any, where: str) -> str:
-        if value not in choices:
-            raise ConfigError(f"{where} must be one of {', '.join(choices)}, got {value!r}")
+        check_one_of(where, value, choices, ConfigError)
         return str(value)
     return check
 
