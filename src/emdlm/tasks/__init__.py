@@ -24,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from emdlm.config.errors import check_one_of
 from emdlm.eval_kinds import EVAL_KINDS
 
 TaskFn = Callable[..., list[dict[str, Any]]]
@@ -113,12 +112,6 @@ def check_test_fraction(test_fraction: float) -> None:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
 
 
-def check_split(split: str, splits: tuple[str, ...]) -> None:
-    """ValueError unless ``split`` is one of ``splits`` (for a generator called without
-    :func:`generate_task`, which checks the registered splits itself)."""
-    check_one_of("split", split, splits)
-
-
 def check_dev_fraction(split: str, test_fraction: float, dev_fraction: float) -> None:
     """ValueError unless ``dev_fraction`` fits beside ``test_fraction`` (in [0, 1 −
     test_fraction)) and a "dev" split has one (> 0): the rule of the generated tasks whose
@@ -198,7 +191,6 @@ __all__ = [
     "answer_patterns",
     "available_tasks",
     "check_dev_fraction",
-    "check_split",
     "check_test_fraction",
     "generate_task",
     "get_task",

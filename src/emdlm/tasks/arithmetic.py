@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from emdlm.tasks import check_dev_fraction, check_split, check_test_fraction, register_task
+from emdlm.config.errors import check_one_of
+from emdlm.tasks import check_dev_fraction, check_test_fraction, register_task
 
 _OPS = {"+": 0, "-": 1, "*": 2}
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -94,7 +95,7 @@ def arithmetic(
         dev_fraction: share reserved for the dev split, in [0, 1 - test_fraction); give the
             same value to the train split of a run that is tuned on "dev".
     """
-    check_split(split, SPLITS)
+    check_one_of("split", split, SPLITS)
     if not 1 <= min_digits <= max_digits <= 15:
         raise ValueError(
             f"need 1 <= min_digits <= max_digits <= 15, got {min_digits}, {max_digits}"

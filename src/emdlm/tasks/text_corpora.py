@@ -53,7 +53,8 @@ from pathlib import Path
 from typing import Any
 
 from emdlm._files import atomic_write
-from emdlm.tasks import check_split, register_task
+from emdlm.config.errors import check_one_of
+from emdlm.tasks import register_task
 
 CORPORA = ("wiki", "news")
 SPLITS = ("train", "dev", "test")
@@ -151,7 +152,7 @@ def document_split(text: str, fractions: tuple[float, float, float] = SPLIT_FRAC
 def split_documents(corpora: Sequence[str] | str, split: str) -> list[tuple[str, str]]:
     """``(doc_id, text)`` of the documents of ``split`` in ``corpora``; doc_id is
     ``"<corpus>:<index in the corpus>"``."""
-    check_split(split, SPLITS)
+    check_one_of("split", split, SPLITS)
     names = [corpora] if isinstance(corpora, str) else list(corpora)
     if not names:
         raise ValueError(f"corpora is empty; choose from {', '.join(CORPORA)}")

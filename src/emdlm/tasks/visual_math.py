@@ -57,7 +57,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from emdlm.tasks import check_dev_fraction, check_split, register_task
+from emdlm.config.errors import check_one_of
+from emdlm.tasks import check_dev_fraction, register_task
 from emdlm.tasks.render import (
     COLORS,
     SHAPE_NAMES,
@@ -415,7 +416,7 @@ def visual_math(
         cache_dir: folder for the PNGs (default: under ``$EMDLM_CACHE/images/visual_math``).
     """
     check_common_params(image_size, 64, test_fraction)
-    check_split(split, SPLITS)
+    check_one_of("split", split, SPLITS)
     check_dev_fraction(split, test_fraction, dev_fraction)
     subs = tuple(subtasks)
     _check(subs, max_value, n_bars, multiple_choice, n_choices, noise, supersample)
