@@ -52,8 +52,8 @@ from emdlm.config import (
     load_config_dict,
     packaged_experiment,
     parse_override,
-    read_yaml_file,
 )
+from emdlm.config.loading import read_yaml_mapping
 
 EXPERIMENT_KEYS = (
     "name", "base", "base_overrides", "variants", "baseline", "seeds", "tasks", "eval", "workers",
@@ -136,10 +136,7 @@ def load_experiment_dict(path: str | Path) -> tuple[dict[str, Any], Path]:
         if packaged is None:
             raise ConfigError(f"experiment config not found: {path}")
         p = packaged
-    data = read_yaml_file(p)
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: top level must be a mapping, got {type(data).__name__}")
-    return data, p.parent
+    return read_yaml_mapping(p), p.parent
 
 
 def _resolve_base(base: Any, folder: Path) -> dict[str, Any]:
