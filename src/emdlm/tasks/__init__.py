@@ -136,6 +136,10 @@ def _generators() -> list[str]:
     return sorted(name for name, spec in _REGISTRY.items() if spec.generator is not None)
 
 
+def _unknown_task(name: str) -> ValueError:
+    return ValueError(f"unknown task {name!r}; available tasks: {', '.join(_generators())}")
+
+
 def available_tasks() -> list[str]:
     """Names of all registered tasks (those with a generator)."""
     _load_builtins()
@@ -146,7 +150,7 @@ def task_spec(name: str) -> TaskSpec:
     """The :class:`TaskSpec` registered under ``name`` (ValueError listing the known tasks)."""
     _load_builtins()
     if name not in _REGISTRY:
-        raise ValueError(f"unknown task {name!r}; available tasks: {', '.join(_generators())}")
+        raise _unknown_task(name)
     return _REGISTRY[name]
 
 
@@ -165,7 +169,7 @@ def get_task(name: str) -> TaskFn:
     """The generator registered under ``name`` (ValueError listing the known names if absent)."""
     fn = task_spec(name).generator
     if fn is None:
-        raise ValueError(f"unknown task {name!r}; available tasks: {', '.join(_generators())}")
+        raise _unknown_task(name)
     return fn
 
 

@@ -154,6 +154,10 @@ CONTENT_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
+def _unknown_subtask(subtask: str) -> ValueError:
+    return ValueError(f"unknown subtask {subtask!r}; expected one of {SUBTASKS}")
+
+
 def figure_answer(subtask: str, fig: Figure) -> int:
     """The answer to ``subtask``'s question about figure content ``fig`` (the ground truth every
     row's completion is built from)."""
@@ -170,7 +174,7 @@ def figure_answer(subtask: str, fig: Figure) -> int:
         return 2 * (fig["width"] + fig["height"])
     if subtask == "side":
         return fig["height"]
-    raise ValueError(f"unknown subtask {subtask!r}; expected one of {SUBTASKS}")
+    raise _unknown_subtask(subtask)
 
 
 def content_id(subtask: str, fig: Figure) -> list[Any]:
@@ -323,7 +327,7 @@ def question(subtask: str, fig: Figure) -> str:
         return "What is the perimeter of the rectangle?"
     if subtask == "side":
         return "The perimeter is P. What is the side marked ?"
-    raise ValueError(f"unknown subtask {subtask!r}; expected one of {SUBTASKS}")
+    raise _unknown_subtask(subtask)
 
 
 def make_choices(rng: np.random.Generator, answer: int, n_choices: int) -> list[int]:
