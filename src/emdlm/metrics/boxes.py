@@ -243,15 +243,15 @@ def match_boxes(
     return [(int(r), int(c), float(iou[r, c])) for r, c in zip(rows, cols, strict=True) if ok[r, c]]
 
 
+def as_box(b: Sequence[float]) -> Box:
+    """A given box (x1, y1, x2, y2) as floats; ValueError unless it has 4 coordinates."""
+    if len(b) != 4:
+        raise ValueError(f"a box needs 4 coordinates (x1, y1, x2, y2), got {b!r}")
+    return (float(b[0]), float(b[1]), float(b[2]), float(b[3]))
+
+
 def _as_boxes(x: str | Sequence[Sequence[float]]) -> list[Box] | None:
-    if isinstance(x, str):
-        return parse_boxes(x)
-    out = []
-    for b in x:
-        if len(b) != 4:
-            raise ValueError(f"a box needs 4 coordinates (x1, y1, x2, y2), got {b!r}")
-        out.append((float(b[0]), float(b[1]), float(b[2]), float(b[3])))
-    return out
+    return parse_boxes(x) if isinstance(x, str) else [as_box(b) for b in x]
 
 
 def _boxes_update(
