@@ -35,12 +35,10 @@ from emdlm.datasets.reading import (
 )
 from emdlm.metrics.boxes import (
     check_box_format,
-    format_boxes,
     quad_bbox,
-    reading_order,
     rotated_rect_bbox,
 )
-from emdlm.tasks.text_detection import PROMPTS as TEXT_PROMPTS
+from emdlm.tasks.text_detection import detection_row
 
 #: The transcription of a "don't care" region in ICDAR2015 (and CTW1500's polygon labels).
 DONT_CARE = "###"
@@ -60,16 +58,8 @@ def text_detection_row(
     after the reader's arithmetic, or outside the ``width`` x ``height`` image)."""
     for box, where in zip(boxes, wheres, strict=True):
         check_box(box, width, height, where, image)
-    order = reading_order(boxes)
-    boxes = [boxes[i] for i in order]
-    return {
-        "image": str(image.resolve()),
-        "prompt": TEXT_PROMPTS[box_format],
-        "completion": format_boxes(boxes, width, height, box_format),
-        "boxes": [list(b) for b in boxes],
-        "words": [words[i] for i in order],
-        "box_format": box_format,
-    }
+    return {"image": str(image.resolve()),
+            **detection_row(boxes, words, width, height, box_format)}
 
 
 def read_icdar2015(

@@ -120,6 +120,24 @@ def render_words(
     return img, words, boxes, styles
 
 
+def detection_row(
+    boxes: list[tuple[float, float, float, float]], words: list[str], width: int, height: int,
+    box_format: str,
+) -> dict[str, Any]:
+    """The row fields of an image's words and their pixel boxes, both put in reading order
+    (:func:`emdlm.metrics.boxes.reading_order`): ``prompt``, ``completion`` (the boxes in
+    ``box_format`` for a ``width`` x ``height`` image), ``boxes``, ``words``, ``box_format``."""
+    order = reading_order(boxes)
+    ordered = [boxes[i] for i in order]
+    return {
+        "prompt": PROMPTS[box_format],
+        "completion": format_boxes(ordered, width, height, box_format),
+        "boxes": [list(b) for b in ordered],
+        "words": [words[i] for i in order],
+        "box_format": box_format,
+    }
+
+
 @register_task("text_detection", answer_pattern=BOX_ANSWER_PATTERN, eval_kind="boxes")
 def text_detection(
     n: int,
@@ -176,16 +194,7 @@ def text_detection(
         else:  # pragma: no cover - only for degenerate parameters
             raise ValueError(f"could not place words with parameters {params}")
         image = add_noise(image, rng, noise * rng.random())  # only on the accepted scene
-        order = reading_order(boxes)
-        boxes = [boxes[i] for i in order]
-        row = {
-            "prompt": PROMPTS[box_format],
-            "completion": format_boxes(boxes, image_size, image_size, box_format),
-            "boxes": [list(b) for b in boxes],
-            "words": [words[i] for i in order],
-            "box_format": box_format,
-        }
-        return image, row
+        return image, detection_row(boxes, words, image_size, image_size, box_format)
 
     return generated_rows("text_detection", n, make, seed=seed, split=split,
                           test_fraction=test_fraction, params=params, cache_dir=cache_dir)
