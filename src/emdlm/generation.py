@@ -184,16 +184,18 @@ def generate_new_text(
     model: Any, tokenizer: Any, inputs: dict[str, torch.Tensor], config: Any,
     stop_at: Sequence[str],
 ) -> list[str]:
-    """The new text of one left-padded batch: ``model.generate(**inputs)`` (``inputs`` on the
-    model's device, ``input_ids`` [b, L] first among them) with ``config``, each row stopped at
+    """The new text of one left-padded batch: ``model.generate(**inputs)`` (``inputs`` moved to
+    the model's device, ``input_ids`` [b, L] among them) with ``config``, each row stopped at
     EOS or once its new text holds one of ``stop_at``, decoded without special tokens and cut
     before the first stop string."""
     from transformers import StoppingCriteriaList
 
+    device = model_device(model)
     width = inputs["input_ids"].shape[1]
     criteria = [StopOnStrings(tokenizer, width, stop_at)] if any(stop_at) else []
     out = model.generate(
-        **inputs, generation_config=config, stopping_criteria=StoppingCriteriaList(criteria)
+        **{k: v.to(device) for k, v in inputs.items()}, generation_config=config,
+        stopping_criteria=StoppingCriteriaList(criteria),
     )  # [b * num_return_sequences, L + new], prompt-major
     texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
     return [cut_at_stop(t, stop_at) for t in texts]
@@ -233,7 +235,6 @@ def generate_answers(
             f"num_return_sequences must be 1 for greedy decoding and >= 1 when sampling, got "
             f"{num_return_sequences} (do_sample={do_sample})"
         )
-    device = model_device(model)
     pad_id = _pad_id(tokenizer)
     limit = _max_positions(model)
     answers: list[str] = []
@@ -261,7 +262,6 @@ def generate_answers(
                 input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
                 attention_mask[row, width - len(ids) :] = 1
             inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-            inputs = {k: v.to(device) for k, v in inputs.items()}
             answers.extend(generate_new_text(model, tokenizer, inputs, gen_config, stop_at))
     return answers
 

@@ -37,16 +37,10 @@ def generate_vlm_answers(
     stop_at: Sequence[str] = ("\n",),
 ) -> list[str]:
     """One answer per row (dicts with the image and "prompt")."""
-    from emdlm.generation import (
-        check_counts,
-        generate_new_text,
-        generation_session,
-        model_device,
-    )
+    from emdlm.generation import check_counts, generate_new_text, generation_session
 
     check_counts(max_new_tokens=max_new_tokens, batch_size=batch_size)
     tokenizer = collator.tokenizer
-    device = model_device(model)
     was_generation, collator.generation = collator.generation, True
     answers: list[str] = []
     try:
@@ -56,7 +50,7 @@ def generate_vlm_answers(
             eos_token_id=tokenizer.eos_token_id,
         ) as config:  # fmt: skip
             for start in range(0, len(rows), batch_size):
-                batch = _on(collator(list(rows[start : start + batch_size])), device)
+                batch = collator(list(rows[start : start + batch_size]))
                 answers.extend(generate_new_text(model, tokenizer, batch, config, stop_at))
     finally:
         collator.generation = was_generation
