@@ -1,10 +1,11 @@
-"""Shared machinery of the image tasks: fonts, colours, backgrounds, noise, the image cache and
-the answer pattern of a box.
+"""Shared machinery of the image tasks: fonts, colours, backgrounds, noise, the image cache, the
+checks of their common parameters and the answer pattern of a box.
 
 Fonts are matplotlib's bundled DejaVu TTFs (``matplotlib.get_data_path()/fonts/ttf``), read by
 Pillow, so rendered text never depends on the fonts installed on the system.
 
-Cache: :func:`cached_rows` writes each example's PNG once into
+Cache: :func:`generated_rows` (an image task's rows: its cache key and the random stream of
+each example) and :func:`cached_rows` under it write each example's PNG once into
 ``cache_dir`` (default ``<cache>/images/<task>/<key>/``, ``<cache>`` emdlm's cache
 (:func:`emdlm.tokenizers.cache_dir`), ``key`` a hash of the task's parameters, seed and split)
 plus a ``rows.jsonl`` manifest with paths relative to that folder. A later call with the same
