@@ -144,6 +144,13 @@ NO_ANSWER_ADVICE = {
 }
 
 
+def _identifier(value: Any, key: str, where: str) -> str | int:
+    """A problem's identifier field (text or an integer); ConfigError naming it otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ConfigError(f"{where}: field {key!r} must be text or a number, got {value!r}")
+    return value
+
+
 def _answer_text(entry: dict[str, Any], where: str, source: str) -> str:
     value = entry.get("answer")
     usable = isinstance(value, (str, int, float)) and not isinstance(value, bool)
@@ -273,9 +280,7 @@ def read_mathvista(
     src, bases, cache = _sources(path, image_dir)
     rows = []
     for where, key, entry in _entries(src, split):
-        pid = entry.get("pid", key)
-        if isinstance(pid, bool) or not isinstance(pid, (str, int)):
-            raise ConfigError(f"{where}: field 'pid' must be text or a number, got {pid!r}")
+        pid = _identifier(entry.get("pid", key), "pid", where)
         question = _text(entry, "question", where)
         item = _checked_item(
             where, question_type=entry.get("question_type"),
@@ -343,9 +348,7 @@ def read_mathvision(
     src, bases, cache = _sources(path, image_dir)
     rows = []
     for where, _, entry in _entries(src, split):
-        ident = entry.get("id")
-        if isinstance(ident, bool) or not isinstance(ident, (str, int)):
-            raise ConfigError(f"{where}: field 'id' must be text or a number, got {ident!r}")
+        ident = _identifier(entry.get("id"), "id", where)
         question = " ".join(_PLACEHOLDER_RE.sub(" ", _text(entry, "question", where)).split())
         answer = _answer_text(entry, where, "mathvision")
         item = _mathvision_item(entry, answer, where)
