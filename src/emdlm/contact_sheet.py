@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 from PIL import Image, ImageDraw
 
 from emdlm._files import atomic_write
+from emdlm.config.errors import check_one_of
 from emdlm.datasets.images import open_rgb
 from emdlm.eval_kinds import PICTURE_KINDS
 from emdlm.math_answers import LETTERS, item_from_row, score_answer
@@ -49,6 +50,7 @@ RGB = tuple[int, int, int]
 GOLD = (0, 190, 0)
 PRED = (255, 0, 255)
 WRONG = (220, 0, 0)
+_BLACK = (0, 0, 0)
 SHEET_KINDS = PICTURE_KINDS  # the kinds with a picture (emdlm.eval_kinds)
 
 
@@ -126,12 +128,7 @@ def _box_cell(
     line1 = str(row.get("expression") or " ".join(row.get("words", [])) or "")
 
     def rect(b: Sequence[float], color: RGB, width: int) -> None:
-        x1, y1, x2, y2 = (
-            ox + b[0] * scale,
-            oy + b[1] * scale,
-            ox + b[2] * scale,
-            oy + b[3] * scale,
-        )
+        x1, y1, x2, y2 = ox + b[0] * scale, oy + b[1] * scale, ox + b[2] * scale, oy + b[3] * scale
         draw.rectangle(
             [min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2)], outline=color, width=width
         )
@@ -146,14 +143,9 @@ def _box_cell(
 
 
 def _clock_cell(
-    draw: ImageDraw.ImageDraw,
-    row: dict[str, Any],
-    pred: str,
-    size: tuple[int, int],
-    origin: tuple[int, int],
-    scale: float,
+    _draw: ImageDraw.ImageDraw, row: dict[str, Any], pred: str, *_thumbnail: Any
 ) -> tuple[str, str, RGB]:
-    """The gold and the predicted time; green when they match."""
+    """The gold and the predicted time; green when they match (it draws nothing)."""
     gap = clock_time_gap(pred, row["completion"])
     line1 = f"gold {row['completion']}"
     line2 = f"pred {pred.strip() or '(empty)'}" + ("  (unparsed)" if gap is None else "")
@@ -169,17 +161,12 @@ def _question(text: str) -> str:
 
 
 def _math_cell(
-    draw: ImageDraw.ImageDraw,
-    row: dict[str, Any],
-    pred: str,
-    size: tuple[int, int],
-    origin: tuple[int, int],
-    scale: float,
+    _draw: ImageDraw.ImageDraw, row: dict[str, Any], pred: str, *_thumbnail: Any
 ) -> tuple[str, str, RGB]:
     """The question, then the gold and the predicted answer; green when the math scoring
     (:mod:`emdlm.math_answers`, the row's ``question_type`` / ``answer_type`` / ``choices`` /
     ``precision`` / ``unit``) counts the prediction right. A gold option letter shows its
-    text (``B=7``)."""
+    text (``B=7``). It draws nothing."""
     gold = row["completion"].strip()
     item = item_from_row(row, gold, "contact sheet row")
     score = score_answer(pred, gold, item)
@@ -193,44 +180,31 @@ def _math_cell(
     return question, line2, GOLD if score.correct else WRONG
 
 
-def _box_legend(draw: ImageDraw.ImageDraw, font: Any) -> None:
-    draw.text((PAD, 4), "gold box", fill=GOLD, font=font)
-    draw.text((PAD + 70, 4), "predicted box", fill=PRED, font=font)
-
-
-def _clock_legend(draw: ImageDraw.ImageDraw, font: Any) -> None:
-    draw.text(
-        (PAD, 4), "gold / predicted time (green: exact, red: wrong)", fill=(0, 0, 0), font=font
-    )
-
-
-def _math_legend(draw: ImageDraw.ImageDraw, font: Any) -> None:
-    draw.text(
-        (PAD, 4), "question; gold / predicted answer (green: right, red: wrong)", fill=(0, 0, 0),
-        font=font,
-    )
-
-
 class Sheet(NamedTuple):
     """How a contact sheet draws one task kind.
 
-    legend(draw, font): the legend strip on top.
+    legend: the legend strip on top, as (x offset from ``PAD``, text, colour) pieces.
     cell(draw, row, prediction, image size, origin, scale) -> (line1, line2, colour of line2):
         draws on the cell's thumbnail (placed at ``origin``, scaled by ``scale``) and returns
         its two caption lines.
     """
 
-    legend: Callable[[ImageDraw.ImageDraw, Any], None]
+    legend: tuple[tuple[int, str, RGB], ...]
     cell: Callable[..., tuple[str, str, RGB]]
+
+
+_BOX_LEGEND = ((0, "gold box", GOLD), (70, "predicted box", PRED))
 
 
 #: The drawing of each task kind with a picture (:data:`emdlm.eval_kinds.PICTURE_KINDS`;
 #: pinned by tests/test_task_registry.py).
 SHEETS: dict[str, Sheet] = {
-    "clock": Sheet(_clock_legend, _clock_cell),
-    "box": Sheet(_box_legend, partial(_box_cell, parse=_one_box, caption=_iou_caption)),
-    "boxes": Sheet(_box_legend, partial(_box_cell, parse=parse_boxes, caption=_match_caption)),
-    "math": Sheet(_math_legend, _math_cell),
+    "clock": Sheet(((0, "gold / predicted time (green: exact, red: wrong)", _BLACK),), _clock_cell),
+    "box": Sheet(_BOX_LEGEND, partial(_box_cell, parse=_one_box, caption=_iou_caption)),
+    "boxes": Sheet(_BOX_LEGEND, partial(_box_cell, parse=parse_boxes, caption=_match_caption)),
+    "math": Sheet(
+        ((0, "question; gold / predicted answer (green: right, red: wrong)", _BLACK),), _math_cell
+    ),
 }
 
 
@@ -259,9 +233,8 @@ def make_contact_sheet(
         thumb: side of the square each image is fitted into (>= 32).
         max_items: draw only the first ``max_items`` rows (None for all).
     """
-    drawer = SHEETS.get(kind) if isinstance(kind, str) else None
-    if drawer is None:
-        raise ValueError(f"kind must be one of {SHEET_KINDS}, got {kind!r}")
+    check_one_of("kind", kind, SHEET_KINDS)
+    drawer = SHEETS[kind]
     if len(rows) != len(predictions):
         raise ValueError(f"{len(rows)} rows but {len(predictions)} predictions")
     if not rows:
@@ -272,20 +245,20 @@ def make_contact_sheet(
     sheet = Image.new("RGB", sheet_size(len(items), columns, thumb), (255, 255, 255))
     draw = ImageDraw.Draw(sheet)
     font = load_font(11)
-    drawer.legend(draw, font)
+    for dx, text, color in drawer.legend:
+        draw.text((PAD + dx, 4), text, fill=color, font=font)
     cell = thumb + 2 * PAD
     for i, (row, pred) in enumerate(items):
         x0 = (i % columns) * cell
         y0 = LEGEND_H + (i // columns) * (cell + CAPTION_H)
         im = open_rgb(row["image"])  # as the model saw it: upright, 16-bit and alpha handled
-        size = im.size
         small, scale = _fit(im, thumb)
         origin = (x0 + PAD + (thumb - small.width) // 2, y0 + PAD + (thumb - small.height) // 2)
         sheet.paste(small, origin)
         text_y = y0 + cell
-        line1, line2, color = drawer.cell(draw, row, pred, size, origin, scale)
+        line1, line2, color = drawer.cell(draw, row, pred, im.size, origin, scale)
         draw.text(
-            (x0 + PAD, text_y), _shorten(line1, font, cell - 2 * PAD), fill=(0, 0, 0), font=font
+            (x0 + PAD, text_y), _shorten(line1, font, cell - 2 * PAD), fill=_BLACK, font=font
         )
         draw.text(
             (x0 + PAD, text_y + 14), _shorten(line2, font, cell - 2 * PAD), fill=color, font=font

@@ -16,9 +16,11 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from emdlm.config.errors import check_one_of
 from emdlm.decoding import check_decode, mbr_decode, mbr_distance
 from emdlm.eval_kinds import eval_kind
 from emdlm.generation import (
+    check_counts,
     check_generation_fits,
     check_scored_fit,
     cut_at_stop,
@@ -128,6 +130,13 @@ def check_before_generating(
         raise EvalInputError(str(err)) from err
 
 
+def _check_prompt_completion(examples: Sequence[Mapping[str, Any]]) -> None:
+    """KeyError naming the first example without a "prompt" or a "completion"."""
+    for i, ex in enumerate(examples):
+        if "prompt" not in ex or "completion" not in ex:
+            raise KeyError(f"example {i} needs keys 'prompt' and 'completion', has {sorted(ex)}")
+
+
 def evaluate_examples(
     model: Any,
     tokenizer: Any,
@@ -172,9 +181,7 @@ def evaluate_examples(
     check_decode(decode)
     if decode == "mbr":
         mbr_distance(kind)  # ValueError for a kind without a short answer
-    for i, ex in enumerate(examples):
-        if "prompt" not in ex or "completion" not in ex:
-            raise KeyError(f"example {i} needs keys 'prompt' and 'completion', has {sorted(ex)}")
+    _check_prompt_completion(examples)
     if stop_at is None:
         stop_at = spec.stop_at
     prompts = [ex["prompt"] for ex in examples]
@@ -270,12 +277,6 @@ def _text_mauve(
     return out
 
 
-def _check_prompt_completion(examples: Sequence[Mapping[str, Any]]) -> None:
-    for i, ex in enumerate(examples):
-        if "prompt" not in ex or "completion" not in ex:
-            raise KeyError(f"example {i} needs keys 'prompt' and 'completion', has {sorted(ex)}")
-
-
 def _pairs_perplexity(
     model: Any, tokenizer: Any, pairs: Sequence[tuple[str, str]], **kw: Any
 ) -> float:
@@ -331,12 +332,10 @@ def evaluate_text(
     samples as generated (not stripped: the text PPL_oracle scored).
     """
     _check_prompt_completion(examples)
-    if num_samples < 1:
-        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    check_counts(num_samples=num_samples)
     if mauve and len(examples) < 2:
         raise ValueError("MAUVE needs at least 2 prompts; pass more examples or mauve=False")
-    if mauve_mode not in MAUVE_MODES:
-        raise ValueError(f"mauve_mode must be one of {', '.join(MAUVE_MODES)}, got {mauve_mode!r}")
+    check_one_of("mauve_mode", mauve_mode, MAUVE_MODES)
     prompts = [str(ex["prompt"]) for ex in examples]
     refs = [str(ex["completion"]) for ex in examples]
     repeated = [p for p in prompts for _ in range(num_samples)]  # prompt-major order
@@ -419,8 +418,7 @@ def score_choices(
     by the scored ones.) ``scoring="completion"``: only the candidate's tokens, given the
     prompt (the evaluation convention of :func:`sequence_nll` for pairs).
     """
-    if scoring not in CHOICE_SCORING:
-        raise ValueError(f"scoring must be one of {CHOICE_SCORING}, got {scoring!r}")
+    check_one_of("scoring", scoring, CHOICE_SCORING)
     _check_choice_examples(examples)
     items: list[Any] = [
         ex["prompt"] + c if scoring == "text" else (ex["prompt"], c)

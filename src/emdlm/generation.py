@@ -79,6 +79,14 @@ def check_scored_fit(
             )
 
 
+def check_counts(**counts: int) -> None:
+    """ValueError naming the first of ``counts`` below 1 (``"batch_size must be >= 1, got 0"``):
+    the check of the counts that generation and scoring calls take."""
+    for name, value in counts.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
 def _pad_id(tokenizer: Any) -> int:
     """The id used for padding: pad, else eos, else 0 (padding is masked out anyway)."""
     for name in ("pad_token_id", "eos_token_id"):
@@ -172,6 +180,27 @@ def generation_session(
         model.train(was_training)
 
 
+def generate_new_text(
+    model: Any, tokenizer: Any, inputs: dict[str, torch.Tensor], config: Any,
+    stop_at: Sequence[str],
+) -> list[str]:
+    """The new text of one left-padded batch: ``model.generate(**inputs)`` (``inputs`` moved to
+    the model's device, ``input_ids`` [b, L] among them) with ``config``, each row stopped at
+    EOS or once its new text holds one of ``stop_at``, decoded without special tokens and cut
+    before the first stop string."""
+    from transformers import StoppingCriteriaList
+
+    device = model_device(model)
+    width = inputs["input_ids"].shape[1]
+    criteria = [StopOnStrings(tokenizer, width, stop_at)] if any(stop_at) else []
+    out = model.generate(
+        **{k: v.to(device) for k, v in inputs.items()}, generation_config=config,
+        stopping_criteria=StoppingCriteriaList(criteria),
+    )  # [b * num_return_sequences, L + new], prompt-major
+    texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    return [cut_at_stop(t, stop_at) for t in texts]
+
+
 @torch.no_grad()
 def generate_answers(
     model: Any,
@@ -200,18 +229,12 @@ def generate_answers(
 
     Raises ValueError if a prompt plus ``max_new_tokens`` exceeds the model's context length.
     """
-    from transformers import StoppingCriteriaList
-
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    check_counts(max_new_tokens=max_new_tokens, batch_size=batch_size)
     if num_return_sequences < 1 or (num_return_sequences > 1 and not do_sample):
         raise ValueError(
             f"num_return_sequences must be 1 for greedy decoding and >= 1 when sampling, got "
             f"{num_return_sequences} (do_sample={do_sample})"
         )
-    device = model_device(model)
     pad_id = _pad_id(tokenizer)
     limit = _max_positions(model)
     answers: list[str] = []
@@ -238,15 +261,8 @@ def generate_answers(
             for row, ids in enumerate(encoded):  # left padding
                 input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
                 attention_mask[row, width - len(ids) :] = 1
-            criteria = [StopOnStrings(tokenizer, width, stop_at)] if any(stop_at) else []
-            out = model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention_mask.to(device),
-                generation_config=gen_config,
-                stopping_criteria=StoppingCriteriaList(criteria),
-            )  # [b * num_return_sequences, L + new], prompt-major
-            texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-            answers.extend(cut_at_stop(t, stop_at) for t in texts)
+            inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+            answers.extend(generate_new_text(model, tokenizer, inputs, gen_config, stop_at))
     return answers
 
 
@@ -272,8 +288,7 @@ def sequence_nlls(
     scored too, as in training (``emdlm.data.tokenize_example``). Batches are right-padded and
     masked; one host sync per batch.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    check_counts(batch_size=batch_size)
     device = model_device(model)
     pad_id = _pad_id(tokenizer)
     eos: list[int] = []

@@ -16,6 +16,16 @@ def did_you_mean(value: str, choices: Any) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def check_one_of(
+    name: str, value: Any, choices: Any, error: type[ValueError] = ValueError
+) -> None:
+    """``error`` saying ``"<name> must be one of a, b, got 'c'"`` unless ``value`` is one of
+    ``choices``: the check of an argument that picks one of a few named options."""
+    options = tuple(choices)
+    if value not in options:
+        raise error(f"{name} must be one of {', '.join(map(str, options))}, got {value!r}")
+
+
 def check_choice(key: str, value: Any, choices: Any) -> None:
     """ConfigError naming ``key``, the nearest valid value and all of them, unless ``value`` is
     one of ``choices``."""

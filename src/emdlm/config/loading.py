@@ -30,6 +30,17 @@ def read_yaml_file(path: Path) -> Any:
         raise ConfigError(f"{path}: not valid YAML: {err}") from err
 
 
+def read_yaml_mapping(path: Path, *, empty_ok: bool = False) -> dict[str, Any]:
+    """The mapping at the top of the YAML file ``path`` (:func:`read_yaml_file`); ConfigError
+    naming the file when it is anything else (an empty file: ``{}`` when ``empty_ok``)."""
+    data = read_yaml_file(path)
+    if data is None and empty_ok:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
 def load_config_dict(path: str | Path | None) -> dict[str, Any]:
     """Raw mapping from a YAML file (a packaged config name like "arithmetic_ntil" also works)."""
     if path is None:
@@ -41,12 +52,7 @@ def load_config_dict(path: str | Path | None) -> dict[str, Any]:
             p = packaged
         else:
             raise ConfigError(f"config file not found: {path}")
-    data = read_yaml_file(p)
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: top level must be a mapping, got {type(data).__name__}")
-    return data
+    return read_yaml_mapping(p, empty_ok=True)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from emdlm.config import ConfigError
-from emdlm.datasets.reading import PathLike, find_image, image_size, natural_key, read_text
+from emdlm.datasets.reading import PathLike, image_size, label_image, natural_key, read_text
 from emdlm.datasets.text_detection import DONT_CARE, text_detection_row
 from emdlm.metrics.boxes import Box, check_box_format, quad_bbox
 
@@ -78,14 +78,8 @@ def _polygon_box(coords: Sequence[float], where: str) -> Box:
 def _image_for(folder: Path, stem: str, gt: Path) -> Path:
     """The image of a label file: the same stem, or the same number written with 4 digits or
     none (``000001.txt`` -> ``0001.jpg``)."""
-    stems = [stem]
-    if stem.isdigit():
-        stems += [f"{int(stem):04d}", str(int(stem))]
-    for s in stems:
-        image = find_image(folder, s)
-        if image is not None:
-            return image
-    raise ConfigError(f"{gt}:1: image not found: {folder / stem}.jpg")
+    stems = [stem, f"{int(stem):04d}", str(int(stem))] if stem.isdigit() else [stem]
+    return label_image(folder, stems, gt)
 
 
 def _label_files(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:

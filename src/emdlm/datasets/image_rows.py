@@ -35,8 +35,7 @@ from emdlm.datasets.images import (
     confine,
     displayed_size,
 )
-from emdlm.datasets.reading import PathLike, confine_image, image_size, read_text
-from emdlm.json_io import JSONDataError, parse_json
+from emdlm.datasets.reading import PathLike, confine_image, image_size, jsonl_values
 
 
 def _jsonl_line_numbers(path: Path) -> list[int]:
@@ -202,14 +201,7 @@ def read_image_jsonl(
     src = Path(path)
     folder = src.resolve().parent
     rows = []
-    for lineno, line in enumerate(read_text(src).splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{src}:{lineno}"
-        try:
-            row = parse_json(line)
-        except JSONDataError as err:
-            raise ConfigError(f"{where}: {err}") from None
+    for where, row in jsonl_values(src):
         if not isinstance(row, dict):
             raise ConfigError(f"{where}: expected a JSON object, got {type(row).__name__}")
         missing = [k for k in ("image", "prompt", "completion") if not isinstance(row.get(k), str)]

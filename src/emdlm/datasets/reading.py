@@ -13,12 +13,13 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from emdlm.config import ConfigError
 from emdlm.datasets.images import ImageCheckError, check_image_file, confine
+from emdlm.json_io import JSONDataError, parse_json
 from emdlm.metrics.boxes import Box, box_problem
 
 PathLike = str | os.PathLike[str]
@@ -80,19 +81,36 @@ def read_text(path: Path) -> str:
         ) from err
 
 
+def jsonl_values(path: Path) -> Iterator[tuple[str, Any]]:
+    """(``file:line``, value) of each non-blank line of a JSONL file, read by :func:`read_text`
+    and :func:`emdlm.json_io.parse_json`; ConfigError naming the line that is not JSON."""
+    for lineno, line in enumerate(read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            value = parse_json(line)
+        except JSONDataError as err:
+            raise ConfigError(f"{where}: {err}") from None
+        yield where, value
+
+
 def all_finite(values: Iterable[float]) -> bool:
     """Every value is a finite number (no NaN, no infinity)."""
     return all(math.isfinite(v) for v in values)
 
 
-def find_image(folder: Path, stem: str) -> Path | None:
-    """The image named ``stem`` with any known suffix (either case), or None."""
-    for suffix in IMAGE_SUFFIXES:
-        for s in (suffix, suffix.upper()):
-            p = folder / f"{stem}{s}"
-            if p.is_file():
-                return p
-    return None
+def label_image(folder: Path, stems: Sequence[str], label: Path, shown: str = ".jpg") -> Path:
+    """The image of label file ``label``: the first of ``stems`` found in ``folder`` with any
+    known suffix (either case); ConfigError ``"<label>:1: image not found: <folder>/<first
+    stem><shown>"`` when none is."""
+    for stem in stems:
+        for suffix in IMAGE_SUFFIXES:
+            for s in (suffix, suffix.upper()):
+                p = folder / f"{stem}{s}"
+                if p.is_file():
+                    return p
+    raise ConfigError(f"{label}:1: image not found: {folder / stems[0]}{shown}")
 
 
 

@@ -28,19 +28,17 @@ from emdlm.datasets.reading import (
     PathLike,
     all_finite,
     check_box,
-    find_image,
     image_size,
+    label_image,
     read_text,
     sorted_files,
 )
 from emdlm.metrics.boxes import (
     check_box_format,
-    format_boxes,
     quad_bbox,
-    reading_order,
     rotated_rect_bbox,
 )
-from emdlm.tasks.text_detection import PROMPTS as TEXT_PROMPTS
+from emdlm.tasks.text_detection import detection_row
 
 #: The transcription of a "don't care" region in ICDAR2015 (and CTW1500's polygon labels).
 DONT_CARE = "###"
@@ -60,16 +58,8 @@ def text_detection_row(
     after the reader's arithmetic, or outside the ``width`` x ``height`` image)."""
     for box, where in zip(boxes, wheres, strict=True):
         check_box(box, width, height, where, image)
-    order = reading_order(boxes)
-    boxes = [boxes[i] for i in order]
-    return {
-        "image": str(image.resolve()),
-        "prompt": TEXT_PROMPTS[box_format],
-        "completion": format_boxes(boxes, width, height, box_format),
-        "boxes": [list(b) for b in boxes],
-        "words": [words[i] for i in order],
-        "box_format": box_format,
-    }
+    return {"image": str(image.resolve()),
+            **detection_row(boxes, words, width, height, box_format)}
 
 
 def read_icdar2015(
@@ -91,9 +81,7 @@ def read_icdar2015(
     rows = []
     for gt in sorted_files(Path(gt_dir), "gt_*.txt"):
         stem = gt.stem[len("gt_") :]
-        image = find_image(images, stem)
-        if image is None:
-            raise ConfigError(f"{gt}:1: image not found: {images / stem}.jpg")
+        image = label_image(images, [stem], gt)
         width, height = image_size(image, f"{gt}:1")
         boxes, words, wheres = [], [], []
         for lineno, line in enumerate(read_text(gt).splitlines(), 1):
@@ -159,9 +147,7 @@ def read_td500(
     root = Path(folder)
     rows = []
     for gt in sorted_files(root, "*.gt"):
-        image = find_image(root, gt.stem)
-        if image is None:
-            raise ConfigError(f"{gt}:1: image not found: {root / gt.stem}.JPG")
+        image = label_image(root, [gt.stem], gt, ".JPG")
         width, height = image_size(image, f"{gt}:1")
         boxes, wheres = [], []
         for lineno, line in enumerate(read_text(gt).splitlines(), 1):

@@ -41,8 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from emdlm.config import ConfigError
+from emdlm.config.errors import check_one_of
 from emdlm.datasets.images import to_rgb
-from emdlm.datasets.reading import PathLike, image_size, read_text
+from emdlm.datasets.reading import PathLike, image_size, jsonl_values, read_text
 from emdlm.json_io import JSONDataError, parse_json
 from emdlm.math_answers import (
     LETTERS,
@@ -79,18 +80,6 @@ def _json_entries(path: Path) -> Iterator[tuple[str, Any, Any]]:
                           f"{type(data).__name__}")
 
 
-def _jsonl_entries(path: Path) -> Iterator[tuple[str, Any, Any]]:
-    for lineno, line in enumerate(read_text(path).splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            entry = parse_json(line)
-        except JSONDataError as err:
-            raise ConfigError(f"{where}: {err}") from None
-        yield where, None, entry
-
-
 def _dataset_entries(folder: Path, split: str | None) -> Iterator[tuple[str, Any, Any]]:
     import datasets
 
@@ -111,14 +100,31 @@ def _dataset_entries(folder: Path, split: str | None) -> Iterator[tuple[str, Any
         yield f"{folder}: row {i}", None, dict(entry)
 
 
-def _entries(path: Path, split: str | None) -> Iterator[tuple[str, Any, Any]]:
+def _entries(path: Path, split: str | None) -> Iterator[tuple[str, Any, dict[str, Any]]]:
+    """(where, key, entry) of each problem of a dataset folder, a JSONL or a JSON file;
+    ConfigError for a missing file, an entry that is not an object, or no entry at all."""
     if path.is_dir():
-        return _dataset_entries(path, split)
-    if not path.is_file():
+        entries = _dataset_entries(path, split)
+    elif not path.is_file():
         raise ConfigError(f"{path}: not found")
-    if path.suffix.lower() == ".jsonl":
-        return _jsonl_entries(path)
-    return _json_entries(path)
+    elif path.suffix.lower() == ".jsonl":
+        entries = ((where, None, entry) for where, entry in jsonl_values(path))
+    else:
+        entries = _json_entries(path)
+    return _objects(entries, path)
+
+
+def _objects(
+    entries: Iterator[tuple[str, Any, Any]], path: Path
+) -> Iterator[tuple[str, Any, dict[str, Any]]]:
+    empty = True
+    for where, key, entry in entries:
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{where}: expected an object, got {type(entry).__name__}")
+        empty = False
+        yield where, key, entry
+    if empty:
+        raise ConfigError(f"{path}: no problems")
 
 
 # ----------------------------------------------------------------------------- fields
@@ -136,6 +142,13 @@ NO_ANSWER_ADVICE = {
     "mathvision": "every MathVision entry (test and testmini) has its answer: the file is "
                   "damaged or is not MathVision's",
 }
+
+
+def _identifier(value: Any, key: str, where: str) -> str | int:
+    """A problem's identifier field (text or an integer); ConfigError naming it otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ConfigError(f"{where}: field {key!r} must be text or a number, got {value!r}")
+    return value
 
 
 def _answer_text(entry: dict[str, Any], where: str, source: str) -> str:
@@ -263,16 +276,11 @@ def read_mathvista(
         rows ``{"image", "prompt", "completion", "question_type", "answer_type", "choices",
         "precision", "unit", "answer", "number_scope", "pid", "source": "mathvista"}``.
     """
-    if prompt not in PROMPT_SOURCES:
-        raise ValueError(f"prompt must be one of {PROMPT_SOURCES}, got {prompt!r}")
+    check_one_of("prompt", prompt, PROMPT_SOURCES)
     src, bases, cache = _sources(path, image_dir)
     rows = []
     for where, key, entry in _entries(src, split):
-        if not isinstance(entry, dict):
-            raise ConfigError(f"{where}: expected an object, got {type(entry).__name__}")
-        pid = entry.get("pid", key)
-        if isinstance(pid, bool) or not isinstance(pid, (str, int)):
-            raise ConfigError(f"{where}: field 'pid' must be text or a number, got {pid!r}")
+        pid = _identifier(entry.get("pid", key), "pid", where)
         question = _text(entry, "question", where)
         item = _checked_item(
             where, question_type=entry.get("question_type"),
@@ -290,8 +298,6 @@ def read_mathvista(
         image = _image_path(entry, where, bases, cache, f"mathvista_{pid}", images_root)
         rows.append(_row(image, text, completion, answer, item, pid=str(pid),
                          source="mathvista"))
-    if not rows:
-        raise ConfigError(f"{src}: no problems")
     return rows
 
 
@@ -342,11 +348,7 @@ def read_mathvision(
     src, bases, cache = _sources(path, image_dir)
     rows = []
     for where, _, entry in _entries(src, split):
-        if not isinstance(entry, dict):
-            raise ConfigError(f"{where}: expected an object, got {type(entry).__name__}")
-        ident = entry.get("id")
-        if isinstance(ident, bool) or not isinstance(ident, (str, int)):
-            raise ConfigError(f"{where}: field 'id' must be text or a number, got {ident!r}")
+        ident = _identifier(entry.get("id"), "id", where)
         question = " ".join(_PLACEHOLDER_RE.sub(" ", _text(entry, "question", where)).split())
         answer = _answer_text(entry, where, "mathvision")
         item = _mathvision_item(entry, answer, where)
@@ -359,8 +361,6 @@ def read_mathvision(
         rows.append(_row(image, prompt, completion, answer, item, id=str(ident),
                          level=entry.get("level"), subject=entry.get("subject"),
                          source="mathvision"))
-    if not rows:
-        raise ConfigError(f"{src}: no problems")
     return rows
 
 

@@ -55,8 +55,8 @@ from emdlm.config import (
     load_config_dict,
     packaged_experiment,
     parse_override,
-    read_yaml_file,
 )
+from emdlm.config.loading import read_yaml_mapping
 from emdlm.experiments.selection import SelectionRule, parse_selection
 
 EXPERIMENT_KEYS = (
@@ -142,10 +142,7 @@ def load_experiment_dict(path: str | Path) -> tuple[dict[str, Any], Path]:
         if packaged is None:
             raise ConfigError(f"experiment config not found: {path}")
         p = packaged
-    data = read_yaml_file(p)
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: top level must be a mapping, got {type(data).__name__}")
-    return data, p.parent
+    return read_yaml_mapping(p), p.parent
 
 
 def _resolve_base(base: Any, folder: Path) -> dict[str, Any]:
@@ -216,9 +213,9 @@ def _launcher_override(item: str) -> str:
     return item
 
 
-def _positive_int(value: Any, where: str, *, optional: bool = False) -> int | None:
-    if value is None and optional:
-        return None
+def positive_int(value: Any, where: str) -> int:
+    """``value`` if it is an int >= 1 (not a bool), else a ConfigError naming ``where``: the
+    check of the grid's counts and of the launchers' (:mod:`emdlm.experiments.launchers`)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{where} must be an integer >= 1, got {value!r}")
     return value
@@ -308,6 +305,7 @@ def parse_experiment(data: dict[str, Any], folder: Path = Path(".")) -> Experime
     keep = data.get("keep_checkpoints", True)
     if not isinstance(keep, bool):
         raise ConfigError(f"experiment.keep_checkpoints must be true/false, got {keep!r}")
+    workers = data.get("workers")
     return Experiment(
         name=str(data.get("name") or Path(output_dir).name),
         base=apply_overrides(
@@ -319,10 +317,10 @@ def parse_experiment(data: dict[str, Any], folder: Path = Path(".")) -> Experime
         seeds=list(seeds),
         tasks=tasks or {DEFAULT_TASK: []},
         eval=_eval_plan(data.get("eval")),
-        workers=_positive_int(data.get("workers"), "experiment.workers", optional=True),
-        threads_per_worker=_positive_int(
+        workers=None if workers is None else positive_int(workers, "experiment.workers"),
+        threads_per_worker=positive_int(
             data.get("threads_per_worker", 1), "experiment.threads_per_worker"
-        ) or 1,
+        ),
         keep_checkpoints=keep,
         output_dir=Path(output_dir),
         launcher=launcher_mapping(data.get("launcher")),

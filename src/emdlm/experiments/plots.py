@@ -39,9 +39,11 @@ def _pyplot():  # type: ignore[no-untyped-def]
 
 
 def _save(fig: Any, path: Path) -> None:
-    """``fig`` as a PNG at ``path``, written whole (temporary file renamed into place)."""
+    """``fig`` as a PNG at ``path``, written whole (temporary file renamed into place), then
+    closed."""
     with atomic_write(path, binary=True) as fh:
         fig.savefig(fh, format="png", dpi=110)
+    _pyplot().close(fig)
 
 
 #: Metrics whose curves are drawn on a symmetric-log axis: absolute errors span decades.
@@ -83,7 +85,6 @@ def plot_learning_curves(rows: Sequence[Row], task: str, variants: Sequence[str]
     if fig is None:
         return False
     _save(fig, path)
-    _pyplot().close(fig)
     return True
 
 
@@ -161,7 +162,6 @@ def plot_final_values(rows: Sequence[Row], task: str, variants: Sequence[str],
     fig.suptitle(f"{title or task}: final models, dots = seeds, bars = mean")
     fig.tight_layout()
     _save(fig, path)
-    plt.close(fig)
     return True
 
 
@@ -222,7 +222,6 @@ def plot_error_distribution(cells: Sequence[Cell], task: str, variants: Sequence
     fig.suptitle(f"{title or task}: numeric errors of the final models, seeds pooled")
     fig.tight_layout()
     _save(fig, path)
-    plt.close(fig)
     return True
 
 

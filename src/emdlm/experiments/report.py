@@ -303,6 +303,14 @@ def _metrics_note(metrics: set[str]) -> str:
     return note
 
 
+def _cells_section(title: str, why: str, reasons: dict[str, str]) -> list[str]:
+    """A report section listing the cells of ``reasons`` (key -> reason) under ``title`` and the
+    paragraph ``why``; no lines when there is none."""
+    if not reasons:
+        return []
+    return [f"## {title}", "", why, "", *(f"- `{key}`: {r}" for key, r in reasons.items()), ""]
+
+
 def write_report(exp: Experiment, cells: Sequence[Cell], rows: Sequence[Row], path: Path,
                  *, command: str = "", plots: dict[str, list[str]] | None = None,
                  left_out: dict[str, str] | None = None,
@@ -362,21 +370,18 @@ def write_report(exp: Experiment, cells: Sequence[Cell], rows: Sequence[Row], pa
             exp, task, rows, plots or {}, _floor_lines(done, task, floors[task]),
             [*place_accuracy_lines(done, task, list(exp.variants), read_predictions),
              *component_lines(done, task, list(exp.variants))], stats[task])
-    if left_out:
-        lines += ["## Cells left out (outputs not whole)", "",
-                  "Marked done, but an output is missing, cut off or disagrees with its "
-                  "metrics.json, so none of their numbers are used. Run the same command again "
-                  "to evaluate them again.", ""]
-        lines += [f"- `{key}`: {why}" for key, why in left_out.items()]
-        lines.append("")
-    if refused:
-        lines += ["## Cells refused (their folders hold another definition's work)", "",
-                  "Trained or evaluated under another definition than this grid gives the cell "
-                  "(a folder copied from another cell, or overrides changed since), so none of "
-                  "their numbers are used; emdlm leaves their folders as they are. Move a folder "
-                  "elsewhere to run its cell again under this definition.", ""]
-        lines += [f"- `{key}`: {why}" for key, why in refused.items()]
-        lines.append("")
+    lines += _cells_section(
+        "Cells left out (outputs not whole)",
+        "Marked done, but an output is missing, cut off or disagrees with its metrics.json, so "
+        "none of their numbers are used. Run the same command again to evaluate them again.",
+        left_out)
+    lines += _cells_section(
+        "Cells refused (their folders hold another definition's work)",
+        "Trained or evaluated under another definition than this grid gives the cell (a folder "
+        "copied from another cell, or overrides changed since), so none of their numbers are "
+        "used; emdlm leaves their folders as they are. Move a folder elsewhere to run its cell "
+        "again under this definition.",
+        refused)
     if failed:
         lines += ["## Failed cells", ""]
         for c in failed:

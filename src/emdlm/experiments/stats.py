@@ -53,6 +53,12 @@ def paired_differences(baseline: Sequence[float], variant: Sequence[float]) -> n
     return b[keep] - a[keep]
 
 
+def _check_open_unit(name: str, value: float) -> None:
+    """ValueError unless 0 < ``value`` < 1 (a confidence level, a power)."""
+    if not 0.0 < value < 1.0:
+        raise ValueError(f"{name} must be in (0, 1), got {value}")
+
+
 def bootstrap_ci(
     diffs: Sequence[float], *, level: float = 0.95, n_boot: int = 10_000, seed: int = 0
 ) -> tuple[float, float]:
@@ -62,8 +68,7 @@ def bootstrap_ci(
     (reproducible), and returns the (1-level)/2 and (1+level)/2 quantiles of the resampled
     means. NaN for fewer than 2 pairs (one pair says nothing about the spread).
     """
-    if not 0.0 < level < 1.0:
-        raise ValueError(f"level must be in (0, 1), got {level}")
+    _check_open_unit("level", level)
     if n_boot < 1:
         raise ValueError(f"n_boot must be >= 1, got {n_boot}")
     d = np.asarray(diffs, dtype=np.float64)
@@ -83,8 +88,7 @@ def paired_t_ci(diffs: Sequence[float], *, level: float = 0.95) -> tuple[float, 
     equal."""
     from scipy import stats
 
-    if not 0.0 < level < 1.0:
-        raise ValueError(f"level must be in (0, 1), got {level}")
+    _check_open_unit("level", level)
     d = np.asarray(diffs, dtype=np.float64)
     n = d.size
     if n < 2:
@@ -270,8 +274,7 @@ def seeds_for_power(diff: float, sd: float, *, power: float = POWER, alpha: floa
     mean difference ``diff`` with differences of standard deviation ``sd``; None when even
     ``max_seeds`` do not (a zero or vanishing difference). Power grows with n, so the search
     doubles n, then bisects."""
-    if not 0.0 < power < 1.0:
-        raise ValueError(f"power must be in (0, 1), got {power}")
+    _check_open_unit("power", power)
     if not sd > 0.0 or not math.isfinite(diff) or diff == 0.0:
         return None
     hi = 2
@@ -295,8 +298,7 @@ def detectable_difference(n: int, sd: float, *, power: float = POWER,
     root of paired_t_power(n, diff, sd) = power. NaN for n < 2 or sd <= 0."""
     from scipy import optimize
 
-    if not 0.0 < power < 1.0:
-        raise ValueError(f"power must be in (0, 1), got {power}")
+    _check_open_unit("power", power)
     if n < 2 or not sd > 0.0:
         return math.nan
     hi = sd

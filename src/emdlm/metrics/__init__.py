@@ -34,7 +34,7 @@ from emdlm.metrics.answers import (
     parse_number,
     reference_value,
 )
-from emdlm.metrics.boxes import Box, box_iou, boxes_metrics, parse_box
+from emdlm.metrics.boxes import Box, as_box, box_iou, boxes_metrics, parse_box
 from emdlm.metrics.clock import MAX_CLOCK_GAP_HOURS, clock_metrics, clock_time_gap, parse_clock
 from emdlm.metrics.text import (
     MAUVE_FLOOR,
@@ -102,11 +102,7 @@ TaskKind = Literal["number", "clock", "box", "boxes", "text", "choice", "math"]
 
 
 def _as_box(x: str | Sequence[float]) -> Box | None:
-    if isinstance(x, str):
-        return parse_box(x)
-    if len(x) != 4:
-        raise ValueError(f"a box needs 4 coordinates (x1, y1, x2, y2), got {x!r}")
-    return (float(x[0]), float(x[1]), float(x[2]), float(x[3]))
+    return parse_box(x) if isinstance(x, str) else as_box(x)
 
 
 def _box_update(

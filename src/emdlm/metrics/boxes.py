@@ -31,6 +31,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from emdlm.config.errors import check_one_of
+
 Box = tuple[float, float, float, float]  # x1, y1, x2, y2
 BOX_FORMATS = ("qwen2vl", "llava")
 GRID = 1000
@@ -55,8 +57,7 @@ _BOX_SKELETONS = frozenset(
 
 def check_box_format(box_format: str) -> None:
     """ValueError naming the known formats if ``box_format`` is not one of them."""
-    if box_format not in BOX_FORMATS:
-        raise ValueError(f"box_format must be one of {BOX_FORMATS}, got {box_format!r}")
+    check_one_of("box_format", box_format, BOX_FORMATS)
 
 
 def box_problem(box: Sequence[float], width: int, height: int) -> str | None:
@@ -242,15 +243,15 @@ def match_boxes(
     return [(int(r), int(c), float(iou[r, c])) for r, c in zip(rows, cols, strict=True) if ok[r, c]]
 
 
+def as_box(b: Sequence[float]) -> Box:
+    """A given box (x1, y1, x2, y2) as floats; ValueError unless it has 4 coordinates."""
+    if len(b) != 4:
+        raise ValueError(f"a box needs 4 coordinates (x1, y1, x2, y2), got {b!r}")
+    return (float(b[0]), float(b[1]), float(b[2]), float(b[3]))
+
+
 def _as_boxes(x: str | Sequence[Sequence[float]]) -> list[Box] | None:
-    if isinstance(x, str):
-        return parse_boxes(x)
-    out = []
-    for b in x:
-        if len(b) != 4:
-            raise ValueError(f"a box needs 4 coordinates (x1, y1, x2, y2), got {b!r}")
-        out.append((float(b[0]), float(b[1]), float(b[2]), float(b[3])))
-    return out
+    return parse_boxes(x) if isinstance(x, str) else [as_box(b) for b in x]
 
 
 def _boxes_update(

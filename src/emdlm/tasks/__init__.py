@@ -105,6 +105,13 @@ def register_answer_pattern(task: str, pattern: str | re.Pattern[str]) -> None:
     _REGISTRY[task] = dataclasses.replace(old, answer_pattern=_compiled(pattern))
 
 
+def check_test_fraction(test_fraction: float) -> None:
+    """ValueError unless the share of the generated tasks' hash space held out for "test" is in
+    (0, 1)."""
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+
+
 def check_dev_fraction(split: str, test_fraction: float, dev_fraction: float) -> None:
     """ValueError unless ``dev_fraction`` fits beside ``test_fraction`` (in [0, 1 −
     test_fraction)) and a "dev" split has one (> 0): the rule of the generated tasks whose
@@ -129,6 +136,10 @@ def _generators() -> list[str]:
     return sorted(name for name, spec in _REGISTRY.items() if spec.generator is not None)
 
 
+def _unknown_task(name: str) -> ValueError:
+    return ValueError(f"unknown task {name!r}; available tasks: {', '.join(_generators())}")
+
+
 def available_tasks() -> list[str]:
     """Names of all registered tasks (those with a generator)."""
     _load_builtins()
@@ -139,7 +150,7 @@ def task_spec(name: str) -> TaskSpec:
     """The :class:`TaskSpec` registered under ``name`` (ValueError listing the known tasks)."""
     _load_builtins()
     if name not in _REGISTRY:
-        raise ValueError(f"unknown task {name!r}; available tasks: {', '.join(_generators())}")
+        raise _unknown_task(name)
     return _REGISTRY[name]
 
 
@@ -158,7 +169,7 @@ def get_task(name: str) -> TaskFn:
     """The generator registered under ``name`` (ValueError listing the known names if absent)."""
     fn = task_spec(name).generator
     if fn is None:
-        raise ValueError(f"unknown task {name!r}; available tasks: {', '.join(_generators())}")
+        raise _unknown_task(name)
     return fn
 
 
@@ -184,6 +195,7 @@ __all__ = [
     "answer_patterns",
     "available_tasks",
     "check_dev_fraction",
+    "check_test_fraction",
     "generate_task",
     "get_task",
     "register_answer_pattern",

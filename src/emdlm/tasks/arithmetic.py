@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from emdlm.tasks import check_dev_fraction, register_task
+from emdlm.config.errors import check_one_of
+from emdlm.tasks import check_dev_fraction, check_test_fraction, register_task
 
 _OPS = {"+": 0, "-": 1, "*": 2}
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -94,8 +95,7 @@ def arithmetic(
         dev_fraction: share reserved for the dev split, in [0, 1 - test_fraction); give the
             same value to the train split of a run that is tuned on "dev".
     """
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    check_one_of("split", split, SPLITS)
     if not 1 <= min_digits <= max_digits <= 15:
         raise ValueError(
             f"need 1 <= min_digits <= max_digits <= 15, got {min_digits}, {max_digits}"
@@ -104,8 +104,7 @@ def arithmetic(
     bad = [o for o in op_list if o not in _OPS]
     if not op_list or bad:
         raise ValueError(f"ops must be a non-empty selection of '+-*', got {ops!r}")
-    if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    check_test_fraction(test_fraction)
     check_dev_fraction(split, test_fraction, dev_fraction)
     # the train stream and the test stream are unchanged from before the dev split existed
     rng = np.random.default_rng([seed, {"train": 0, "test": 1, "dev": 2}[split]])

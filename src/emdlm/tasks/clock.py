@@ -32,15 +32,17 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
+from emdlm.config.errors import check_one_of
 from emdlm.tasks import register_task
 from emdlm.tasks.render import (
     add_clutter,
     add_noise,
     background,
-    cache_key,
-    cached_rows,
     check_common_params,
+    check_in_range,
+    check_non_negative,
     contrasting_color,
+    generated_rows,
     load_font,
     random_color,
     unit_hash,
@@ -245,21 +247,15 @@ def clock(
         cache_dir: folder for the PNGs (default: under ``$EMDLM_CACHE/images/clock``).
     """
     check_common_params(image_size, 32, test_fraction)
-    if not 0.0 <= jitter <= 0.5:
-        raise ValueError(f"jitter must be in [0, 0.5], got {jitter}")
-    if noise < 0 or clutter < 0:
-        raise ValueError(f"noise and clutter must be >= 0, got {noise}, {clutter}")
-    if not 0.0 <= second_hand_prob <= 1.0:
-        raise ValueError(f"second_hand_prob must be in [0, 1], got {second_hand_prob}")
-    if not 1 <= supersample <= 4:
-        raise ValueError(f"supersample must be in 1..4, got {supersample}")
+    check_in_range("jitter", jitter, 0.0, 0.5)
+    check_non_negative(noise=noise, clutter=clutter)
+    check_in_range("second_hand_prob", second_hand_prob, 0.0, 1.0)
+    check_in_range("supersample", supersample, 1, 4)
     if not isinstance(minute_step, int) or minute_step < 1 or 60 % minute_step:
         raise ValueError(f"minute_step must be a divisor of 60 (1, 2, 3, 4, 5, 6, 10, 12, 15, "
                          f"20, 30, 60), got {minute_step!r}")
-    if palette not in PALETTES:
-        raise ValueError(f"palette must be one of {PALETTES}, got {palette!r}")
-    if not 0.2 <= hand_width <= 4.0:
-        raise ValueError(f"hand_width must be in [0.2, 4], got {hand_width}")
+    check_one_of("palette", palette, PALETTES)
+    check_in_range("hand_width", hand_width, 0.2, 4.0)
     styles, shapes = tuple(dial_styles), tuple(hand_shapes)
     if not styles or set(styles) - set(DIAL_STYLES):
         raise ValueError(f"dial_styles must be a non-empty subset of {DIAL_STYLES}, got {styles}")
@@ -286,17 +282,15 @@ def clock(
     given = {"minute_step": minute_step, "palette": palette, "hand_width": hand_width}
     extra = {k: v for k, v in given.items() if v != defaults[k]}
     base = {k: v for k, v in style.items() if k not in given}
-    key = cache_key("clock", seed, split, test_fraction, {**base, **extra})
-    split_id = 0 if split == "train" else 1
 
-    def make(k: int) -> tuple[Image.Image, dict[str, Any]]:
-        rng = np.random.default_rng([seed, split_id, k])
+    def make(rng: np.random.Generator) -> tuple[Image.Image, dict[str, Any]]:
         hour, minute = times[int(rng.integers(len(times)))]
         answer = format_time(hour, minute)
         image = render_clock(rng, hour, minute, **style)
         return image, {"prompt": PROMPT, "completion": answer, "time": answer}
 
-    return cached_rows("clock", key, n, make, cache_dir)
+    return generated_rows("clock", n, make, seed=seed, split=split, test_fraction=test_fraction,
+                          params={**base, **extra}, cache_dir=cache_dir)
 
 
 def reading_accuracy(predictions: list[str], references: list[str]) -> dict[str, float]:

@@ -42,9 +42,10 @@ from emdlm.tasks.render import (
     COLORS,
     add_noise,
     background,
-    cache_key,
-    cached_rows,
     check_common_params,
+    check_in_range,
+    check_non_negative,
+    generated_rows,
     unit_hash,
 )
 
@@ -238,10 +239,8 @@ def grounding(
         raise ValueError(
             f"need 1 <= min_objects <= max_objects <= 12, got {min_objects}, {max_objects}"
         )
-    if not 0.0 <= max_overlap <= 0.5:
-        raise ValueError(f"max_overlap must be in [0, 0.5], got {max_overlap}")
-    if noise < 0:
-        raise ValueError(f"noise must be >= 0, got {noise}")
+    check_in_range("max_overlap", max_overlap, 0.0, 0.5)
+    check_non_negative(noise=noise)
     params = {
         "image_size": image_size,
         "min_objects": min_objects,
@@ -250,12 +249,9 @@ def grounding(
         "noise": noise,
         "box_format": box_format,
     }
-    key = cache_key("grounding", seed, split, test_fraction, params)
-    split_id = 0 if split == "train" else 1
     want_test = split == "test"
 
-    def make(k: int) -> tuple[Image.Image, dict[str, Any]]:
-        rng = np.random.default_rng([seed, split_id, k])
+    def make(rng: np.random.Generator) -> tuple[Image.Image, dict[str, Any]]:
         for _ in range(1000):  # rejection: an unambiguous target in this split's half
             count = int(rng.integers(min_objects, max_objects + 1))
             objects = sample_scene(rng, image_size, count, max_overlap)
@@ -287,4 +283,5 @@ def grounding(
         }
         return image, row
 
-    return cached_rows("grounding", key, n, make, cache_dir)
+    return generated_rows("grounding", n, make, seed=seed, split=split,
+                          test_fraction=test_fraction, params=params, cache_dir=cache_dir)

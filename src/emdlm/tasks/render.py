@@ -1,10 +1,11 @@
-"""Shared machinery of the image tasks: fonts, colours, backgrounds, noise, the image cache and
-the answer pattern of a box.
+"""Shared machinery of the image tasks: fonts, colours, backgrounds, noise, the image cache, the
+checks of their common parameters and the answer pattern of a box.
 
 Fonts are matplotlib's bundled DejaVu TTFs (``matplotlib.get_data_path()/fonts/ttf``), read by
 Pillow, so rendered text never depends on the fonts installed on the system.
 
-Cache: :func:`cached_rows` writes each example's PNG once into
+Cache: :func:`generated_rows` (an image task's rows: its cache key and the random stream of
+each example) and :func:`cached_rows` under it write each example's PNG once into
 ``cache_dir`` (default ``<cache>/images/<task>/<key>/``, ``<cache>`` emdlm's cache
 (:func:`emdlm.tokenizers.cache_dir`), ``key`` a hash of the task's parameters, seed and split)
 plus a ``rows.jsonl`` manifest with paths relative to that folder. A later call with the same
@@ -28,6 +29,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from emdlm._files import atomic_write, exclusive_lock, open_lock_file
+from emdlm.tasks import check_test_fraction
 from emdlm.tokenizers import cache_dir as emdlm_cache_dir
 
 RGB = tuple[int, int, int]
@@ -157,8 +159,23 @@ def check_common_params(image_size: int, min_image_size: int, test_fraction: flo
     the checks every image task shares."""
     if image_size < min_image_size:
         raise ValueError(f"image_size must be >= {min_image_size}, got {image_size}")
-    if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    check_test_fraction(test_fraction)
+
+
+def check_non_negative(**values: float) -> None:
+    """ValueError when any of ``values`` is below 0, naming them all:
+    ``check_non_negative(noise=noise, clutter=clutter)`` -> "noise and clutter must be >= 0,
+    got 6.0, -1"."""
+    if any(v < 0 for v in values.values()):
+        got = ", ".join(str(v) for v in values.values())
+        raise ValueError(f"{' and '.join(values)} must be >= 0, got {got}")
+
+
+def check_in_range(name: str, value: float, lo: float, hi: float) -> None:
+    """ValueError unless ``lo <= value <= hi``; integer bounds read "1..4", others "[0, 0.5]"."""
+    if not lo <= value <= hi:
+        span = f"{lo}..{hi}" if isinstance(lo, int) and isinstance(hi, int) else f"[{lo:g}, {hi:g}]"
+        raise ValueError(f"{name} must be in {span}, got {value}")
 
 
 def cache_key(
@@ -251,6 +268,30 @@ def cached_rows(
             if len(rows) < n:
                 _render_missing(folder, key, n, rows, make_example)
     return [{**row, "image": str(folder / row["image"])} for row in rows]
+
+
+def generated_rows(
+    task: str,
+    n: int,
+    make_example: Callable[[np.random.Generator], tuple[Image.Image, dict[str, Any]]],
+    *,
+    seed: int,
+    split: str,
+    test_fraction: float,
+    params: dict[str, Any],
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> list[dict[str, Any]]:
+    """:func:`cached_rows` of an image task whose example k is ``make_example(rng)`` with
+    ``rng = np.random.default_rng([seed, stream, k])``, ``stream`` 0 for "train", 2 for "dev"
+    and 1 for "test" (train and test kept their streams when "dev" came), so example k depends
+    only on (seed, split, k). The cache key is :func:`cache_key` of the same arguments."""
+    key = cache_key(task, seed, split, test_fraction, params)
+    stream = {"train": 0, "dev": 2}.get(split, 1)
+
+    def make(k: int) -> tuple[Image.Image, dict[str, Any]]:
+        return make_example(np.random.default_rng([seed, stream, k]))
+
+    return cached_rows(task, key, n, make, cache_dir)
 
 
 def _render_missing(

@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from emdlm._files import atomic_write
+from emdlm.config.errors import check_one_of
 from emdlm.tasks import register_task
 
 CORPORA = ("wiki", "news")
@@ -151,8 +152,7 @@ def document_split(text: str, fractions: tuple[float, float, float] = SPLIT_FRAC
 def split_documents(corpora: Sequence[str] | str, split: str) -> list[tuple[str, str]]:
     """``(doc_id, text)`` of the documents of ``split`` in ``corpora``; doc_id is
     ``"<corpus>:<index in the corpus>"``."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    check_one_of("split", split, SPLITS)
     names = [corpora] if isinstance(corpora, str) else list(corpora)
     if not names:
         raise ValueError(f"corpora is empty; choose from {', '.join(CORPORA)}")

@@ -39,10 +39,10 @@ from emdlm.tasks.render import (
     add_clutter,
     add_noise,
     background,
-    cache_key,
-    cached_rows,
     check_common_params,
+    check_non_negative,
     contrasting_color,
+    generated_rows,
     load_font,
     unit_hash,
 )
@@ -120,6 +120,24 @@ def render_words(
     return img, words, boxes, styles
 
 
+def detection_row(
+    boxes: list[tuple[float, float, float, float]], words: list[str], width: int, height: int,
+    box_format: str,
+) -> dict[str, Any]:
+    """The row fields of an image's words and their pixel boxes, both put in reading order
+    (:func:`emdlm.metrics.boxes.reading_order`): ``prompt``, ``completion`` (the boxes in
+    ``box_format`` for a ``width`` x ``height`` image), ``boxes``, ``words``, ``box_format``."""
+    order = reading_order(boxes)
+    ordered = [boxes[i] for i in order]
+    return {
+        "prompt": PROMPTS[box_format],
+        "completion": format_boxes(ordered, width, height, box_format),
+        "boxes": [list(b) for b in ordered],
+        "words": [words[i] for i in order],
+        "box_format": box_format,
+    }
+
+
 @register_task("text_detection", answer_pattern=BOX_ANSWER_PATTERN, eval_kind="boxes")
 def text_detection(
     n: int,
@@ -156,8 +174,7 @@ def text_detection(
     check_common_params(image_size, 48, test_fraction)
     if not 1 <= min_words <= max_words <= 12:
         raise ValueError(f"need 1 <= min_words <= max_words <= 12, got {min_words}, {max_words}")
-    if noise < 0 or clutter < 0:
-        raise ValueError(f"noise and clutter must be >= 0, got {noise}, {clutter}")
+    check_non_negative(noise=noise, clutter=clutter)
     params = {
         "image_size": image_size,
         "min_words": min_words,
@@ -166,12 +183,9 @@ def text_detection(
         "noise": noise,
         "box_format": box_format,
     }
-    key = cache_key("text_detection", seed, split, test_fraction, params)
-    split_id = 0 if split == "train" else 1
     want_test = split == "test"
 
-    def make(k: int) -> tuple[Image.Image, dict[str, Any]]:
-        rng = np.random.default_rng([seed, split_id, k])
+    def make(rng: np.random.Generator) -> tuple[Image.Image, dict[str, Any]]:
         for _ in range(1000):  # rejection: a scene with words that hashes into this split
             count = int(rng.integers(min_words, max_words + 1))
             image, words, boxes, styles = render_words(rng, image_size, count, clutter)
@@ -180,15 +194,7 @@ def text_detection(
         else:  # pragma: no cover - only for degenerate parameters
             raise ValueError(f"could not place words with parameters {params}")
         image = add_noise(image, rng, noise * rng.random())  # only on the accepted scene
-        order = reading_order(boxes)
-        boxes = [boxes[i] for i in order]
-        row = {
-            "prompt": PROMPTS[box_format],
-            "completion": format_boxes(boxes, image_size, image_size, box_format),
-            "boxes": [list(b) for b in boxes],
-            "words": [words[i] for i in order],
-            "box_format": box_format,
-        }
-        return image, row
+        return image, detection_row(boxes, words, image_size, image_size, box_format)
 
-    return cached_rows("text_detection", key, n, make, cache_dir)
+    return generated_rows("text_detection", n, make, seed=seed, split=split,
+                          test_fraction=test_fraction, params=params, cache_dir=cache_dir)

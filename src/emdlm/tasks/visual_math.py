@@ -57,15 +57,17 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
+from emdlm.config.errors import check_one_of
 from emdlm.tasks import check_dev_fraction, register_task
 from emdlm.tasks.render import (
     COLORS,
     SHAPE_NAMES,
     add_noise,
-    cache_key,
-    cached_rows,
     check_common_params,
+    check_in_range,
+    check_non_negative,
     draw_shape,
+    generated_rows,
     load_font,
     unit_hash,
 )
@@ -152,6 +154,10 @@ CONTENT_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
+def _unknown_subtask(subtask: str) -> ValueError:
+    return ValueError(f"unknown subtask {subtask!r}; expected one of {SUBTASKS}")
+
+
 def figure_answer(subtask: str, fig: Figure) -> int:
     """The answer to ``subtask``'s question about figure content ``fig`` (the ground truth every
     row's completion is built from)."""
@@ -168,7 +174,7 @@ def figure_answer(subtask: str, fig: Figure) -> int:
         return 2 * (fig["width"] + fig["height"])
     if subtask == "side":
         return fig["height"]
-    raise ValueError(f"unknown subtask {subtask!r}; expected one of {SUBTASKS}")
+    raise _unknown_subtask(subtask)
 
 
 def content_id(subtask: str, fig: Figure) -> list[Any]:
@@ -321,7 +327,7 @@ def question(subtask: str, fig: Figure) -> str:
         return "What is the perimeter of the rectangle?"
     if subtask == "side":
         return "The perimeter is P. What is the side marked ?"
-    raise ValueError(f"unknown subtask {subtask!r}; expected one of {SUBTASKS}")
+    raise _unknown_subtask(subtask)
 
 
 def make_choices(rng: np.random.Generator, answer: int, n_choices: int) -> list[int]:
@@ -353,12 +359,6 @@ def render_figure(
     return img, {**fig, **drawn}
 
 
-def _check_split(split: str, test_fraction: float, dev_fraction: float) -> None:
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
-    check_dev_fraction(split, test_fraction, dev_fraction)
-
-
 def _check(subtasks: tuple[str, ...], max_value: int, n_bars: int, multiple_choice: float,
            n_choices: int, noise: float, supersample: int) -> None:
     if not subtasks or set(subtasks) - set(SUBTASKS) or len(set(subtasks)) != len(subtasks):
@@ -370,14 +370,11 @@ def _check(subtasks: tuple[str, ...], max_value: int, n_bars: int, multiple_choi
         raise ValueError(f"n_bars must be an integer in 1..{len(COLORS)}, got {n_bars!r}")
     if "bar_difference" in subtasks and n_bars < 2:
         raise ValueError(f"bar_difference needs n_bars >= 2, got {n_bars}")
-    if not 0.0 <= multiple_choice <= 1.0:
-        raise ValueError(f"multiple_choice must be in [0, 1], got {multiple_choice}")
+    check_in_range("multiple_choice", multiple_choice, 0.0, 1.0)
     if not isinstance(n_choices, int) or not 2 <= n_choices <= 6:
         raise ValueError(f"n_choices must be an integer in 2..6, got {n_choices!r}")
-    if noise < 0:
-        raise ValueError(f"noise must be >= 0, got {noise}")
-    if not 1 <= supersample <= 4:
-        raise ValueError(f"supersample must be in 1..4, got {supersample}")
+    check_non_negative(noise=noise)
+    check_in_range("supersample", supersample, 1, 4)
 
 
 @register_task("visual_math", splits=SPLITS, answer_pattern=r"\b\d+\b", eval_kind="math")
@@ -423,7 +420,8 @@ def visual_math(
         cache_dir: folder for the PNGs (default: under ``$EMDLM_CACHE/images/visual_math``).
     """
     check_common_params(image_size, 64, test_fraction)
-    _check_split(split, test_fraction, dev_fraction)
+    check_one_of("split", split, SPLITS)
+    check_dev_fraction(split, test_fraction, dev_fraction)
     subs = tuple(subtasks)
     _check(subs, max_value, n_bars, multiple_choice, n_choices, noise, supersample)
     params = {"image_size": image_size, "max_value": max_value, "n_bars": n_bars,
@@ -431,13 +429,10 @@ def visual_math(
     # dev_fraction enters the key only when set: the caches of the sets made before it existed
     # (the same rows) stay valid
     dev = {"dev_fraction": dev_fraction} if dev_fraction else {}
-    key = cache_key("visual_math", seed, split, test_fraction,
-                    {**params, "subtasks": subs, "multiple_choice": multiple_choice,
-                     "n_choices": n_choices, **dev})
-    split_id = {"train": 0, "test": 1, "dev": 2}[split]  # train and test as before "dev"
+    key_params = {**params, "subtasks": subs, "multiple_choice": multiple_choice,
+                  "n_choices": n_choices, **dev}
 
-    def make(k: int) -> tuple[Image.Image, dict[str, Any]]:
-        rng = np.random.default_rng([seed, split_id, k])
+    def make(rng: np.random.Generator) -> tuple[Image.Image, dict[str, Any]]:
         subtask = subs[int(rng.integers(len(subs)))]
         for _ in range(_MAX_TRIES):
             fig = SAMPLERS[subtask](rng, params)
@@ -463,4 +458,5 @@ def visual_math(
         return image, {**row, "answer": str(answer), "answer_type": "integer",
                        "subtask": subtask, "figure": fig}
 
-    return cached_rows("visual_math", key, n, make, cache_dir)
+    return generated_rows("visual_math", n, make, seed=seed, split=split,
+                          test_fraction=test_fraction, params=key_params, cache_dir=cache_dir)

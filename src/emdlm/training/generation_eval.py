@@ -60,9 +60,10 @@ def generation_eval(
     ValueError for a kind without a short answer, ``rows`` < 1 or no examples."""
     from transformers import TrainerCallback
 
+    from emdlm.generation import check_counts
+
     check_generation_eval_kind(kind)
-    if rows < 1:
-        raise ValueError(f"rows must be >= 1, got {rows}")
+    check_counts(rows=rows)
     chosen = list(examples[:rows])
     tok = tokenizer if tokenizer is not None else trainer.processing_class
     if not chosen:

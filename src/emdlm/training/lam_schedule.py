@@ -21,12 +21,12 @@ import math
 from typing import Any
 
 from emdlm.config import LAM_SCHEDULES
+from emdlm.config.errors import check_one_of
 
 
 def scheduled_lam(kind: str, start: float, final: float, progress: float) -> float:
     """λ at ``progress`` in [0, 1] (clamped) for schedule ``kind`` (module docstring)."""
-    if kind not in LAM_SCHEDULES:
-        raise ValueError(f"lam schedule must be one of {LAM_SCHEDULES}, got {kind!r}")
+    check_one_of("lam schedule", kind, LAM_SCHEDULES)
     p = min(max(progress, 0.0), 1.0)
     if kind == "linear":
         return start + (final - start) * p

@@ -22,6 +22,7 @@ from typing import Any
 
 from emdlm._files import atomic_write
 from emdlm.config import ConfigError, RunConfig
+from emdlm.config.errors import check_one_of
 from emdlm.data import load_examples
 
 FORMATS = ("prompt_completion", "text")
@@ -47,8 +48,7 @@ def sample_corpus(
     from emdlm.training.evaluate import load_trained
 
     target = Path(out)
-    if fmt not in FORMATS:
-        raise ConfigError(f"--format must be one of {FORMATS}, got {fmt!r}")
+    check_one_of("--format", fmt, FORMATS, ConfigError)
     check_sample_target(target, overwrite=overwrite)
     if cfg.data.eval is None:
         raise ConfigError("no prompts: set data.eval.path or data.eval.task (e.g. --task)")

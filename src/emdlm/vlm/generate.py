@@ -37,15 +37,10 @@ def generate_vlm_answers(
     stop_at: Sequence[str] = ("\n",),
 ) -> list[str]:
     """One answer per row (dicts with the image and "prompt")."""
-    from transformers import StoppingCriteriaList
+    from emdlm.generation import check_counts, generate_new_text, generation_session
 
-    from emdlm.generation import StopOnStrings, cut_at_stop, generation_session, model_device
-
-    if max_new_tokens < 1 or batch_size < 1:
-        raise ValueError(f"max_new_tokens and batch_size must be >= 1, got {max_new_tokens}, "
-                         f"{batch_size}")
+    check_counts(max_new_tokens=max_new_tokens, batch_size=batch_size)
     tokenizer = collator.tokenizer
-    device = model_device(model)
     was_generation, collator.generation = collator.generation, True
     answers: list[str] = []
     try:
@@ -55,15 +50,8 @@ def generate_vlm_answers(
             eos_token_id=tokenizer.eos_token_id,
         ) as config:  # fmt: skip
             for start in range(0, len(rows), batch_size):
-                batch = _on(collator(list(rows[start : start + batch_size])), device)
-                width = batch["input_ids"].shape[1]
-                criteria = [StopOnStrings(tokenizer, width, stop_at)] if any(stop_at) else []
-                out = model.generate(
-                    **batch, generation_config=config,
-                    stopping_criteria=StoppingCriteriaList(criteria),
-                )  # [b, width + new]
-                texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-                answers.extend(cut_at_stop(t, stop_at) for t in texts)
+                batch = collator(list(rows[start : start + batch_size]))
+                answers.extend(generate_new_text(model, tokenizer, batch, config, stop_at))
     finally:
         collator.generation = was_generation
     return answers

@@ -10,7 +10,9 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 from emdlm.config import ConfigError
+from emdlm.config.errors import check_one_of
 from emdlm.experiments.grid import Cell, Experiment
+from emdlm.experiments.grid import positive_int as positive_int  # the grid's count check
 from emdlm.experiments.runner import CellOutcome
 
 CLUSTER_EXTRA = "pip install 'emdlm[cluster]'"
@@ -27,12 +29,6 @@ def require(package: str, launcher: str) -> ModuleType:
 
 # option checks: (value, "launcher.<option>") -> the value to use, or ConfigError
 Check = Callable[[Any, str], Any]
-
-
-def positive_int(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{where} must be an integer >= 1, got {value!r}")
-    return value
 
 
 def non_negative_int(value: Any, where: str) -> int:
@@ -61,8 +57,7 @@ def text_list(value: Any, where: str) -> tuple[str, ...]:
 
 def one_of(*choices: str) -> Check:
     def check(value: Any, where: str) -> str:
-        if value not in choices:
-            raise ConfigError(f"{where} must be one of {', '.join(choices)}, got {value!r}")
+        check_one_of(where, value, choices, ConfigError)
         return str(value)
     return check
 
