@@ -96,7 +96,8 @@ def register_task(
     ``answer_pattern``: the regex of its answer (``number_scope="answer"``); ``eval_kind``: the
     eval kind its answers are read as (:data:`emdlm.eval_kinds.EVAL_KINDS`); ``domains``: the
     legal values of its numeric parameters by name. With domains it returns (and registers)
-    ``fn`` wrapped so that every call checks them first (:func:`check_task_params`)."""
+    ``fn`` wrapped so that every call checks them first (:func:`check_task_params`); a
+    generator registered so before keeps its domains under a second name."""
     if eval_kind is not None and eval_kind not in EVAL_KINDS:
         raise ValueError(f"task {name!r}: unknown eval kind {eval_kind!r}; expected one of "
                          f"{EVAL_KINDS}")
@@ -116,7 +117,8 @@ def register_task(
         else:
             keep = pattern
         generator = _checked(name, fn, declared) if declared else fn
-        _REGISTRY[name] = TaskSpec(name, generator, tuple(splits), keep, eval_kind, declared)
+        domains_of = declared or dict(getattr(fn, "task_domains", {}))
+        _REGISTRY[name] = TaskSpec(name, generator, tuple(splits), keep, eval_kind, domains_of)
         return generator
 
     return wrap
@@ -130,6 +132,7 @@ def _checked(name: str, fn: TaskFn, domains: Mapping[str, Domain]) -> TaskFn:
         check_task_params(name, domains, params)
         return fn(*args, **params)
 
+    generate.task_domains = domains  # type: ignore[attr-defined]
     return generate
 
 
