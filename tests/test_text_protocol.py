@@ -92,7 +92,7 @@ def test_dev_split_is_refused_by_tasks_without_one() -> None:
         generate_task("arithmetic", n=3, split="dev")  # has a dev split, but only when asked
     with pytest.raises(ValueError, match="unknown corpus 'books'"):
         generate_task("english_text", n=3, corpora="books")
-    with pytest.raises(ValueError, match="prefix_words must be a positive integer"):
+    with pytest.raises(ValueError, match="prefix_words must be an integer >= 1, got 0"):
         generate_task("english_continuation", n=3, prefix_words=0)
 
 

@@ -176,6 +176,24 @@ def test_collator_gives_the_row_weight_on_its_tokens(tok):
         DataCollator(tok.pad_token_id)([bad])
 
 
+
+@pytest.mark.parametrize("bad", ["2", True, [2.0]], ids=["string", "bool", "list"])
+def test_collator_refuses_a_row_weight_that_is_no_number(tok, bad):
+    """A row of a dataset that no setup could read (an iterable one) reaches the collator
+    unchecked: a string, a bool or a list is refused there with the setup check's words (a
+    string was a bare float() error, a bool passed as weight 1), naming the batch item."""
+    from emdlm.integrations.loss_weights import check_loss_weight
+
+    ds = build_dataset(_rows(2, (1.0,)), tok, max_length=32)
+    items = [ds[0], {**ds[1], "loss_weight": bad}]
+    with pytest.raises(ConfigError) as setup:
+        check_loss_weight(bad, "batch item 1")
+    with pytest.raises(ConfigError) as err:
+        DataCollator(tok.pad_token_id)(items)
+    assert str(err.value) == str(setup.value) == (
+        f"batch item 1: field 'loss_weight' must be a finite number >= 0, got {bad!r}")
+    good = DataCollator(tok.pad_token_id)([ds[0], {**ds[1], "loss_weight": 2}])  # an int is one
+    assert float(good["loss_weights"][1, 0]) == 2.0
 def test_weighted_item_count_is_the_weight_sum_of_the_scored_labels(tok):
     ds = build_dataset(_rows(), tok, max_length=32)
     collate = DataCollator(tok.pad_token_id)

@@ -174,7 +174,7 @@ def test_dev_split_is_deterministic_and_its_own_stream(tmp_path: Path) -> None:
     ({"split": "dev"}, r"split='dev' needs dev_fraction > 0 \(give the same dev_fraction to "
                        r"the train split\)"),
     ({"split": "dev", "dev_fraction": 0.0}, "needs dev_fraction > 0"),
-    ({"dev_fraction": -0.1}, r"dev_fraction must be in \[0, 1 - test_fraction\)"),
+    ({"dev_fraction": -0.1}, r"dev_fraction must be a finite number in \[0, 1\), got -0.1"),
     ({"dev_fraction": 0.8, "test_fraction": 0.2}, r"= \[0, 0.8\), got 0.8"),
     ({"split": "val", "dev_fraction": 0.1}, "split must be one of train, dev, test"),
 ])

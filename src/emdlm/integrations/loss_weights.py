@@ -12,7 +12,8 @@ file as they are read (:func:`emdlm.data.load_examples`), rows handed to
 :func:`emdlm.data.build_dataset` there, a dataset handed to a trainer at its setup
 (:func:`dataset_loss_weights`; a dataset built by emdlm declares ``loss_weights_checked`` and is
 not read again). The collators (:class:`emdlm.data.DataCollator`, the TRL and VLM routes')
-take the values as checked and only convert them (:func:`pad_loss_weights`) into
+take the values as checked and only convert them (:func:`pad_loss_weights`; a value that is
+no number, from a dataset no setup could read, is refused there with the same words) into
 ``loss_weights`` [B, T] float32 aligned with ``labels``, which the trainers take out of the
 model's inputs and hand to a loss that declares ``takes_loss_weights``
 (:class:`emdlm.losses.base.EMDLMLoss`); the loss's own check (finite and ≥ 0, in its one host
@@ -53,18 +54,32 @@ def check_loss_weight(value: Any, where: str) -> float | None:
     a negative number) is a ConfigError naming ``where``."""
     if value is None:
         return None
-    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if not number or not math.isfinite(value) or value < 0:
-        raise ConfigError(
-            f"{where}: field {LOSS_WEIGHT_KEY!r} must be a finite number >= 0, got {value!r}"
-        )
+    if not _is_number(value) or not math.isfinite(value) or value < 0:
+        raise _bad_weight(value, where)
     return float(value)
 
 
-def row_weight(value: Any) -> float:
-    """A checked ``loss_weight`` value (:func:`check_loss_weight`) as the collators use it: 1.0
-    for None ("no weight given"), else the number as a float (no check)."""
-    return 1.0 if value is None else float(value)
+def _is_number(value: Any) -> bool:
+    """A real number, not a bool (``True`` would pass as weight 1)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _bad_weight(value: Any, where: str) -> ConfigError:
+    return ConfigError(
+        f"{where}: field {LOSS_WEIGHT_KEY!r} must be a finite number >= 0, got {value!r}"
+    )
+
+
+def row_weight(value: Any, where: str = "batch item") -> float:
+    """A ``loss_weight`` value as the collators use it: 1.0 for None ("no weight given"), else
+    the number as a float. Only its type is checked here (a string or a bool from a dataset no
+    setup could read, an iterable one, is :func:`check_loss_weight`'s ConfigError naming
+    ``where``); a NaN, infinite or negative number is the loss's check, in its one host sync."""
+    if value is None:
+        return 1.0
+    if not _is_number(value):
+        raise _bad_weight(value, where)
+    return float(value)
 
 
 def has_loss_weights(features: Sequence[Mapping[str, Any]]) -> bool:
@@ -78,12 +93,14 @@ def pad_loss_weights(
     features: Sequence[Mapping[str, Any]], lengths: Sequence[int], width: int, *, left: bool = False
 ) -> torch.Tensor:
     """[B, width] float32 ``loss_weights`` of the batch: item i's ``loss_weight`` (1 when
-    absent or None; checked at its source, :func:`row_weight` only converts it) times its
-    per-token ``loss_weights`` (when given, one per token) on its tokens, 0 on padding.
-    ConfigError naming the item for a per-token list whose length is not the item's."""
+    absent or None; checked at its source, :func:`row_weight` converts it and refuses a
+    non-number) times its per-token ``loss_weights`` (when given, one per token) on its tokens,
+    0 on padding. ConfigError naming the item for a row weight that is no number or a per-token
+    list whose length is not the item's."""
     out = torch.zeros((len(features), width), dtype=torch.float32)
     for i, (f, length) in enumerate(zip(features, lengths, strict=True)):
-        row = torch.full((length,), row_weight(f.get(LOSS_WEIGHT_KEY)), dtype=torch.float32)
+        weight = row_weight(f.get(LOSS_WEIGHT_KEY), f"batch item {i}")
+        row = torch.full((length,), weight, dtype=torch.float32)
         if f.get(TOKEN_WEIGHTS_KEY) is not None:
             per_token = torch.as_tensor(f[TOKEN_WEIGHTS_KEY], dtype=torch.float32).reshape(-1)
             if per_token.numel() != length:

@@ -6,10 +6,15 @@ A task is a function ``task(n, *, split, seed, **params) -> list[dict]`` returni
 disjoint.
 
 Register one once, next to its generator, with ``@register_task("name", splits=...,
-answer_pattern=..., eval_kind=...)``: its :class:`TaskSpec` holds the generator, its splits, the
-regex of its answer (the numbers ``number_scope="answer"`` scores, :mod:`emdlm.data`) and the
-eval kind its answers are read as (:mod:`emdlm.eval_kinds`, which in turn names the parser,
-the metrics and the picture of that kind). Build examples with
+answer_pattern=..., eval_kind=..., domains=...)``: its :class:`TaskSpec` holds the generator, its
+splits, the regex of its answer (the numbers ``number_scope="answer"`` scores, :mod:`emdlm.data`),
+the eval kind its answers are read as (:mod:`emdlm.eval_kinds`, which in turn names the parser,
+the metrics and the picture of that kind) and the legal values of its numeric parameters
+(:class:`emdlm.domains.Domain`, the mechanism of the objective parameters and the run settings
+too: NaN and ±inf lie in no domain, a bool is no number, an integer parameter takes no 2.5).
+The registered generator checks them before its body runs, whether it is called through
+:func:`generate_task` or directly; how parameters combine (``min_digits <= max_digits``) the
+body checks after. Build examples with
 ``generate_task("name", n=..., split="train", seed=0, **params)``; look a task up with
 :func:`task_spec`. Adding a task touches its module (and ``_BUILTIN_MODULES`` for a new module)
 and its tests, nothing else.
@@ -18,12 +23,15 @@ and its tests, nothing else.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import inspect
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
+from emdlm.domains import Domain, domain_problems
 from emdlm.eval_kinds import EVAL_KINDS
 
 TaskFn = Callable[..., list[dict[str, Any]]]
@@ -40,6 +48,8 @@ class TaskSpec:
     answer_pattern: the regex of the answer inside a completion (``number_scope="answer"``
         scores only the numbers inside its matches); None when the task has none.
     eval_kind: the :mod:`emdlm.eval_kinds` kind its answers are read as, where there is one.
+    domains: the legal values of each numeric parameter of the generator (``n`` and ``seed``
+        aside), checked by the registered generator before it generates anything.
     """
 
     name: str
@@ -47,6 +57,13 @@ class TaskSpec:
     splits: tuple[str, ...] = ("train", "test")
     answer_pattern: re.Pattern[str] | None = None
     eval_kind: str | None = None
+    domains: Mapping[str, Domain] = field(default_factory=dict, hash=False)
+
+
+#: The share of a generated task's hash space held out for "test": in (0, 1).
+TEST_FRACTION = Domain(low=0.0, high=1.0, low_open=True, high_open=True)
+#: The share held out for "dev" (beside ``test_fraction``, :func:`check_dev_fraction`): in [0, 1).
+DEV_FRACTION = Domain(low=0.0, high=1.0, high_open=True)
 
 
 _REGISTRY: dict[str, TaskSpec] = {}
@@ -72,28 +89,64 @@ def register_task(
     splits: tuple[str, ...] = ("train", "test"),
     answer_pattern: str | re.Pattern[str] | None = None,
     eval_kind: str | None = None,
+    domains: Mapping[str, Domain] | None = None,
 ) -> Callable[[TaskFn], TaskFn]:
     """Decorator: register ``fn`` under ``name`` (a second registration of a name is an error);
     ``splits``: the splits it serves (a task with a held-out "dev" split lists it);
     ``answer_pattern``: the regex of its answer (``number_scope="answer"``); ``eval_kind``: the
-    eval kind its answers are read as (:data:`emdlm.eval_kinds.EVAL_KINDS`)."""
+    eval kind its answers are read as (:data:`emdlm.eval_kinds.EVAL_KINDS`); ``domains``: the
+    legal values of its numeric parameters by name. With domains it returns (and registers)
+    ``fn`` wrapped so that every call checks them first (:func:`check_task_params`); a
+    generator registered so before keeps its domains under a second name."""
     if eval_kind is not None and eval_kind not in EVAL_KINDS:
         raise ValueError(f"task {name!r}: unknown eval kind {eval_kind!r}; expected one of "
                          f"{EVAL_KINDS}")
     pattern = _compiled(answer_pattern)
+    declared = dict(domains or {})
 
     def wrap(fn: TaskFn) -> TaskFn:
+        unknown = sorted(set(declared) - set(inspect.signature(fn).parameters))
+        if unknown:
+            raise ValueError(f"task {name!r}: domains of parameters it does not take: "
+                             f"{', '.join(unknown)}")
         old = _REGISTRY.get(name)
-        if old is not None and old.generator is not None and old.generator is not fn:
+        if old is not None and old.generator not in (None, fn) and _body(old.generator) is not fn:
             raise ValueError(f"task {name!r} is already registered")
         if old is not None and old.generator is None and pattern is None:
             keep = old.answer_pattern  # named earlier for its answer pattern only
         else:
             keep = pattern
-        _REGISTRY[name] = TaskSpec(name, fn, tuple(splits), keep, eval_kind)
-        return fn
+        generator = _checked(name, fn, declared) if declared else fn
+        domains_of = declared or dict(getattr(fn, "task_domains", {}))
+        _REGISTRY[name] = TaskSpec(name, generator, tuple(splits), keep, eval_kind, domains_of)
+        return generator
 
     return wrap
+
+
+def _checked(name: str, fn: TaskFn, domains: Mapping[str, Domain]) -> TaskFn:
+    """``fn`` checking ``domains`` on each call before it runs."""
+
+    @functools.wraps(fn)
+    def generate(*args: Any, **params: Any) -> list[dict[str, Any]]:
+        check_task_params(name, domains, params)
+        return fn(*args, **params)
+
+    generate.task_domains = domains  # type: ignore[attr-defined]
+    return generate
+
+
+def _body(generator: TaskFn) -> TaskFn:
+    """The function a registered generator wraps (itself when it wraps none)."""
+    return getattr(generator, "__wrapped__", generator)
+
+
+def check_task_params(task: str, domains: Mapping[str, Domain], params: Mapping[str, Any]) -> None:
+    """ValueError naming each of ``params`` outside its domain (``"task 'clock': jitter must be
+    a finite number in [0, 0.5], got nan"``); parameters without a domain pass unchecked."""
+    problems = domain_problems(domains, params)
+    if problems:
+        raise ValueError(f"task {task!r}: {'; '.join(problems)}")
 
 
 def register_answer_pattern(task: str, pattern: str | re.Pattern[str]) -> None:
@@ -105,17 +158,11 @@ def register_answer_pattern(task: str, pattern: str | re.Pattern[str]) -> None:
     _REGISTRY[task] = dataclasses.replace(old, answer_pattern=_compiled(pattern))
 
 
-def check_test_fraction(test_fraction: float) -> None:
-    """ValueError unless the share of the generated tasks' hash space held out for "test" is in
-    (0, 1)."""
-    if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
-
-
 def check_dev_fraction(split: str, test_fraction: float, dev_fraction: float) -> None:
     """ValueError unless ``dev_fraction`` fits beside ``test_fraction`` (in [0, 1 −
     test_fraction)) and a "dev" split has one (> 0): the rule of the generated tasks whose
-    train / dev / test splits come from a content hash (arithmetic, visual_math)."""
+    train / dev / test splits come from a content hash (arithmetic, visual_math). Each fraction
+    alone lies in its domain (:data:`TEST_FRACTION`, :data:`DEV_FRACTION`), checked before."""
     if not 0.0 <= dev_fraction < 1.0 - test_fraction:
         raise ValueError(
             f"dev_fraction must be in [0, 1 - test_fraction) = [0, {1.0 - test_fraction:g}), "
@@ -191,11 +238,13 @@ def generate_task(
 
 
 __all__ = [
+    "DEV_FRACTION",
+    "TEST_FRACTION",
     "TaskSpec",
     "answer_patterns",
     "available_tasks",
     "check_dev_fraction",
-    "check_test_fraction",
+    "check_task_params",
     "generate_task",
     "get_task",
     "register_answer_pattern",

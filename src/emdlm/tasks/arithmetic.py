@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from emdlm.config.errors import check_one_of
-from emdlm.tasks import check_dev_fraction, check_test_fraction, register_task
+from emdlm.domains import Domain
+from emdlm.tasks import DEV_FRACTION, TEST_FRACTION, check_dev_fraction, register_task
 
 _OPS = {"+": 0, "-": 1, "*": 2}
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -69,7 +70,18 @@ def _sample_operands(rng: np.random.Generator, n: int, lo: int, hi: int) -> np.n
     return (low + np.floor(rng.random(n) * (high - low))).astype(np.int64)
 
 
-@register_task("arithmetic", splits=SPLITS, eval_kind="number")
+#: The legal values of the arithmetic task's numeric parameters (emdlm.domains): operands of
+#: 1..15 digits; the body checks ``min_digits <= max_digits`` and that ``dev_fraction`` fits
+#: beside ``test_fraction``.
+ARITHMETIC_DOMAINS: dict[str, Domain] = {
+    "min_digits": Domain(low=1, high=15, integer=True),
+    "max_digits": Domain(low=1, high=15, integer=True),
+    "test_fraction": TEST_FRACTION,
+    "dev_fraction": DEV_FRACTION,
+}
+
+
+@register_task("arithmetic", splits=SPLITS, eval_kind="number", domains=ARITHMETIC_DOMAINS)
 def arithmetic(
     n: int,
     *,
@@ -104,7 +116,6 @@ def arithmetic(
     bad = [o for o in op_list if o not in _OPS]
     if not op_list or bad:
         raise ValueError(f"ops must be a non-empty selection of '+-*', got {ops!r}")
-    check_test_fraction(test_fraction)
     check_dev_fraction(split, test_fraction, dev_fraction)
     # the train stream and the test stream are unchanged from before the dev split existed
     rng = np.random.default_rng([seed, {"train": 0, "test": 1, "dev": 2}[split]])

@@ -33,16 +33,18 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from emdlm.config.errors import check_one_of
+from emdlm.domains import UNIT, Domain
 from emdlm.tasks import register_task
 from emdlm.tasks.render import (
+    CLUTTER,
+    NOISE,
+    SUPERSAMPLE,
     add_clutter,
     add_noise,
     background,
-    check_common_params,
-    check_in_range,
-    check_non_negative,
     contrasting_color,
     generated_rows,
+    image_task_domains,
     load_font,
     random_color,
     unit_hash,
@@ -55,6 +57,18 @@ PALETTES = ("random", "plain")
 # "plain": fixed colours, so that only the hands' angles vary between faces
 PLAIN = {"background": (235, 235, 235), "face": (255, 255, 255), "ink": (0, 0, 0),
          "hour": (0, 0, 0), "minute": (200, 30, 30)}
+#: The legal values of the clock task's numeric parameters (emdlm.domains); ``minute_step``
+#: must also divide 60 (checked in :func:`clock`).
+CLOCK_DOMAINS: dict[str, Domain] = {
+    **image_task_domains(32),
+    "jitter": Domain(low=0.0, high=0.5),
+    "noise": NOISE,
+    "clutter": CLUTTER,
+    "second_hand_prob": UNIT,
+    "supersample": SUPERSAMPLE,
+    "minute_step": Domain(low=1, high=60, integer=True),
+    "hand_width": Domain(low=0.2, high=4.0),
+}
 
 
 def format_time(hour: int, minute: int) -> str:
@@ -202,7 +216,8 @@ def render_clock(
     return add_noise(img, rng, noise * rng.random())
 
 
-@register_task("clock", answer_pattern=r"\b\d{1,2}_\d{2}\b", eval_kind="clock")  # "H_MM"
+@register_task("clock", answer_pattern=r"\b\d{1,2}_\d{2}\b", eval_kind="clock",  # "H_MM"
+               domains=CLOCK_DOMAINS)
 def clock(
     n: int,
     *,
@@ -246,16 +261,10 @@ def clock(
         hand_width: multiplier of both hands' width (1: hour 7 %, minute 4.5 % of the radius).
         cache_dir: folder for the PNGs (default: under ``$EMDLM_CACHE/images/clock``).
     """
-    check_common_params(image_size, 32, test_fraction)
-    check_in_range("jitter", jitter, 0.0, 0.5)
-    check_non_negative(noise=noise, clutter=clutter)
-    check_in_range("second_hand_prob", second_hand_prob, 0.0, 1.0)
-    check_in_range("supersample", supersample, 1, 4)
-    if not isinstance(minute_step, int) or minute_step < 1 or 60 % minute_step:
+    if 60 % minute_step:  # an integer in 1..60: CLOCK_DOMAINS, checked before
         raise ValueError(f"minute_step must be a divisor of 60 (1, 2, 3, 4, 5, 6, 10, 12, 15, "
                          f"20, 30, 60), got {minute_step!r}")
     check_one_of("palette", palette, PALETTES)
-    check_in_range("hand_width", hand_width, 0.2, 4.0)
     styles, shapes = tuple(dial_styles), tuple(hand_shapes)
     if not styles or set(styles) - set(DIAL_STYLES):
         raise ValueError(f"dial_styles must be a non-empty subset of {DIAL_STYLES}, got {styles}")

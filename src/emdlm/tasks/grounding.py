@@ -35,17 +35,17 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
+from emdlm.domains import Domain
 from emdlm.metrics.boxes import box_iou, check_box_format, format_box
 from emdlm.tasks import register_task
 from emdlm.tasks.render import (
     BOX_ANSWER_PATTERN,
     COLORS,
+    NOISE,
     add_noise,
     background,
-    check_common_params,
-    check_in_range,
-    check_non_negative,
     generated_rows,
+    image_task_domains,
     unit_hash,
 )
 
@@ -201,7 +201,19 @@ def render_scene(
     return add_noise(img, rng, noise * rng.random())
 
 
-@register_task("grounding", answer_pattern=BOX_ANSWER_PATTERN, eval_kind="box")
+#: The legal values of the grounding task's numeric parameters (emdlm.domains); the body checks
+#: ``min_objects <= max_objects``.
+GROUNDING_DOMAINS: dict[str, Domain] = {
+    **image_task_domains(48),
+    "min_objects": Domain(low=1, high=12, integer=True),
+    "max_objects": Domain(low=1, high=12, integer=True),
+    "max_overlap": Domain(low=0.0, high=0.5),
+    "noise": NOISE,
+}
+
+
+@register_task("grounding", answer_pattern=BOX_ANSWER_PATTERN, eval_kind="box",
+               domains=GROUNDING_DOMAINS)
 def grounding(
     n: int,
     *,
@@ -234,13 +246,10 @@ def grounding(
         cache_dir: folder for the PNGs (default: under ``$EMDLM_CACHE/images/grounding``).
     """
     check_box_format(box_format)
-    check_common_params(image_size, 48, test_fraction)
     if not 1 <= min_objects <= max_objects <= 12:
         raise ValueError(
             f"need 1 <= min_objects <= max_objects <= 12, got {min_objects}, {max_objects}"
         )
-    check_in_range("max_overlap", max_overlap, 0.0, 0.5)
-    check_non_negative(noise=noise)
     params = {
         "image_size": image_size,
         "min_objects": min_objects,

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from emdlm.domains import COUNT
 from emdlm.tasks import register_task
 
 
@@ -51,7 +52,11 @@ def _entropy_level(level: int, levels: int = len(DIFFICULTY_LEVELS)) -> Any:
     return restrict
 
 
-@register_task("math_arithmetic", eval_kind="number")
+#: The legal values of the mathematics-dataset task's numeric parameters (emdlm.domains).
+MATH_DOMAINS = {"max_tries_per_example": COUNT}
+
+
+@register_task("math_arithmetic", eval_kind="number", domains=MATH_DOMAINS)
 def math_arithmetic(
     n: int,
     *,
@@ -103,4 +108,4 @@ def math_arithmetic(
 
 
 # The name for it.
-register_task("arithmetic__mixed", eval_kind="number")(math_arithmetic)
+register_task("arithmetic__mixed", eval_kind="number")(math_arithmetic)  # checked: MATH_DOMAINS

@@ -1,5 +1,5 @@
 """Shared machinery of the image tasks: fonts, colours, backgrounds, noise, the image cache, the
-checks of their common parameters and the answer pattern of a box.
+domains of their common parameters and the answer pattern of a box.
 
 Fonts are matplotlib's bundled DejaVu TTFs (``matplotlib.get_data_path()/fonts/ttf``), read by
 Pillow, so rendered text never depends on the fonts installed on the system.
@@ -29,7 +29,8 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from emdlm._files import atomic_write, exclusive_lock, open_lock_file
-from emdlm.tasks import check_test_fraction
+from emdlm.domains import NONNEGATIVE, NONNEGATIVE_COUNT, Domain
+from emdlm.tasks import TEST_FRACTION
 from emdlm.tokenizers import cache_dir as emdlm_cache_dir
 
 RGB = tuple[int, int, int]
@@ -154,28 +155,19 @@ def add_noise(image: Image.Image, rng: np.random.Generator, sigma: float) -> Ima
     return Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8), image.mode)
 
 
-def check_common_params(image_size: int, min_image_size: int, test_fraction: float) -> None:
-    """ValueError for an image side below ``min_image_size`` or a test share outside (0, 1):
-    the checks every image task shares."""
-    if image_size < min_image_size:
-        raise ValueError(f"image_size must be >= {min_image_size}, got {image_size}")
-    check_test_fraction(test_fraction)
+#: Legal values of the parameters the image tasks share (each task declares its own table of
+#: :class:`emdlm.domains.Domain`, built from these): the Gaussian pixel noise's largest standard
+#: deviation, the largest number of clutter shapes, the supersampling factor.
+NOISE = NONNEGATIVE
+CLUTTER = NONNEGATIVE_COUNT
+SUPERSAMPLE = Domain(low=1, high=4, integer=True)
 
 
-def check_non_negative(**values: float) -> None:
-    """ValueError when any of ``values`` is below 0, naming them all:
-    ``check_non_negative(noise=noise, clutter=clutter)`` -> "noise and clutter must be >= 0,
-    got 6.0, -1"."""
-    if any(v < 0 for v in values.values()):
-        got = ", ".join(str(v) for v in values.values())
-        raise ValueError(f"{' and '.join(values)} must be >= 0, got {got}")
-
-
-def check_in_range(name: str, value: float, lo: float, hi: float) -> None:
-    """ValueError unless ``lo <= value <= hi``; integer bounds read "1..4", others "[0, 0.5]"."""
-    if not lo <= value <= hi:
-        span = f"{lo}..{hi}" if isinstance(lo, int) and isinstance(hi, int) else f"[{lo:g}, {hi:g}]"
-        raise ValueError(f"{name} must be in {span}, got {value}")
+def image_task_domains(min_image_size: int) -> dict[str, Domain]:
+    """The domains every image task has: ``image_size`` (an integer >= ``min_image_size``)
+    and ``test_fraction`` (in (0, 1))."""
+    return {"image_size": Domain(low=min_image_size, integer=True),
+            "test_fraction": TEST_FRACTION}
 
 
 def cache_key(

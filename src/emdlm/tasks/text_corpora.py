@@ -54,6 +54,7 @@ from typing import Any
 
 from emdlm._files import atomic_write
 from emdlm.config.errors import check_one_of
+from emdlm.domains import COUNT, NONNEGATIVE_COUNT
 from emdlm.tasks import register_task
 
 CORPORA = ("wiki", "news")
@@ -164,12 +165,6 @@ def split_documents(corpora: Sequence[str] | str, split: str) -> list[tuple[str,
     return out
 
 
-def _check_positive(**values: int) -> None:
-    for key, value in values.items():
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{key} must be a positive integer, got {value!r}")
-
-
 def _take(rows: list[dict[str, Any]], n: int, seed: int) -> list[dict[str, Any]]:
     """The first ``n`` rows of a ``seed``-shuffled copy (all of them when n is larger)."""
     rows = list(rows)
@@ -177,7 +172,8 @@ def _take(rows: list[dict[str, Any]], n: int, seed: int) -> list[dict[str, Any]]
     return rows[:n]
 
 
-@register_task("english_text", splits=SPLITS)
+@register_task("english_text", splits=SPLITS,
+               domains={"chunk_words": COUNT, "min_words": COUNT})
 def english_text(
     n: int,
     *,
@@ -193,7 +189,6 @@ def english_text(
     Example: ``generate_task("english_text", n=10**6, split="train")`` is every training chunk
     of both corpora (2348 chunks of up to 192 words).
     """
-    _check_positive(chunk_words=chunk_words, min_words=min_words)
     rows = []
     for doc_id, text in split_documents(corpora, split):
         words = text.split()
@@ -206,7 +201,9 @@ def english_text(
     return _take(rows, n, seed)
 
 
-@register_task("english_continuation", splits=SPLITS, eval_kind="text")
+@register_task("english_continuation", splits=SPLITS, eval_kind="text",
+               domains={"prefix_words": COUNT, "continuation_words": COUNT,
+                        "max_per_document": COUNT.or_(None)})
 def english_continuation(
     n: int,
     *,
@@ -225,9 +222,6 @@ def english_continuation(
     the word boundary as in running text). Lengths are in whitespace words. At most ``n`` rows,
     seed-shuffled; each keeps its ``doc_id``.
     """
-    _check_positive(prefix_words=prefix_words, continuation_words=continuation_words)
-    if max_per_document is not None:
-        _check_positive(max_per_document=max_per_document)
     width = prefix_words + continuation_words
     rows = []
     for doc_id, text in split_documents(corpora, split):
@@ -268,7 +262,8 @@ def format_demonstrations(demos: Sequence[tuple[str, int]], labels: Sequence[str
     return "".join(RT_TEMPLATE.format(text=t, label=labels[y]) + "\n" for t, y in demos)
 
 
-@register_task("polarity_choice", splits=SPLITS, eval_kind="choice")
+@register_task("polarity_choice", splits=SPLITS, eval_kind="choice",
+               domains={"shots": NONNEGATIVE_COUNT})
 def polarity_choice(
     n: int,
     *,
@@ -286,8 +281,6 @@ def polarity_choice(
     where ``shots`` is even (the extra one of an odd ``shots`` goes to a seeded label). Sentences
     are split by text hash, 20 / 10 / 70 % (the train split only supplies demonstrations).
     """
-    if not isinstance(shots, int) or shots < 0:
-        raise ValueError(f"shots must be a non-negative integer, got {shots!r}")
     by_split: dict[str, list[tuple[str, int]]] = {s: [] for s in SPLITS}
     for sentence, label in polarity_sentences():
         by_split[document_split(sentence, POLARITY_SPLIT_FRACTIONS)].append((sentence, label))

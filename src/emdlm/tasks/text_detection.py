@@ -31,18 +31,20 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
+from emdlm.domains import Domain
 from emdlm.metrics.boxes import check_box_format, format_boxes, reading_order
 from emdlm.tasks import register_task
 from emdlm.tasks.render import (
     BOX_ANSWER_PATTERN,
+    CLUTTER,
     FONT_FAMILIES,
+    NOISE,
     add_clutter,
     add_noise,
     background,
-    check_common_params,
-    check_non_negative,
     contrasting_color,
     generated_rows,
+    image_task_domains,
     load_font,
     unit_hash,
 )
@@ -138,7 +140,19 @@ def detection_row(
     }
 
 
-@register_task("text_detection", answer_pattern=BOX_ANSWER_PATTERN, eval_kind="boxes")
+#: The legal values of the text-detection task's numeric parameters (emdlm.domains); the body
+#: checks ``min_words <= max_words``.
+TEXT_DETECTION_DOMAINS: dict[str, Domain] = {
+    **image_task_domains(48),
+    "min_words": Domain(low=1, high=12, integer=True),
+    "max_words": Domain(low=1, high=12, integer=True),
+    "clutter": CLUTTER,
+    "noise": NOISE,
+}
+
+
+@register_task("text_detection", answer_pattern=BOX_ANSWER_PATTERN, eval_kind="boxes",
+               domains=TEXT_DETECTION_DOMAINS)
 def text_detection(
     n: int,
     *,
@@ -171,10 +185,8 @@ def text_detection(
         cache_dir: folder for the PNGs (default: under ``$EMDLM_CACHE/images/text_detection``).
     """
     check_box_format(box_format)
-    check_common_params(image_size, 48, test_fraction)
     if not 1 <= min_words <= max_words <= 12:
         raise ValueError(f"need 1 <= min_words <= max_words <= 12, got {min_words}, {max_words}")
-    check_non_negative(noise=noise, clutter=clutter)
     params = {
         "image_size": image_size,
         "min_words": min_words,

@@ -58,16 +58,17 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from emdlm.config.errors import check_one_of
-from emdlm.tasks import check_dev_fraction, register_task
+from emdlm.domains import UNIT, Domain
+from emdlm.tasks import DEV_FRACTION, check_dev_fraction, register_task
 from emdlm.tasks.render import (
     COLORS,
+    NOISE,
     SHAPE_NAMES,
+    SUPERSAMPLE,
     add_noise,
-    check_common_params,
-    check_in_range,
-    check_non_negative,
     draw_shape,
     generated_rows,
+    image_task_domains,
     load_font,
     unit_hash,
 )
@@ -359,25 +360,31 @@ def render_figure(
     return img, {**fig, **drawn}
 
 
-def _check(subtasks: tuple[str, ...], max_value: int, n_bars: int, multiple_choice: float,
-           n_choices: int, noise: float, supersample: int) -> None:
+#: The legal values of the visual-math task's numeric parameters (emdlm.domains); how they
+#: combine (``bar_difference`` needs two bars, ``dev_fraction`` fits beside ``test_fraction``) is
+#: checked in :func:`visual_math`.
+VISUAL_MATH_DOMAINS: dict[str, Domain] = {
+    **image_task_domains(64),
+    "max_value": Domain(low=2, high=50, integer=True),
+    "n_bars": Domain(low=1, high=len(COLORS), integer=True),
+    "multiple_choice": UNIT,
+    "n_choices": Domain(low=2, high=6, integer=True),
+    "noise": NOISE,
+    "supersample": SUPERSAMPLE,
+    "dev_fraction": DEV_FRACTION,
+}
+
+
+def _check(subtasks: tuple[str, ...], n_bars: int) -> None:
     if not subtasks or set(subtasks) - set(SUBTASKS) or len(set(subtasks)) != len(subtasks):
         raise ValueError(f"subtasks must be a non-empty subset of {SUBTASKS} without repeats, "
                          f"got {subtasks}")
-    if not isinstance(max_value, int) or not 2 <= max_value <= 50:
-        raise ValueError(f"max_value must be an integer in 2..50, got {max_value!r}")
-    if not isinstance(n_bars, int) or not 1 <= n_bars <= len(COLORS):
-        raise ValueError(f"n_bars must be an integer in 1..{len(COLORS)}, got {n_bars!r}")
     if "bar_difference" in subtasks and n_bars < 2:
         raise ValueError(f"bar_difference needs n_bars >= 2, got {n_bars}")
-    check_in_range("multiple_choice", multiple_choice, 0.0, 1.0)
-    if not isinstance(n_choices, int) or not 2 <= n_choices <= 6:
-        raise ValueError(f"n_choices must be an integer in 2..6, got {n_choices!r}")
-    check_non_negative(noise=noise)
-    check_in_range("supersample", supersample, 1, 4)
 
 
-@register_task("visual_math", splits=SPLITS, answer_pattern=r"\b\d+\b", eval_kind="math")
+@register_task("visual_math", splits=SPLITS, answer_pattern=r"\b\d+\b", eval_kind="math",
+               domains=VISUAL_MATH_DOMAINS)
 def visual_math(
     n: int,
     *,
@@ -419,11 +426,10 @@ def visual_math(
             the same value to the train split of a run that is tuned on "dev".
         cache_dir: folder for the PNGs (default: under ``$EMDLM_CACHE/images/visual_math``).
     """
-    check_common_params(image_size, 64, test_fraction)
     check_one_of("split", split, SPLITS)
     check_dev_fraction(split, test_fraction, dev_fraction)
     subs = tuple(subtasks)
-    _check(subs, max_value, n_bars, multiple_choice, n_choices, noise, supersample)
+    _check(subs, n_bars)
     params = {"image_size": image_size, "max_value": max_value, "n_bars": n_bars,
               "value_labels": bool(value_labels), "noise": noise, "supersample": supersample}
     # dev_fraction enters the key only when set: the caches of the sets made before it existed
