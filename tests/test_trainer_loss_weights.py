@@ -194,6 +194,34 @@ def test_collator_refuses_a_row_weight_that_is_no_number(tok, bad):
         f"batch item 1: field 'loss_weight' must be a finite number >= 0, got {bad!r}")
     good = DataCollator(tok.pad_token_id)([ds[0], {**ds[1], "loss_weight": 2}])  # an int is one
     assert float(good["loss_weights"][1, 0]) == 2.0
+
+
+def test_weights_of_a_torch_or_numpy_formatted_dataset_are_numbers(tok):
+    """A ``datasets`` column in torch / numpy format gives 0-d tensors / numpy scalars: they
+    are weights like the numbers they hold (a 0-d bool tensor is no number, as True is not)."""
+    import datasets
+    import numpy as np
+
+    from emdlm.integrations.loss_weights import check_loss_weight, row_weight
+
+    torch_ds = datasets.Dataset.from_list(
+        [{"loss_weight": 0.5}, {"loss_weight": 2.0}]).with_format("torch")
+    assert isinstance(torch_ds[0]["loss_weight"], torch.Tensor)
+    assert dataset_loss_weights(torch_ds) is True
+    assert [check_loss_weight(v, "row") for v in torch_ds["loss_weight"]] == [0.5, 2.0]
+    assert row_weight(np.float32(0.25)) == 0.25 and row_weight(np.array(3)) == 3.0
+    ds = build_dataset(_rows(2, (1.0,)), tok, max_length=32)
+    batch = DataCollator(tok.pad_token_id)(
+        [{**ds[0], "loss_weight": torch_ds[0]["loss_weight"]}, ds[1]])
+    first = batch["loss_weights"][0]
+    assert set(first[first > 0].tolist()) == {0.5}
+    for bad in (torch.tensor(True), np.bool_(True), torch.tensor([1.0, 2.0])):
+        with pytest.raises(ConfigError, match="must be a finite number >= 0"):
+            row_weight(bad, "batch item 0")
+        with pytest.raises(ConfigError, match="must be a finite number >= 0"):
+            check_loss_weight(bad, "row 0")
+
+
 def test_weighted_item_count_is_the_weight_sum_of_the_scored_labels(tok):
     ds = build_dataset(_rows(), tok, max_length=32)
     collate = DataCollator(tok.pad_token_id)

@@ -37,6 +37,7 @@ import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from emdlm.config import ConfigError
@@ -54,14 +55,23 @@ def check_loss_weight(value: Any, where: str) -> float | None:
     a negative number) is a ConfigError naming ``where``."""
     if value is None:
         return None
-    if not _is_number(value) or not math.isfinite(value) or value < 0:
+    number = _scalar(value)
+    if not _is_number(number) or not math.isfinite(number) or number < 0:
         raise _bad_weight(value, where)
-    return float(value)
+    return float(number)
+
+
+def _scalar(value: Any) -> Any:
+    """A one-element tensor or array (a ``datasets`` column in torch / numpy format) as its
+    Python number; anything else as it is."""
+    if isinstance(value, torch.Tensor | np.ndarray) and value.ndim == 0:
+        return value.item()
+    return value
 
 
 def _is_number(value: Any) -> bool:
     """A real number, not a bool (``True`` would pass as weight 1)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
 
 
 def _bad_weight(value: Any, where: str) -> ConfigError:
@@ -77,9 +87,10 @@ def row_weight(value: Any, where: str = "batch item") -> float:
     ``where``); a NaN, infinite or negative number is the loss's check, in its one host sync."""
     if value is None:
         return 1.0
-    if not _is_number(value):
+    number = _scalar(value)
+    if not _is_number(number):
         raise _bad_weight(value, where)
-    return float(value)
+    return float(number)
 
 
 def has_loss_weights(features: Sequence[Mapping[str, Any]]) -> bool:
