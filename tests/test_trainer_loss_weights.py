@@ -301,18 +301,24 @@ def test_accumulated_weighted_step_equals_one_batch_and_the_hand_reference(
     Σ w·CE / Σ w over the 4 rows: the logged loss and the SGD step (the gradient, lr = 1)."""
     ds = build_dataset(_rows(), tok, max_length=32)
     ref_loss, ref_grads = _reference_grads(tok, ds)
-    big_log, big = _one_step(tmp_path, tok, ds, 4, 1, from_hidden)
-    acc_log, acc = _one_step(tmp_path, tok, ds, 2, 2, from_hidden)
-    for log in (big_log, acc_log):
-        assert log["loss"] == pytest.approx(ref_loss, rel=1e-5)
+    big = _one_step(tmp_path, tok, ds, 4, 1, from_hidden)
+    acc = _one_step(tmp_path, tok, ds, 2, 2, from_hidden)
+    for log, _ in (big, acc):
         assert log["emdlm/loss"] == pytest.approx(ref_loss, rel=1e-5)
+    _assert_steps_match_the_reference([big, acc], ds, ref_loss, ref_grads)
+
+
+def _assert_steps_match_the_reference(steps, ds, ref_loss, ref_grads):
+    """Each (log, gradients) step: the logged loss is the reference's, the logged count the
+    weight sum of the scored labels, and every gradient the reference's."""
+    assert max(float(g.abs().max()) for g in ref_grads) > 1e-3
+    for log, grads in steps:
+        assert log["loss"] == pytest.approx(ref_loss, rel=1e-5)
         assert log["emdlm/n_scored"] == pytest.approx(
             sum(w * sum(lab != -100 for lab in ds[i]["labels"][1:])
                 for i, w in enumerate(WEIGHTS)))
-    assert max(float(g.abs().max()) for g in ref_grads) > 1e-3
-    for a, b, r in zip(acc, big, ref_grads, strict=True):
-        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(b, r, rtol=1e-4, atol=1e-6)
+        for a, r in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -331,17 +337,9 @@ def test_distillation_accumulated_weighted_step_equals_one_batch_and_the_hand_re
     def loss_fn():
         return KLDistillLoss(alpha=alpha, temperature=temperature, reduction="sum")
 
-    big_log, big = _one_step(tmp_path, tok, ds, 4, 1, False, loss_fn(), teacher)
-    acc_log, acc = _one_step(tmp_path, tok, ds, 2, 2, False, loss_fn(), teacher)
-    for log in (big_log, acc_log):
-        assert log["loss"] == pytest.approx(ref_loss, rel=1e-5)
-        assert log["emdlm/n_scored"] == pytest.approx(
-            sum(w * sum(lab != -100 for lab in ds[i]["labels"][1:])
-                for i, w in enumerate(WEIGHTS)))
-    assert max(float(g.abs().max()) for g in ref_grads) > 1e-3
-    for a, b, r in zip(acc, big, ref_grads, strict=True):
-        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(b, r, rtol=1e-4, atol=1e-6)
+    big = _one_step(tmp_path, tok, ds, 4, 1, False, loss_fn(), teacher)
+    acc = _one_step(tmp_path, tok, ds, 2, 2, False, loss_fn(), teacher)
+    _assert_steps_match_the_reference([big, acc], ds, ref_loss, ref_grads)
 
 
 class _Unweighable(CrossEntropyLoss):

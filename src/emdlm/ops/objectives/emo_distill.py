@@ -114,7 +114,9 @@ def _chunk(
 class TeacherRowsObjective(ChunkObjective):
     """Base of the distillation objectives: the teacher's logits u [..., V], aligned with the
     student's, read chunk by chunk (:meth:`teacher_rows`) as views of its own blocks, so a
-    sliced teacher such as ``logits[:, :-1]`` is never copied whole."""
+    sliced teacher such as ``logits[:, :-1]`` is never copied whole. A subclass gives the
+    per-chunk :meth:`kernel` (loss and two terms per token) and the terms' :attr:`stat_names`;
+    the chunk loop's side (teacher rows, weights, sums, the means in ``finish``) is here."""
 
     def __init__(self, teacher_logits: torch.Tensor) -> None:
         self.teacher = teacher_logits
@@ -137,6 +139,43 @@ class TeacherRowsObjective(ChunkObjective):
         """Drop the views of the teacher (called from ``finish``)."""
         self.blocks, self.flat = [], None
 
+    #: the names of the two per-token terms the kernel returns beside the loss (components)
+    stat_names: tuple[str, str] = ("", "")
+    n_stats = 2
+    takes_token_weights = True
+
+    def kernel(
+        self, z: torch.Tensor, u: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+        grad_scale: torch.Tensor | None, staging: torch.Tensor, weights: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One chunk: per-token (loss, first term, second term) [n], each times w_t when
+        ``weights`` are given, and d(loss)/dz [n, V] when ``grad_scale`` is given."""
+        raise NotImplementedError
+
+    def chunk(
+        self,
+        z: torch.Tensor,
+        out: torch.Tensor,
+        labels: torch.Tensor,
+        valid: torch.Tensor,
+        start: int,
+        grad_scale: torch.Tensor | None,
+    ) -> ChunkOut:
+        u = self.teacher_rows(start, start + z.shape[0])
+        safe = torch.where(valid, labels, 0)
+        w = self.chunk_weights(valid, start, out.dtype)
+        value, first, second, g = self.kernel(z, u, safe, valid, grad_scale, out, w)
+        return ChunkOut(loss=value.sum(), grad=g, stats=torch.stack([first.sum(), second.sum()]))
+
+    def finish(self, stats: torch.Tensor, count: torch.Tensor, want_grad: bool) -> Finish:
+        """The two terms' means over the counted tokens (their weight sum with weights) as the
+        components :attr:`stat_names`, and "n_tokens"."""
+        self.release()
+        denom = count_divisor(count, stats.dtype)
+        first, second = self.stat_names
+        components = {first: stats[0] / denom, second: stats[1] / denom, "n_tokens": count}
+        return Finish(extra_loss=stats.new_zeros(()), sparse=None, components=components)
+
 
 class EMODistillObjective(TeacherRowsObjective):
     """EMO distillation (EMO Eq. 15) per chunk for :func:`emdlm.ops.chunked.chunked_logits_loss`;
@@ -154,35 +193,17 @@ class EMODistillObjective(TeacherRowsObjective):
     dynamic mix of emo1 / emo2 is a ratio of the token's own terms, computed as without weights.
     """
 
-    n_stats = 2
-    takes_token_weights = True
+    stat_names = ("base", "demd")
 
     def __init__(self, teacher_logits: torch.Tensor, cost: torch.Tensor, opts: dict[str, Any]):
         super().__init__(teacher_logits)
         self.cost, self.opts = cost, opts
 
-    def chunk(
-        self,
-        z: torch.Tensor,
-        out: torch.Tensor,
-        labels: torch.Tensor,
-        valid: torch.Tensor,
-        start: int,
-        grad_scale: torch.Tensor | None,
-    ) -> ChunkOut:
-        u = self.teacher_rows(start, start + z.shape[0])
-        safe = torch.where(valid, labels, 0)
-        w = self.chunk_weights(valid, start, out.dtype)
-        value, base, demd, g = _chunk(
-            z, u, safe, valid, self.cost, self.opts, grad_scale, out, w
-        )
-        return ChunkOut(loss=value.sum(), grad=g, stats=torch.stack([base.sum(), demd.sum()]))
-
-    def finish(self, stats: torch.Tensor, count: torch.Tensor, want_grad: bool) -> Finish:
-        self.release()
-        denom = count_divisor(count, stats.dtype)
-        components = {"base": stats[0] / denom, "demd": stats[1] / denom, "n_tokens": count}
-        return Finish(extra_loss=stats.new_zeros(()), sparse=None, components=components)
+    def kernel(
+        self, z: torch.Tensor, u: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+        grad_scale: torch.Tensor | None, staging: torch.Tensor, weights: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return _chunk(z, u, labels, valid, self.cost, self.opts, grad_scale, staging, weights)
 
 
 def _kl_chunk(
@@ -257,35 +278,18 @@ class KLDistillObjective(TeacherRowsObjective):
     ("sum") or Σ_t w_t·L_t / Σ_t w_t ("mean"), "ce" and "kl" the same weighted means.
     """
 
-    n_stats = 2
-    takes_token_weights = True
+    stat_names = ("ce", "kl")
 
     def __init__(self, teacher_logits: torch.Tensor, alpha: float, temperature: float) -> None:
         super().__init__(teacher_logits)
         self.alpha, self.temperature = float(alpha), float(temperature)
 
-    def chunk(
-        self,
-        z: torch.Tensor,
-        out: torch.Tensor,
-        labels: torch.Tensor,
-        valid: torch.Tensor,
-        start: int,
-        grad_scale: torch.Tensor | None,
-    ) -> ChunkOut:
-        u = self.teacher_rows(start, start + z.shape[0])
-        safe = torch.where(valid, labels, 0)
-        w = self.chunk_weights(valid, start, out.dtype)
-        value, ce, kl, g = _kl_chunk(
-            z, u, safe, valid, self.alpha, self.temperature, grad_scale, out, w
-        )
-        return ChunkOut(loss=value.sum(), grad=g, stats=torch.stack([ce.sum(), kl.sum()]))
-
-    def finish(self, stats: torch.Tensor, count: torch.Tensor, want_grad: bool) -> Finish:
-        self.release()
-        denom = count_divisor(count, stats.dtype)
-        components = {"ce": stats[0] / denom, "kl": stats[1] / denom, "n_tokens": count}
-        return Finish(extra_loss=stats.new_zeros(()), sparse=None, components=components)
+    def kernel(
+        self, z: torch.Tensor, u: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+        grad_scale: torch.Tensor | None, staging: torch.Tensor, weights: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return _kl_chunk(z, u, labels, valid, self.alpha, self.temperature, grad_scale,
+                         staging, weights)
 
 
 __all__ = ["EMODistillObjective", "KLDistillObjective", "TeacherRowsObjective"]
