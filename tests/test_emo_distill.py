@@ -450,3 +450,30 @@ def test_train_distils_from_a_saved_teacher(tmp_path, teacher_dir, objective, pa
     components = ("base", "demd") if objective == "emo_distill" else ("ce", "kl")
     assert log[0]["loss"] > 0 and all(log[0][key] > 0 for key in components)
     assert (tmp_path / "run" / "model.safetensors").exists()
+
+
+def test_kl_distill_chunk_size_sets_the_weighted_routes_chunks(monkeypatch) -> None:
+    """``chunk_size`` is the weighted logits route's positions per chunk (None: the engine's
+    default, here one chunk), the loss the same at any chunk size; 0 and 2.5 refused."""
+    from emdlm.ops.objectives import emo_distill as objectives
+
+    _, z, u, y = _case(14)
+    w = torch.rand(y.shape, dtype=z.dtype) + 0.1
+    rows: list[int] = []
+    chunk = objectives.KLDistillObjective.chunk
+
+    def recording(self, z_chunk, *args, **kwargs):
+        rows.append(z_chunk.shape[0])
+        return chunk(self, z_chunk, *args, **kwargs)
+
+    monkeypatch.setattr(objectives.KLDistillObjective, "chunk", recording)
+    whole = KLDistillLoss(alpha=0.3, temperature=2.0)(z, y, teacher_logits=u, loss_weights=w)
+    n_default, rows[:] = list(rows), []
+    small = KLDistillLoss(alpha=0.3, temperature=2.0, chunk_size=3)(
+        z, y, teacher_logits=u, loss_weights=w)
+    n_positions = y.numel()
+    assert n_default == [n_positions] and max(rows) == 3 and sum(rows) == n_positions
+    torch.testing.assert_close(small.loss, whole.loss)
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="chunk_size must be"):
+            KLDistillLoss(chunk_size=bad)

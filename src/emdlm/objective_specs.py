@@ -215,10 +215,11 @@ OBJECTIVE_SPECS: dict[str, ObjectiveSpec] = {
         ObjectiveSpec(
             "kl_distill", "emdlm.losses.emo_distill", "KLDistillLoss",
             "distillation baseline: CE mixed with KL to the teacher",
-            ("alpha", "temperature", "ignore_index"),
+            ("alpha", "temperature", "ignore_index", "chunk_size"),
             teacher=True,
             # L = (1-α)·CE + α·T²·KL(teacher_T || student_T)
-            domains={"alpha": UNIT, "temperature": POSITIVE, **_IGNORE},
+            domains={"alpha": UNIT, "temperature": POSITIVE, "chunk_size": COUNT.or_(None),
+                     **_IGNORE},
         ),
     )
 }

@@ -172,7 +172,8 @@ class KLDistillLoss(EMDLMLoss):
     :meth:`EMDLMLoss.weighted_logits_loss`): Σ_t w_t·L_t ("sum") or Σ_t w_t·L_t / Σ_t w_t
     ("mean", 0 when Σ w = 0), "ce" / "kl" the same weighted means, "n_tokens" Σ_t w_t. No
     from-hidden path (``has_from_hidden = False``, as EMO distillation): the teacher's target
-    is its [N, V] logits.
+    is its [N, V] logits. ``chunk_size``: positions per chunk of that weighted route (None: the
+    engine's default for the vocabulary).
     """
 
     needs_teacher = True
@@ -185,13 +186,16 @@ class KLDistillLoss(EMDLMLoss):
         temperature: float = 1.0,
         ignore_index: int = IGNORE_INDEX,
         reduction: Reduction = "mean",
+        chunk_size: int | None = None,
     ) -> None:
         super().__init__()
-        check_reduction(reduction)  # α and τ: their registry domains, checked in EMDLMLoss.__new__
+        # α, τ and chunk_size: their registry domains, checked in EMDLMLoss.__new__
+        check_reduction(reduction)
         self.alpha = float(alpha)
         self.temperature = float(temperature)
         self.ignore_index = ignore_index
         self.reduction = reduction
+        self.chunk_size = chunk_size
 
     def logits_loss(
         self, logits: torch.Tensor, labels: torch.Tensor, *, teacher_logits: torch.Tensor
@@ -212,6 +216,12 @@ class KLDistillLoss(EMDLMLoss):
         check_logits_labels_shapes(logits, labels)
         check_teacher_logits(logits, teacher_logits)
         return KLDistillObjective(teacher_logits, self.alpha, self.temperature), labels
+
+    def from_hidden_chunk_rows(self, vocab: int) -> int:
+        """Positions per chunk of the weighted logits route: ``chunk_size``, else the engine's
+        default for a ``vocab``-token vocabulary (scratch: about six [chunk, V] float32
+        tensors)."""
+        return self.chunk_size or super().from_hidden_chunk_rows(vocab)
 
     def extra_repr(self) -> str:
         return f"alpha={self.alpha}, temperature={self.temperature}, reduction={self.reduction!r}"
