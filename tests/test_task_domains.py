@@ -146,3 +146,18 @@ def test_register_task_refuses_a_domain_of_no_parameter(monkeypatch) -> None:
     tasks.register_task("_second_name")(checked)  # a second name keeps the domains and the check
     assert task_specs()["_second_name"].domains == {"width": COUNT}
     assert get_task("_second_name") is checked
+
+
+def test_a_parameter_given_by_position_is_checked_too(monkeypatch) -> None:
+    """A user task whose numeric parameter may be given by position: bound to its name and
+    checked as a keyword is (before, only keywords were seen)."""
+    monkeypatch.setattr(tasks, "_REGISTRY", dict(task_specs()))
+    from emdlm.domains import COUNT
+
+    def _task(n: int, width: int = 3, *, split: str = "train", seed: int = 0) -> list[dict]:
+        return [{"text": "x" * width}] * n
+
+    checked = tasks.register_task("_positional_task", domains={"width": COUNT})(_task)
+    assert checked(2, 2) == [{"text": "xx"}] * 2
+    with pytest.raises(ValueError, match=r"task '_positional_task': width must be an integer"):
+        checked(1, 0)

@@ -125,11 +125,13 @@ def register_task(
 
 
 def _checked(name: str, fn: TaskFn, domains: Mapping[str, Domain]) -> TaskFn:
-    """``fn`` checking ``domains`` on each call before it runs."""
+    """``fn`` checking ``domains`` on each call before it runs (arguments given by position
+    too: they are bound to their names first)."""
+    signature = inspect.signature(fn)
 
     @functools.wraps(fn)
     def generate(*args: Any, **params: Any) -> list[dict[str, Any]]:
-        check_task_params(name, domains, params)
+        check_task_params(name, domains, signature.bind_partial(*args, **params).arguments)
         return fn(*args, **params)
 
     generate.task_domains = domains  # type: ignore[attr-defined]
