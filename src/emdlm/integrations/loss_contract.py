@@ -27,6 +27,18 @@ from emdlm.losses.base import EMDLMLoss
 from emdlm.ops.chunk_objective import count_divisor, token_count
 
 
+def scored_positions(
+    labels: torch.Tensor, loss_weights: torch.Tensor | None, ignore_index: int = IGNORE_INDEX
+) -> torch.Tensor:
+    """Bool mask of the positions a loss scores: labels ≠ ``ignore_index`` and, with
+    ``loss_weights`` (the labels' shape), weight > 0 (a weight of 0 scores a token as an
+    ignored label): the positions of TRL's ``mean_token_accuracy`` on both routes."""
+    valid = labels != ignore_index
+    if loss_weights is not None:
+        valid = valid & (loss_weights.to(valid.device) > 0)
+    return valid
+
+
 def require_sum_reduction(loss_fn: Any, who: str = "make_compute_loss_func") -> None:
     """Refuse a loss whose ``reduction`` is not ``"sum"`` (ValueError naming ``reduction``).
 
@@ -97,18 +109,10 @@ class LossInputs:
         )
         return {k: v for k, v in given if v is not None}
 
-    def counted(self, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-        """[B, T] bool: the positions the loss scores, labels ≠ ``ignore_index`` and, with
-        ``loss_weights``, weight > 0 (a weight of 0 scores a token as an ignored label)."""
-        valid = self.labels != ignore_index
-        if self.loss_weights is not None:
-            valid = valid & (self.loss_weights.to(valid.device) > 0)
-        return valid
-
     def token_hits(
         self, out: Any, ignore_index: int = IGNORE_INDEX
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(hits, counted), 0-d long: of the :meth:`counted` positions, how many the loss's
+        """(hits, counted), 0-d long: of the :func:`scored_positions`, how many the loss's
         output ``out`` says the model's argmax got right, and how many there are (no host
         sync), the counts of TRL's ``mean_token_accuracy``. From ``out.predicted_tokens`` (the
         argmax per position, ``CrossEntropyLoss(predicted_tokens=True)``), else from the
@@ -117,13 +121,13 @@ class LossInputs:
         ``out`` gives neither."""
         predicted = getattr(out, "predicted_tokens", None)
         if predicted is not None:
-            counted = self.counted(ignore_index)
+            counted = scored_positions(self.labels, self.loss_weights, ignore_index)
             hits = (predicted.to(self.labels.device) == self.labels) & counted
             return hits.sum(), counted.sum()
         share = (getattr(out, "components", None) or {}).get("token_accuracy")
         if share is None or self.loss_weights is not None:
             return None
-        n = self.counted(ignore_index).sum()
+        n = scored_positions(self.labels, self.loss_weights, ignore_index).sum()
         share = torch.as_tensor(share).detach().to(device=n.device, dtype=torch.float64)
         return (share * n).round().long(), n
 

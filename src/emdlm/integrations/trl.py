@@ -54,6 +54,7 @@ except ModuleNotFoundError as err:  # the [trl] extra is not installed
 
 from emdlm._output import LossOutput
 from emdlm.functional._common import IGNORE_INDEX
+from emdlm.integrations.loss_contract import scored_positions
 from emdlm.integrations.loss_weights import (
     LOSS_WEIGHT_KEY,
     TOKEN_WEIGHTS_KEY,
@@ -277,10 +278,9 @@ class EMDLMSFTTrainer(EMDLMTrainerMixin, SFTTrainer):
             logits = outputs.get("logits") if isinstance(outputs, Mapping) else None
             if logits is not None:
                 shift_labels = labels[:, 1:].to(logits.device)
-                mask = shift_labels != IGNORE_INDEX
                 weights = inputs.get(TOKEN_WEIGHTS_KEY)
-                if weights is not None:  # weight 0 scores a token as an ignored label
-                    mask = mask & (weights[:, 1:].to(mask.device) > 0)
+                mask = scored_positions(
+                    shift_labels, None if weights is None else weights[:, 1:], IGNORE_INDEX)
                 hits = ((logits[:, :-1].argmax(-1) == shift_labels) & mask).sum()
                 counts: tuple[torch.Tensor, torch.Tensor] | None = (hits, mask.sum())
             else:  # from hidden states: the loss's own argmax, where it gives one

@@ -118,6 +118,11 @@ class TeacherRowsObjective(ChunkObjective):
     per-chunk :meth:`kernel` (loss and two terms per token) and the terms' :attr:`stat_names`;
     the chunk loop's side (teacher rows, weights, sums, the means in ``finish``) is here."""
 
+    #: the names of the two per-token terms the kernel returns beside the loss (components)
+    stat_names: tuple[str, str] = ("", "")
+    n_stats = 2
+    takes_token_weights = True
+
     def __init__(self, teacher_logits: torch.Tensor) -> None:
         self.teacher = teacher_logits
         self.blocks: list[tuple[int, torch.Tensor]] = []
@@ -138,11 +143,6 @@ class TeacherRowsObjective(ChunkObjective):
     def release(self) -> None:
         """Drop the views of the teacher (called from ``finish``)."""
         self.blocks, self.flat = [], None
-
-    #: the names of the two per-token terms the kernel returns beside the loss (components)
-    stat_names: tuple[str, str] = ("", "")
-    n_stats = 2
-    takes_token_weights = True
 
     def kernel(
         self, z: torch.Tensor, u: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
@@ -188,9 +188,10 @@ class EMODistillObjective(TeacherRowsObjective):
             (:class:`emdlm.losses.emo_distill.EMODistillLoss`; their meaning:
             :mod:`emdlm.functional.emo_dense`).
 
-    Per-token weights w_t (:meth:`~emdlm.ops.chunked.ChunkObjective.weigh_tokens`): Σ_t w_t·L_t
-    ("sum") or Σ_t w_t·L_t / Σ_t w_t ("mean"), "base" and "demd" the same weighted means; the
-    dynamic mix of emo1 / emo2 is a ratio of the token's own terms, computed as without weights.
+    Per-token weights w_t (:meth:`~emdlm.ops.chunk_objective.ChunkObjective.weigh_tokens`):
+    Σ_t w_t·L_t ("sum") or Σ_t w_t·L_t / Σ_t w_t ("mean"), "base" and "demd" the same weighted
+    means; the dynamic mix of emo1 / emo2 is a ratio of the token's own terms, computed as
+    without weights.
     """
 
     stat_names = ("base", "demd")
@@ -274,8 +275,8 @@ class KLDistillObjective(TeacherRowsObjective):
         alpha, temperature: α in [0, 1] and τ > 0, checked where the loss is built
             (:class:`emdlm.losses.emo_distill.KLDistillLoss`).
 
-    Per-token weights w_t (:meth:`~emdlm.ops.chunked.ChunkObjective.weigh_tokens`): Σ_t w_t·L_t
-    ("sum") or Σ_t w_t·L_t / Σ_t w_t ("mean"), "ce" and "kl" the same weighted means.
+    Per-token weights w_t (:meth:`~emdlm.ops.chunk_objective.ChunkObjective.weigh_tokens`):
+    Σ_t w_t·L_t ("sum") or Σ_t w_t·L_t / Σ_t w_t ("mean"), "ce" and "kl" the same weighted means.
     """
 
     stat_names = ("ce", "kl")
