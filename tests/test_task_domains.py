@@ -24,8 +24,8 @@ from emdlm import tasks
 from emdlm.tasks import generate_task, get_task, task_specs
 
 NUMBER_ANNOTATION = re.compile(r"\b(float|int)\b")
-# given by generate_task and the run config themselves (n >= 1 there; a task's seed rule, if
-# any, is its own: math_arithmetic's 0 .. 2**31 - 1)
+# checked by generate_task (tasks.GENERATION_DOMAINS; a task's narrower seed rule, if any, is
+# its own: math_arithmetic's 0 .. 2**31 - 1)
 NOT_PARAMETERS = {"n", "seed"}
 
 
@@ -161,3 +161,27 @@ def test_a_parameter_given_by_position_is_checked_too(monkeypatch) -> None:
     assert checked(2, 2) == [{"text": "xx"}] * 2
     with pytest.raises(ValueError, match=r"task '_positional_task': width must be an integer"):
         checked(1, 0)
+
+
+@pytest.mark.parametrize("value", [True, 0, -1, 2.5, math.nan, "3"], ids=repr)
+@pytest.mark.parametrize("task", sorted(_generators()))
+def test_generate_task_checks_n(tmp_path: Path, task: str, value: Any) -> None:
+    """``n`` (every generator's count) is checked by generate_task with the domains' words: a
+    bool is no count (``n=True`` made one example), 2.5 none either."""
+    with pytest.raises(ValueError) as err:
+        generate_task(task, n=value, cache_dir=tmp_path / "c") if _caches(task) else \
+            generate_task(task, n=value)
+    assert str(err.value) == f"task {task!r}: n must be an integer >= 1, got {value!r}"
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("value", [True, -1, 2**32, 2.0, "a"], ids=repr)
+@pytest.mark.parametrize("task", sorted(_generators()))
+def test_generate_task_checks_the_seed(tmp_path: Path, task: str, value: Any) -> None:
+    """``seed`` must be one numpy accepts (0 .. 2**32 - 1), as the run config's seeds."""
+    with pytest.raises(ValueError) as err:
+        generate_task(task, n=1, seed=value, cache_dir=tmp_path / "c") if _caches(task) else \
+            generate_task(task, n=1, seed=value)
+    assert str(err.value) == (f"task {task!r}: seed must be an integer in [0, 4294967295], "
+                              f"got {value!r}")
+    assert not (tmp_path / "c").exists()

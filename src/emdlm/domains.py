@@ -122,9 +122,14 @@ UNIT = Domain(low=0.0, high=1.0)  # a probability or mixing ratio
 INTEGER = Domain(integer=True)  # any integer (an ignore_index may be negative)
 COUNT = Domain(low=1, integer=True)  # how many of something: at least one
 NONNEGATIVE_COUNT = Domain(low=0, integer=True)
+#: The largest seed transformers.set_seed accepts: it seeds numpy (np.random.seed), whose seeds
+#: are 0 .. 2**32 - 1; a negative seed fails there, after a run has started.
+MAX_SEED = 2**32 - 1
+SEED = Domain(low=0, high=MAX_SEED, integer=True)  # a seed numpy (and so set_seed) accepts
 
 
 __all__ = [
-    "COUNT", "INT64_MAX", "INTEGER", "NONNEGATIVE", "NONNEGATIVE_COUNT", "POSITIVE", "UNIT",
+    "COUNT", "INT64_MAX", "INTEGER", "MAX_SEED", "NONNEGATIVE", "NONNEGATIVE_COUNT", "POSITIVE",
+    "SEED", "UNIT",
     "Domain", "domain_problems", "shown_value",
 ]

@@ -11,9 +11,11 @@ from typing import Any
 from emdlm.config.errors import ConfigError, check_choice, did_you_mean
 from emdlm.domains import (
     COUNT,
+    MAX_SEED,
     NONNEGATIVE,
     NONNEGATIVE_COUNT,
     POSITIVE,
+    SEED,
     UNIT,
     Domain,
     shown_value,
@@ -36,9 +38,6 @@ DATA_SPLITS = ("train", "dev", "test")  # "dev" only where the task or dataset h
 #: eval.decode: one answer per prompt ("greedy"), or minimum Bayes risk over samples
 #: (emdlm.decoding)
 DECODE_MODES = ("greedy", "mbr")
-#: The largest seed transformers.set_seed accepts: it seeds numpy (np.random.seed), whose seeds
-#: are 0 .. 2**32 - 1; a negative seed fails there, after the run has started.
-MAX_SEED = 2**32 - 1
 #: The legal values of the numeric run settings (emdlm.domains: NaN and ±inf lie in none, an
 #: integer fits in 64 bits), checked by RunConfig.validate before anything is loaded or written
 #: (a setting whose parent section is null is not checked). ``train.max_steps``: the optimizer
@@ -452,6 +451,7 @@ def check_lam_schedule(objective: ObjectiveConfig, numeric: bool | None) -> None
 def check_seed(key: str, value: Any) -> None:
     """ConfigError naming ``key`` unless ``value`` is an integer seed that
     ``transformers.set_seed`` accepts (0 .. :data:`MAX_SEED`; negative seeds fail in numpy)."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
-        raise ConfigError(f"{key}={value!r} is not a usable seed: seeds are integers from 0 to "
-                          f"{MAX_SEED} (numpy, seeded by transformers.set_seed, refuses others)")
+    if SEED.problem(value) is not None:
+        raise ConfigError(f"{key}={shown_value(value)} is not a usable seed: seeds are integers "
+                          f"from 0 to {MAX_SEED} (numpy, seeded by transformers.set_seed, "
+                          "refuses others)")

@@ -57,6 +57,7 @@ from emdlm.config import (
     parse_override,
 )
 from emdlm.config.loading import read_yaml_mapping
+from emdlm.domains import SEED, shown_value
 from emdlm.experiments.selection import SelectionRule, parse_selection
 
 EXPERIMENT_KEYS = (
@@ -244,10 +245,10 @@ def _seeds(value: Any) -> list[int]:
         raise ConfigError(f"experiment.seeds lists {len(value)} seeds: at most {MAX_SEED_COUNT} "
                           "(each seed trains a model per variant and task)")
     for i, seed in enumerate(value):
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
-            raise ConfigError(f"experiment.seeds[{i}]={seed!r}: a seed must be an integer from 0 "
-                              f"to {MAX_SEED} (transformers.set_seed seeds numpy, which refuses "
-                              "others)")
+        if SEED.problem(seed) is not None:
+            raise ConfigError(f"experiment.seeds[{i}]={shown_value(seed)}: a seed must be an "
+                              f"integer from 0 to {MAX_SEED} (transformers.set_seed seeds "
+                              "numpy, which refuses others)")
     repeated = sorted(s for s, k in Counter(value).items() if k > 1)
     if repeated:
         raise ConfigError(f"experiment.seeds has duplicates: {repeated} more than once in "

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from emdlm.domains import Domain, domain_problems
+from emdlm.domains import COUNT, SEED, Domain, domain_problems
 from emdlm.eval_kinds import EVAL_KINDS
 
 TaskFn = Callable[..., list[dict[str, Any]]]
@@ -49,7 +49,8 @@ class TaskSpec:
         scores only the numbers inside its matches); None when the task has none.
     eval_kind: the :mod:`emdlm.eval_kinds` kind its answers are read as, where there is one.
     domains: the legal values of each numeric parameter of the generator (``n`` and ``seed``
-        aside), checked by the registered generator before it generates anything.
+        aside: :data:`GENERATION_DOMAINS`, checked by :func:`generate_task`), checked by the
+        registered generator before it generates anything.
     """
 
     name: str
@@ -222,6 +223,11 @@ def get_task(name: str) -> TaskFn:
     return fn
 
 
+#: The legal values of the two parameters every generator takes: ``n`` examples (at least one)
+#: and the ``seed`` of its random draws (one numpy accepts).
+GENERATION_DOMAINS: Mapping[str, Domain] = {"n": COUNT, "seed": SEED}
+
+
 def generate_task(
     name: str, *, n: int, split: str = "train", seed: int = 0, **params: Any
 ) -> list[dict[str, Any]]:
@@ -231,8 +237,7 @@ def generate_task(
     splits = _REGISTRY[name].splits
     if split not in splits:
         raise ValueError(f"task {name!r} has splits {', '.join(splits)}; got split={split!r}")
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
+    check_task_params(name, GENERATION_DOMAINS, {"n": n, "seed": seed})
     try:
         return fn(n, split=split, seed=seed, **params)
     except TypeError as err:  # unknown parameter names: say which task
@@ -241,6 +246,7 @@ def generate_task(
 
 __all__ = [
     "DEV_FRACTION",
+    "GENERATION_DOMAINS",
     "TEST_FRACTION",
     "TaskSpec",
     "answer_patterns",
