@@ -96,6 +96,25 @@ def test_bad_experiments_are_named(tmp_path, change, message):
         expand_grid(parse_experiment(data))
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data.train.params.max_digit=3", r"cell late/ce/seed0: data.train: bad parameters for "
+         r"task 'arithmetic': it takes no parameter 'max_digit' \(did you mean 'max_digits'\?\)"),
+        ("data.eval.params.min_digits=-3", r"cell late/ce/seed0: data.eval: task 'arithmetic': "
+         r"min_digits must be an integer in \[1, 15\], got -3"),
+        ("data.eval.task=arithmatic", r"cell late/ce/seed0: data.eval: unknown task 'arithmatic'"),
+    ],
+)
+def test_a_later_tasks_bad_task_parameter_fails_before_any_cell(tmp_path, override, message):
+    """A task source's parameters are checked for every cell when the grid is expanded: a typo
+    in the last task's overrides must not wait until its first cell starts (hours in)."""
+    data = _exp(tmp_path, tasks={"early": [], "late": [override]})
+    with pytest.raises(ConfigError, match=message):
+        expand_grid(parse_experiment(data))
+    assert not (tmp_path / "exp").exists()
+
+
 def test_missing_test_set_is_an_error(tmp_path):
     base = {**TINY_BASE, "data": {**TINY_BASE["data"], "eval": None}}
     with pytest.raises(ConfigError, match="no test set"):

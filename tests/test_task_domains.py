@@ -185,3 +185,24 @@ def test_generate_task_checks_the_seed(tmp_path: Path, task: str, value: Any) ->
     assert str(err.value) == (f"task {task!r}: seed must be an integer in [0, 4294967295], "
                               f"got {value!r}")
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("task", sorted(_generators()))
+def test_an_unknown_parameter_name_is_named_with_the_nearest(tmp_path: Path, task: str) -> None:
+    """A misspelt parameter is refused by check_task_call, before anything is generated, with
+    the nearest name the generator takes and the list of all of them."""
+    from emdlm.tasks import check_task_call
+
+    settable = [p for p in inspect.signature(get_task(task)).parameters
+                if p not in {"n", "split", "seed"}]
+    name = settable[0]
+    typo = name[:-1] if len(name) > 2 else name + "x"
+    with pytest.raises(ValueError) as err:
+        check_task_call(task, n=1, **{typo: 1})
+    assert str(err.value) == (
+        f"bad parameters for task {task!r}: it takes no parameter {typo!r} (did you mean "
+        f"{name!r}?) (its parameters: {', '.join(settable)})")
+    with pytest.raises(ValueError, match=re.escape(f"it takes no parameter {typo!r}")):
+        generate_task(task, n=1, cache_dir=tmp_path / "c", **{typo: 1}) if _caches(task) else \
+            generate_task(task, n=1, **{typo: 1})
+    assert not (tmp_path / "c").exists()

@@ -158,6 +158,23 @@ def _read_saved_dataset(path: Path, split: str) -> CheckedRows:
     return rows
 
 
+def check_task_source(src: DataSourceConfig, *, seed: int, where: str) -> None:
+    """ConfigError starting with ``where`` (``"data.train"``) for a task source that
+    :func:`load_examples` would refuse (unknown task or split, ``n``, ``seed``, a parameter the
+    generator does not take or a value outside its domain), found without generating anything;
+    a file source passes (it is read when loaded). ``seed``: the run's, used when the source
+    sets none."""
+    if src.task is None:
+        return
+    from emdlm.tasks import check_task_call
+
+    try:
+        check_task_call(src.task, n=src.n, split=src.resolved_split,
+                        seed=seed if src.seed is None else src.seed, **src.params)
+    except ValueError as err:
+        raise ConfigError(f"{where}: {err}") from err
+
+
 def load_examples(src: DataSourceConfig, *, seed: int) -> CheckedRows:
     """Examples (dicts) from one source, their loss weights checked (a file's as it is read,
     a task generator's here); errors are ConfigError naming the source."""

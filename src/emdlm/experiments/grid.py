@@ -57,6 +57,7 @@ from emdlm.config import (
     parse_override,
 )
 from emdlm.config.loading import read_yaml_mapping
+from emdlm.data import check_task_source
 from emdlm.domains import SEED, shown_value
 from emdlm.experiments.selection import SelectionRule, parse_selection
 
@@ -440,11 +441,17 @@ def _check_checkpoints(checkpoints: str | list[int], cfg: RunConfig, where: str)
 
 
 def check_run_config(raw: dict[str, Any], where: str) -> RunConfig:
-    """build_config with the cell named in the error."""
+    """build_config, and its task sources' parameters checked (a typo in a later task's
+    overrides would otherwise fail only when its first cell starts, hours into a grid), with
+    the cell named in the error."""
     try:
-        return build_config(raw)
+        cfg = build_config(raw)
+        for role, src in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
+            if src is not None:
+                check_task_source(src, seed=cfg.train.seed, where=role)
     except ConfigError as err:
         raise ConfigError(f"{where}: {err}") from err
+    return cfg
 
 
 def task_title(exp: Experiment, task: str) -> str:

@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from emdlm.config.errors import did_you_mean
 from emdlm.domains import COUNT, SEED, Domain, domain_problems
 from emdlm.eval_kinds import EVAL_KINDS
 
@@ -228,19 +229,42 @@ def get_task(name: str) -> TaskFn:
 GENERATION_DOMAINS: Mapping[str, Domain] = {"n": COUNT, "seed": SEED}
 
 
+def check_task_call(
+    name: str, *, n: Any, split: str = "train", seed: Any = 0, **params: Any
+) -> None:
+    """ValueError for anything :func:`generate_task` would refuse, found without generating
+    anything: an unknown task, a split it lacks, ``n`` / ``seed`` outside
+    :data:`GENERATION_DOMAINS`, a parameter name its generator does not take (with the nearest
+    one it does), a value outside its domain. An experiment checks every cell's task sources
+    with it before the first cell runs."""
+    spec = task_spec(name)
+    if spec.generator is None:
+        raise _unknown_task(name)
+    if split not in spec.splits:
+        raise ValueError(f"task {name!r} has splits {', '.join(spec.splits)}; got split={split!r}")
+    check_task_params(name, GENERATION_DOMAINS, {"n": n, "seed": seed})
+    signature = inspect.signature(spec.generator)
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+    named = [key for key, p in signature.parameters.items()
+             if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD]
+    settable = [key for key in named if key not in GENERATION_DOMAINS and key != "split"]
+    unknown = [] if takes_any else [key for key in params if key not in named]
+    if unknown:
+        words = ", ".join(f"{key!r}{did_you_mean(key, settable)}" for key in unknown)
+        raise ValueError(f"bad parameters for task {name!r}: it takes no parameter {words} "
+                         f"(its parameters: {', '.join(settable) or 'none'})")
+    check_task_params(name, spec.domains, params)
+
+
 def generate_task(
     name: str, *, n: int, split: str = "train", seed: int = 0, **params: Any
 ) -> list[dict[str, Any]]:
     """Generate ``n`` examples of task ``name`` for ``split`` ("train" or "test"; "dev" for
-    tasks registered with it)."""
-    fn = get_task(name)
-    splits = _REGISTRY[name].splits
-    if split not in splits:
-        raise ValueError(f"task {name!r} has splits {', '.join(splits)}; got split={split!r}")
-    check_task_params(name, GENERATION_DOMAINS, {"n": n, "seed": seed})
+    tasks registered with it), every argument checked first (:func:`check_task_call`)."""
+    check_task_call(name, n=n, split=split, seed=seed, **params)
     try:
-        return fn(n, split=split, seed=seed, **params)
-    except TypeError as err:  # unknown parameter names: say which task
+        return get_task(name)(n, split=split, seed=seed, **params)
+    except TypeError as err:  # a value of the wrong type deep inside: say which task
         raise ValueError(f"bad parameters for task {name!r}: {err}") from err
 
 
@@ -252,6 +276,7 @@ __all__ = [
     "answer_patterns",
     "available_tasks",
     "check_dev_fraction",
+    "check_task_call",
     "check_task_params",
     "generate_task",
     "get_task",
