@@ -49,10 +49,13 @@ def _error_line(result) -> str:
         ("seeds=[-1]", "experiment.seeds[0]=-1: a seed must be an integer from 0 to "
                        f"{LARGEST_SEED}"),
         ("seeds=0", "experiment.seeds=0: a count n means seeds 0 .. n-1 and must be >= 1"),
+        ("base.data.train.params.max_digit=3", "cell default/ce/seed0: data.train: bad "
+         "parameters for task 'arithmetic': it takes no parameter 'max_digit' (did you mean "
+         "'max_digits'?)"),
     ],
     ids=["eval_batch_size_0", "eval_batch_size_negative", "eval_max_new_tokens_0",
          "eval_overrides_batch_size_0", "checkpoint_not_saved", "checkpoint_beyond_max_steps",
-         "seed_negative", "seed_count_0"],
+         "seed_negative", "seed_count_0", "task_parameter_misspelt"],
 )
 def test_experiment_refuses_before_any_cell_trains(tmp_path, override, message):
     """Before: the eval settings failed in every cell after its training, the checkpoints
@@ -71,8 +74,11 @@ def test_experiment_refuses_before_any_cell_trains(tmp_path, override, message):
         ("eval.batch_size=0", "eval.batch_size must be an integer >= 1, got 0"),
         ("eval.max_new_tokens=-1", "eval.max_new_tokens must be an integer >= 1, got -1"),
         ("train.seed=-1", "train.seed=-1 is not a usable seed"),
+        ("data.eval.params.max_digit=3", "data.eval: bad parameters for task 'arithmetic': it "
+         "takes no parameter 'max_digit' (did you mean 'max_digits'?)"),
     ],
-    ids=["eval_batch_size_0", "eval_max_new_tokens_negative", "train_seed_negative"],
+    ids=["eval_batch_size_0", "eval_max_new_tokens_negative", "train_seed_negative",
+         "task_parameter_misspelt"],
 )
 def test_train_refuses_bad_settings_writing_nothing(tmp_path, override, message):
     config = tmp_path / "run.yaml"

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from emdlm.config import ConfigError, DataSourceConfig
+from emdlm.config import ConfigError, DataSourceConfig, RunConfig
 from emdlm.functional._common import IGNORE_INDEX
 from emdlm.integrations.loss_weights import (
     LOSS_WEIGHT_KEY,
@@ -158,21 +158,21 @@ def _read_saved_dataset(path: Path, split: str) -> CheckedRows:
     return rows
 
 
-def check_task_source(src: DataSourceConfig, *, seed: int, where: str) -> None:
-    """ConfigError starting with ``where`` (``"data.train"``) for a task source that
+def check_task_sources(cfg: RunConfig) -> None:
+    """ConfigError naming the role (``"data.train: ..."``) for a task source of ``cfg`` that
     :func:`load_examples` would refuse (unknown task or split, ``n``, ``seed``, a parameter the
     generator does not take or a value outside its domain), found without generating anything;
-    a file source passes (it is read when loaded). ``seed``: the run's, used when the source
-    sets none."""
-    if src.task is None:
-        return
+    file sources pass (they are checked as they are read)."""
     from emdlm.tasks import check_task_call
 
-    try:
-        check_task_call(src.task, n=src.n, split=src.resolved_split,
-                        seed=seed if src.seed is None else src.seed, **src.params)
-    except ValueError as err:
-        raise ConfigError(f"{where}: {err}") from err
+    for role, src in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
+        if src is None or src.task is None:
+            continue
+        seed = cfg.train.seed if src.seed is None else src.seed  # as load_examples is called
+        try:
+            check_task_call(src.task, n=src.n, split=src.resolved_split, seed=seed, **src.params)
+        except ValueError as err:
+            raise ConfigError(f"{role}: {err}") from err
 
 
 def load_examples(src: DataSourceConfig, *, seed: int) -> CheckedRows:

@@ -57,7 +57,7 @@ from emdlm.config import (
     parse_override,
 )
 from emdlm.config.loading import read_yaml_mapping
-from emdlm.data import check_task_source
+from emdlm.data import check_task_sources
 from emdlm.domains import SEED, shown_value
 from emdlm.experiments.selection import SelectionRule, parse_selection
 
@@ -446,9 +446,7 @@ def check_run_config(raw: dict[str, Any], where: str) -> RunConfig:
     the cell named in the error."""
     try:
         cfg = build_config(raw)
-        for role, src in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
-            if src is not None:
-                check_task_source(src, seed=cfg.train.seed, where=role)
+        check_task_sources(cfg)
     except ConfigError as err:
         raise ConfigError(f"{where}: {err}") from err
     return cfg

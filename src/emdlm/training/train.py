@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from emdlm.config import ConfigError, RunConfig
-from emdlm.data import TokenizedDataset, load_examples
+from emdlm.data import TokenizedDataset, check_task_sources, load_examples
 from emdlm.integrations.loss_weights import LOSS_WEIGHT_KEY, dataset_loss_weights
 from emdlm.integrations.sharding import (
     check_fsdp_config,
@@ -142,6 +142,7 @@ def prepare_run(
     cfg.validate()
     if cfg.data.train is None:
         raise ConfigError("no training data: set data.train.path or data.train.task")
+    check_task_sources(cfg)  # before the model is built
     if cfg.train.fsdp:
         _check_fsdp_run(cfg, resume)
     if cfg.train.torch_threads:
