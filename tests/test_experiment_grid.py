@@ -115,6 +115,49 @@ def test_a_later_tasks_bad_task_parameter_fails_before_any_cell(tmp_path, overri
     assert not (tmp_path / "exp").exists()
 
 
+def test_task_variants_override_a_variant_in_one_task_only(tmp_path):
+    """Each objective's learning rate chosen per task: a (task, variant) entry is applied after
+    the variant's own overrides in that task's cells, and nowhere else."""
+    data = _exp(tmp_path, tasks={"small": [], "large": ["data.train.params.max_digits=3"]},
+                variants={"ce": ["objective.name=ce", "optim.lr=1.0e-3"],
+                          "ntil": ["objective.name=ntil", "optim.lr=5.0e-4"]},
+                task_variants={"large": {"ntil": ["optim.lr=2.0e-3"]}})
+    lrs = {c.key: build_config(c.config).optim.lr for c in expand_grid(parse_experiment(data))}
+    assert lrs == {"small/ce/seed0": 1e-3, "small/ntil/seed0": 5e-4,
+                   "small/ce/seed1": 1e-3, "small/ntil/seed1": 5e-4,
+                   "large/ce/seed0": 1e-3, "large/ntil/seed0": 2e-3,
+                   "large/ce/seed1": 1e-3, "large/ntil/seed1": 2e-3}
+    # a task added with its own settings leaves the other task's cells as they were (their
+    # recorded definitions still match: finished cells are kept)
+    alone = _exp(tmp_path, tasks={"small": []},
+                 variants=data["variants"])
+    before = {c.key: c.config for c in expand_grid(parse_experiment(alone))}
+    after = {c.key: c.config for c in expand_grid(parse_experiment(data)) if c.task == "small"}
+    assert before == after
+
+
+@pytest.mark.parametrize(
+    ("task_variants", "message"),
+    [
+        ({"larg": {"ce": ["optim.lr=1e-3"]}},
+         r"experiment.task_variants.larg: 'larg' is not a task of this experiment: small, "
+         r"large \(did you mean 'large'\?\)"),
+        ({"large": {"cee": ["optim.lr=1e-3"]}},
+         r"experiment.task_variants.large: 'cee' is not a variant: ce, ntil \(did you mean "
+         r"'ce'\?\)"),
+        ({"large": {"ce": ["train.seed=3"]}}, "may not be overridden per variant or task"),
+        ({"large": {"ce": "optim.lr=1e-3"}}, "list of key=value strings"),
+        ({"large": {}}, "non-empty mapping"),
+        (["large"], "task_variants must be a mapping"),
+        ({"large": {"ce": ["optim.lrr=1e-3"]}}, "cell large/ce/seed0"),
+    ],
+)
+def test_bad_task_variants_are_named(tmp_path, task_variants, message):
+    data = _exp(tmp_path, tasks={"small": [], "large": []}, task_variants=task_variants)
+    with pytest.raises(ConfigError, match=message):
+        expand_grid(parse_experiment(data))
+
+
 def test_missing_test_set_is_an_error(tmp_path):
     base = {**TINY_BASE, "data": {**TINY_BASE["data"], "eval": None}}
     with pytest.raises(ConfigError, match="no test set"):

@@ -434,3 +434,15 @@ def test_plots_of_a_grid_without_tasks_are_titled_after_the_experiment(made, mon
     assert titles and all(t.startswith("fake: ") for t in titles), titles
     assert {p.name for p in result.plots} <= {"default_curves.png", "default_final.png",
                                               "default_errors.png"}
+
+
+def test_the_report_names_the_per_task_variant_settings(tmp_path):
+    """A grid with ``task_variants`` says in its header which variant ran with what in which
+    task (the learning rates chosen per task), and one without says nothing of them."""
+    exp, cells = finished_text_grid(tmp_path / "out", [0, 1], lambda v, s: {
+        "mauve": 0.5, "ppl_test": 30.0})
+    assert "Per task" not in write_outputs(exp, cells).report.read_text()
+    exp.task_variants = {"default": {"emo": ["optim.lr=5e-4", "train.max_steps=20"]}}
+    report = write_outputs(exp, cells).report.read_text()
+    assert ("Per task, after the variant's own overrides: default: emo "
+            "`optim.lr=5e-4 train.max_steps=20`.") in report

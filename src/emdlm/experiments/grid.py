@@ -52,6 +52,7 @@ from emdlm.config import (
     RunConfig,
     apply_overrides,
     build_config,
+    did_you_mean,
     load_config_dict,
     packaged_experiment,
     parse_override,
@@ -62,8 +63,9 @@ from emdlm.domains import SEED, shown_value
 from emdlm.experiments.selection import SelectionRule, parse_selection
 
 EXPERIMENT_KEYS = (
-    "name", "base", "base_overrides", "variants", "baseline", "seeds", "tasks", "eval", "workers",
-    "threads_per_worker", "keep_checkpoints", "output_dir", "launcher", "select",
+    "name", "base", "base_overrides", "variants", "baseline", "seeds", "tasks", "task_variants",
+    "eval", "workers", "threads_per_worker", "keep_checkpoints", "output_dir", "launcher",
+    "select",
 )
 EVAL_KEYS = ("checkpoints", "overrides", "extra")
 DEFAULT_TASK = "default"
@@ -110,6 +112,9 @@ class Experiment:
     launcher: dict[str, Any] = field(default_factory=lambda: {"name": DEFAULT_LAUNCHER})
     #: the config's selection rule (a dev sweep's), applied by the report; None without one
     select: SelectionRule | None = None
+    #: task -> variant -> overrides applied after the variant's own in that task's cells only
+    #: (each objective's learning rate chosen per task)
+    task_variants: dict[str, dict[str, list[str]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -189,6 +194,32 @@ def _named_overrides(value: Any, where: str, *, required: bool) -> dict[str, lis
         if not name or "/" in name or name.startswith("."):
             raise ConfigError(f"{where}: {name!r} is not a usable folder name")
         out[name] = _override_list(items, f"{where}.{name}")
+    return out
+
+
+def _task_variants(
+    value: Any, tasks: list[str], variants: list[str]
+) -> dict[str, dict[str, list[str]]]:
+    """experiment.task_variants: ``{task: {variant: [key=value, ...]}}``, each task one of
+    ``tasks`` and each variant one of ``variants`` (a misspelt one would silently leave the
+    variant's own settings in place), the overrides as a variant's (no reserved keys)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError("experiment.task_variants must be a mapping of task -> variant -> "
+                          f"overrides, got {value!r}")
+    out: dict[str, dict[str, list[str]]] = {}
+    for task, per_variant in value.items():
+        where = f"experiment.task_variants.{task}"
+        if str(task) not in tasks:
+            raise ConfigError(f"{where}: {str(task)!r} is not a task of this experiment: "
+                              f"{', '.join(tasks)}{did_you_mean(str(task), tasks)}")
+        named = _named_overrides(per_variant, where, required=True)
+        unknown = [v for v in named if v not in variants]
+        if unknown:
+            raise ConfigError(f"{where}: {unknown[0]!r} is not a variant: "
+                              f"{', '.join(variants)}{did_you_mean(unknown[0], variants)}")
+        out[str(task)] = named
     return out
 
 
@@ -300,7 +331,8 @@ def parse_experiment(data: dict[str, Any], folder: Path = Path(".")) -> Experime
                           "(to run only some cells of a grid, keep its variants and pass "
                           "--only task/variant/seed<k> instead)")
     seeds = _seeds(data.get("seeds", [0]))
-    tasks = _named_overrides(data.get("tasks"), "experiment.tasks", required=False)
+    tasks = _named_overrides(data.get("tasks"), "experiment.tasks", required=False) or {
+        DEFAULT_TASK: []}
     output_dir = data.get("output_dir")
     if not isinstance(output_dir, str) or not output_dir:
         raise ConfigError("experiment.output_dir (where the grid and report go) is missing")
@@ -317,7 +349,7 @@ def parse_experiment(data: dict[str, Any], folder: Path = Path(".")) -> Experime
         variants=variants,
         baseline=baseline,
         seeds=list(seeds),
-        tasks=tasks or {DEFAULT_TASK: []},
+        tasks=tasks,
         eval=_eval_plan(data.get("eval")),
         workers=None if workers is None else positive_int(workers, "experiment.workers"),
         threads_per_worker=positive_int(
@@ -327,6 +359,7 @@ def parse_experiment(data: dict[str, Any], folder: Path = Path(".")) -> Experime
         output_dir=Path(output_dir),
         launcher=launcher_mapping(data.get("launcher")),
         select=parse_selection(data.get("select"), list(variants)),
+        task_variants=_task_variants(data.get("task_variants"), list(tasks), list(variants)),
     )
 
 
@@ -368,7 +401,9 @@ def _reaches_into_base(item: str) -> bool:
 
 
 def expand_grid(exp: Experiment) -> list[Cell]:
-    """All cells (task-major, then seed, then variant), each with its run config checked by
+    """All cells (task-major, then seed, then variant), each trained with the base config and
+    the task's, the variant's and the (task, variant)'s ``task_variants`` overrides in that
+    order, each with its run config checked by
     :func:`emdlm.config.build_config` so a bad override fails before anything runs."""
     cells: list[Cell] = []
     for task, task_overrides in exp.tasks.items():
@@ -383,8 +418,9 @@ def expand_grid(exp: Experiment) -> list[Cell]:
                     "train.progress_bar=false",
                     f"train.torch_threads={exp.threads_per_worker}",
                 ]
+                own = exp.task_variants.get(task, {}).get(variant, [])  # after the variant's
                 raw = apply_overrides(
-                    exp.base, [*task_overrides, *variant_overrides, *runner_overrides]
+                    exp.base, [*task_overrides, *variant_overrides, *own, *runner_overrides]
                 )
                 where = f"cell {task}/{variant}/seed{seed}"
                 _check_checkpoints(exp.eval.checkpoints, check_run_config(raw, where), where)

@@ -276,6 +276,16 @@ def _threshold_lines(em: dict[str, dict[int, dict[int, float]]], exp: Experiment
     return [*lines, ""]
 
 
+def _task_variants_note(task_variants: dict[str, dict[str, list[str]]]) -> str:
+    """`` Per task (after the variant's own): add_sub_4to5: ce `optim.lr=5e-4`; ...`` or ""."""
+    if not task_variants:
+        return ""
+    parts = [f"{task}: " + ", ".join(f"{variant} `{' '.join(items)}`"
+                                     for variant, items in per_variant.items())
+             for task, per_variant in task_variants.items()]
+    return " Per task, after the variant's own overrides: " + "; ".join(parts) + "."
+
+
 def _eval_data_note(cells: Sequence[Cell]) -> str:
     """Which data the metrics are on, e.g. "task arithmetic (dev)": a grid evaluated on the
     dev split must not read as a test result."""
@@ -352,7 +362,8 @@ def write_report(exp: Experiment, cells: Sequence[Cell], rows: Sequence[Row], pa
     lines += [
         f"Variants: {', '.join(exp.variants)} (baseline `{exp.baseline}`); seeds: "
         f"{', '.join(map(str, exp.seeds))}"
-        + ("." if list(exp.tasks) == [DEFAULT_TASK] else f"; tasks: {', '.join(exp.tasks)}."),
+        + ("." if list(exp.tasks) == [DEFAULT_TASK] else f"; tasks: {', '.join(exp.tasks)}.")
+        + _task_variants_note(exp.task_variants),
         f"Cells finished: {len(done)}/{len(cells)}; failed: {len(failed)}"
         + (f"; left out, outputs not whole: {len(left_out)}" if left_out else "")
         + (f"; refused, another definition's work: {len(refused)}" if refused else "")
