@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import yaml
 
 from _experiment import FAKE_BASE
 from emdlm.config import ConfigError
@@ -95,10 +96,11 @@ def test_a_nan_mean_is_never_picked():
     assert got.pick is None and got.missing == 0
 
 
-def _grid(tmp_path, errors: dict[str, list[float]], seeds: list[int]):
+def _grid(tmp_path, errors: dict[str, list[float]], seeds: list[int],
+          variants: dict[str, list[str]] | None = None):
     exp = parse_experiment({
         "name": "sweep", "base": FAKE_BASE, "seeds": seeds,
-        "variants": {v: [] for v in VARIANTS},
+        "variants": variants or {v: [] for v in VARIANTS},
         "select": {"metric": "abs_error_mean", "groups": GROUPS, "tie": "*_lr2"},
         "output_dir": str(tmp_path / "out")})
     cells = expand_grid(exp)
@@ -133,6 +135,30 @@ def test_the_report_flags_a_pick_at_the_edge_of_the_sweep(tmp_path):
     report = _grid(tmp_path, errors, [0])
     assert "| ce | **ce_lr1 1**; ce_lr2 2; ce_lr3 3 | `ce_lr1` (edge of the sweep) |" in report
     assert "`ntil_lr1` (edge of the sweep)" in report
+
+
+def test_the_report_writes_the_decided_picks_as_task_variants(tmp_path):
+    """The picks, as a test grid's ``task_variants`` block: group name -> the picked variant's
+    overrides (YAML that a test grid loads as it is); undecided groups are named, not guessed."""
+    variants = {v: [f"optim.lr={i + 1}.0e-3", "train.logging_steps=7"]
+                for i, v in enumerate(VARIANTS)}
+    errors = {"ce_lr1": [4.0, 6.0], "ce_lr2": [3.0, 3.5], "ce_lr3": [9.0, 1.0],
+              "ntil_lr1": [2.0, 2.0], "ntil_lr2": [5.0]}  # ntil undecided
+    report = _grid(tmp_path, errors, [0, 1], variants)
+    head = ("The picks as a test grid's `task_variants` entry (each group as a variant of that "
+            "name, with the picked variant's overrides); not yet decided: ntil:")
+    assert head in report
+    block = report.split(head, 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    assert yaml.safe_load(block) == {
+        "task_variants": {"default": {"ce": ["optim.lr=2.0e-3", "train.logging_steps=7"]}}}
+    assert "# ce_lr2" in block
+    test_grid = parse_experiment({
+        "base": FAKE_BASE, "variants": {"ce": [], "ntil": []}, "output_dir": str(tmp_path / "t"),
+        **yaml.safe_load(block)})
+    assert test_grid.task_variants == {"default": {"ce": ["optim.lr=2.0e-3",
+                                                          "train.logging_steps=7"]}}
+    nothing = _grid(tmp_path / "b", {"ce_lr1": [1.0]}, [0, 1], variants)
+    assert "task_variants" not in nothing  # no group decided: no block
 
 
 def test_the_packaged_dev_sweep_states_its_rule_as_a_select():

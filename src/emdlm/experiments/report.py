@@ -19,6 +19,7 @@ The numbers come from :mod:`emdlm.experiments.results` (rows of whole outputs on
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -191,10 +192,13 @@ def _plateau_lines(plateau: Plateau | None, exp: Experiment) -> list[str]:
 
 
 def _selection_lines(rule: SelectionRule, final: dict[str, dict[int, float]],
-                     seeds: list[int]) -> list[str]:
+                     seeds: list[int], task: str, variants: dict[str, list[str]]) -> list[str]:
     """The "Selection" subsection of a task (:mod:`emdlm.experiments.selection`): a row per
     group with every variant's mean over the seeds (the pick in bold), the pick, and whether
-    it is an edge of the sweep; "not yet" while a cell of the group is unfinished."""
+    it is an edge of the sweep; "not yet" while a cell of the group is unfinished. Then the
+    decided picks as a test grid's ``task_variants`` entry (group name -> the picked variant's
+    overrides, ``variants``), to copy rather than retype."""
+    picked: dict[str, str] = {}
     lines = [f"### Selection by the config's rule: the {rule.better} mean `{rule.metric}` at "
              f"the final checkpoint over seeds {', '.join(map(str, seeds))}", "",
              "| group | mean per variant, in sweep order | pick |", "|---|---|---|"]
@@ -208,13 +212,24 @@ def _selection_lines(rule: SelectionRule, final: dict[str, dict[int, float]],
             text = f"{v} {fmt(res.means[v])}"
             shown.append(f"**{text}**" if v == res.pick else text)
         if res.pick is not None:
+            picked[group] = res.pick
             verdict = f"`{res.pick}`" + (" (edge of the sweep)" if res.edge else "")
         elif res.missing:
             verdict = f"not yet: {res.missing} cell(s) unfinished"
         else:
             verdict = "none: every mean is NaN"
         lines.append(f"| {group} | " + "; ".join(shown) + f" | {verdict} |")
-    return [*lines, ""]
+    lines.append("")
+    if picked:
+        undecided = [g for g in rule.groups if g not in picked]
+        lines += ["The picks as a test grid's `task_variants` entry (each group as a variant "
+                  "of that name, with the picked variant's overrides)"
+                  + (f"; not yet decided: {', '.join(undecided)}" if undecided else "") + ":",
+                  "", "```yaml", "task_variants:", f"  {task}:"]
+        lines += [f"    {group}: {json.dumps(variants[pick])}  # {pick}"  # valid YAML too
+                  for group, pick in picked.items()]
+        lines += ["```", ""]
+    return lines
 
 
 def _task_section(exp: Experiment, task: str, rows: Sequence[Row],
@@ -238,7 +253,8 @@ def _task_section(exp: Experiment, task: str, rows: Sequence[Row],
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
     lines.append("")
     if exp.select is not None:
-        lines += _selection_lines(exp.select, st.final.get(exp.select.metric, {}), exp.seeds)
+        lines += _selection_lines(exp.select, st.final.get(exp.select.metric, {}), exp.seeds,
+                                  task, exp.variants)
     lines += [*floor, *([""] if floor else []), *_plateau_lines(st.plateau, exp)]
     lines += ["", "### Final checkpoint: paired difference against the baseline", "",
               "Lower is better for "
