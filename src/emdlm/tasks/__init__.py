@@ -237,13 +237,11 @@ def check_task_call(
     :data:`GENERATION_DOMAINS`, a parameter name its generator does not take (with the nearest
     one it does), a value outside its domain. An experiment checks every cell's task sources
     with it before the first cell runs."""
-    spec = task_spec(name)
-    if spec.generator is None:
-        raise _unknown_task(name)
+    generator, spec = get_task(name), task_spec(name)
     if split not in spec.splits:
         raise ValueError(f"task {name!r} has splits {', '.join(spec.splits)}; got split={split!r}")
     check_task_params(name, GENERATION_DOMAINS, {"n": n, "seed": seed})
-    signature = inspect.signature(spec.generator)
+    signature = inspect.signature(generator)
     takes_any = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
     named = [key for key, p in signature.parameters.items()
              if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD]
