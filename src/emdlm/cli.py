@@ -282,17 +282,26 @@ def experiment(
                            "another definition beside it (renamed, nothing deleted) and run "
                            "the cell again")
     ] = False,
+    earlier_results: Annotated[
+        Path | None,
+        typer.Option("--earlier-results", help="An earlier run's results.csv of this grid: "
+                     "its cells count as finished where they have no folder here (their rows "
+                     "as written, not re-checked: the report says so)"),
+    ] = None,
 ) -> None:
     """Run a grid of variants x seeds x tasks (train + eval per cell; finished cells are
     skipped) and write report.md, results.csv and plots/ with paired statistics."""
     from emdlm.experiments import run_experiment
 
-    only_flags = [f"--only {pattern}" for pattern in only or []]
-    command = " ".join(["emdlm", "experiment", "-c", config, *only_flags, *(overrides or [])])
+    flags = [f"--only {pattern}" for pattern in only or []]
+    if earlier_results is not None:
+        flags.append(f"--earlier-results {earlier_results}")
+    command = " ".join(["emdlm", "experiment", "-c", config, *flags, *(overrides or [])])
     try:
         result = run_experiment(config, list(overrides or []), progress=progress,
                                 report_only=report_only, command=command, only=only,
-                                rerun_refused=rerun_refused, echo=typer.echo)
+                                rerun_refused=rerun_refused, echo=typer.echo,
+                                earlier_results=earlier_results)
     except ConfigError as err:
         _fail(str(err))
     except KeyboardInterrupt:

@@ -340,11 +340,14 @@ def _cells_section(title: str, why: str, reasons: dict[str, str]) -> list[str]:
 def write_report(exp: Experiment, cells: Sequence[Cell], rows: Sequence[Row], path: Path,
                  *, command: str = "", plots: dict[str, list[str]] | None = None,
                  left_out: dict[str, str] | None = None,
-                 refused: dict[str, str] | None = None) -> None:
+                 refused: dict[str, str] | None = None, earlier: Sequence[str] = (),
+                 earlier_note: str = "") -> None:
     """report.md (written whole): header (command, grid, cost), one section per task, the
     cells left out (``left_out``: key -> reason, from :func:`read_grid`; found here when not
     given), the cells refused as another definition's work (``refused``, likewise) and the
-    failed cells."""
+    failed cells. ``earlier``: the keys of the cells whose rows (in ``rows``) come from an
+    earlier run's results.csv, counted as finished; ``earlier_note``: the header's sentence on
+    them (:func:`emdlm.experiments.earlier_rows.earlier_note`)."""
     if refused is None:
         refused = {c.key: why for c in cells if (why := refusal(c)) is not None}
     if left_out is None:
@@ -380,12 +383,13 @@ def write_report(exp: Experiment, cells: Sequence[Cell], rows: Sequence[Row], pa
         f"{', '.join(map(str, exp.seeds))}"
         + ("." if list(exp.tasks) == [DEFAULT_TASK] else f"; tasks: {', '.join(exp.tasks)}.")
         + _task_variants_note(exp.task_variants),
-        f"Cells finished: {len(done)}/{len(cells)}; failed: {len(failed)}"
+        f"Cells finished: {len(done) + len(earlier)}/{len(cells)}; failed: {len(failed)}"
         + (f"; left out, outputs not whole: {len(left_out)}" if left_out else "")
         + (f"; refused, another definition's work: {len(refused)}" if refused else "")
-        + ". Sum of the finished "
-        f"cells' wall times: {wall:.0f} s at {exp.threads_per_worker} thread(s) each "
-        f"(CPU time ≈ {wall * exp.threads_per_worker:.0f} s).{resumed_note}",
+        + (f". Sum of the wall times of the {len(done)} cells finished here: " if earlier
+           else ". Sum of the finished cells' wall times: ")
+        + f"{wall:.0f} s at {exp.threads_per_worker} thread(s) each "
+        f"(CPU time ≈ {wall * exp.threads_per_worker:.0f} s).{resumed_note}{earlier_note}",
         "",
         "The variants of one seed share the training data, its order and the initial weights: "
         "differences are paired by seed. " + _eval_data_note(cells)

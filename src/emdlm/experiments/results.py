@@ -172,6 +172,11 @@ class GridRead:
     finished: list[Cell] = field(default_factory=list)
     left_out: dict[str, str] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)
+    #: cells counted as finished from an earlier run's results.csv
+    #: (:func:`emdlm.experiments.earlier_rows.add_earlier_rows`), and the cells of that file
+    #: read from their folders here instead
+    earlier: list[str] = field(default_factory=list)
+    earlier_passed_over: list[str] = field(default_factory=list)
 
 
 def read_grid(cells: Iterable[Cell]) -> GridRead:
