@@ -76,9 +76,11 @@ def test_experiment_refuses_before_any_cell_trains(tmp_path, override, message):
         ("train.seed=-1", "train.seed=-1 is not a usable seed"),
         ("data.eval.params.max_digit=3", "data.eval: bad parameters for task 'arithmetic': it "
          "takes no parameter 'max_digit' (did you mean 'max_digits'?)"),
+        ("data.train.n=1000000000000", "data.train: task 'arithmetic': n must be an integer "
+         "in [1, 10000000], got 1000000000000"),
     ],
     ids=["eval_batch_size_0", "eval_max_new_tokens_negative", "train_seed_negative",
-         "task_parameter_misspelt"],
+         "task_parameter_misspelt", "task_count_too_large"],
 )
 def test_train_refuses_bad_settings_writing_nothing(tmp_path, override, message):
     config = tmp_path / "run.yaml"

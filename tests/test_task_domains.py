@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from emdlm import tasks
+from emdlm.domains import MAX_GENERATED
 from emdlm.tasks import generate_task, get_task, task_specs
 
 NUMBER_ANNOTATION = re.compile(r"\b(float|int)\b")
@@ -163,15 +164,19 @@ def test_a_parameter_given_by_position_is_checked_too(monkeypatch) -> None:
         checked(1, 0)
 
 
-@pytest.mark.parametrize("value", [True, 0, -1, 2.5, math.nan, "3"], ids=repr)
+@pytest.mark.parametrize("value", [True, 0, -1, 2.5, math.nan, "3", MAX_GENERATED + 1, 10**12],
+                         ids=repr)
 @pytest.mark.parametrize("task", sorted(_generators()))
 def test_generate_task_checks_n(tmp_path: Path, task: str, value: Any) -> None:
     """``n`` (every generator's count) is checked by generate_task with the domains' words: a
-    bool is no count (``n=True`` made one example), 2.5 none either."""
+    bool is no count (``n=True`` made one example), 2.5 none either; a count past
+    MAX_GENERATED (10**12 once ended in numpy's MemoryError after a long wait) is refused
+    before anything is generated."""
     with pytest.raises(ValueError) as err:
         generate_task(task, n=value, cache_dir=tmp_path / "c") if _caches(task) else \
             generate_task(task, n=value)
-    assert str(err.value) == f"task {task!r}: n must be an integer >= 1, got {value!r}"
+    assert str(err.value) == (f"task {task!r}: n must be an integer in [1, {MAX_GENERATED}], "
+                              f"got {value!r}")
     assert not (tmp_path / "c").exists()
 
 

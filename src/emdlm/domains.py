@@ -126,10 +126,17 @@ NONNEGATIVE_COUNT = Domain(low=0, integer=True)
 #: are 0 .. 2**32 - 1; a negative seed fails there, after a run has started.
 MAX_SEED = 2**32 - 1
 SEED = Domain(low=0, high=MAX_SEED, integer=True)  # a seed numpy (and so set_seed) accepts
+#: The most examples one task generator call makes: every generated set is held in memory as
+#: Python dicts (hundreds of bytes each, an image task's far more), so a count past this is a
+#: typo or a resource bomb, refused before anything is generated rather than ending in a
+#: MemoryError after minutes. The packaged corpora configs ask for 10**6 at most.
+MAX_GENERATED = 10_000_000
+GENERATED_COUNT = Domain(low=1, high=MAX_GENERATED, integer=True)
 
 
 __all__ = [
-    "COUNT", "INT64_MAX", "INTEGER", "MAX_SEED", "NONNEGATIVE", "NONNEGATIVE_COUNT", "POSITIVE",
+    "COUNT", "GENERATED_COUNT", "INT64_MAX", "INTEGER", "MAX_GENERATED", "MAX_SEED",
+    "NONNEGATIVE", "NONNEGATIVE_COUNT", "POSITIVE",
     "SEED", "UNIT",
     "Domain", "domain_problems", "shown_value",
 ]

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from emdlm.config.errors import did_you_mean
-from emdlm.domains import COUNT, SEED, Domain, domain_problems
+from emdlm.domains import GENERATED_COUNT, SEED, Domain, domain_problems
 from emdlm.eval_kinds import EVAL_KINDS
 
 TaskFn = Callable[..., list[dict[str, Any]]]
@@ -224,9 +224,10 @@ def get_task(name: str) -> TaskFn:
     return fn
 
 
-#: The legal values of the two parameters every generator takes: ``n`` examples (at least one)
-#: and the ``seed`` of its random draws (one numpy accepts).
-GENERATION_DOMAINS: Mapping[str, Domain] = {"n": COUNT, "seed": SEED}
+#: The legal values of the two parameters every generator takes: ``n`` examples (at least one,
+#: at most :data:`emdlm.domains.MAX_GENERATED`) and the ``seed`` of its random draws (one numpy
+#: accepts).
+GENERATION_DOMAINS: Mapping[str, Domain] = {"n": GENERATED_COUNT, "seed": SEED}
 
 
 def check_task_call(
