@@ -72,6 +72,9 @@ NOT_RUN.update({
     "emdlm experiment -c arithmetic_objectives": "an experiment grid (hours), as above",
     "emdlm experiment -c my_exp.yaml seeds=3 base.train.max_steps=500 workers=2": "my_exp.yaml "
     "stands for the reader's grid; overrides: tests/test_experiment_grid.py",
+    "emdlm experiment -c my_exp.yaml --earlier-results old/results.csv": "my_exp.yaml and "
+    "old/results.csv stand for the reader's grid and its earlier file; --earlier-results: "
+    "tests/test_earlier_rows.py (through the CLI too)",
     "emdlm experiment -c my_exp.yaml --report-only": "my_exp.yaml stands for the reader's grid; "
     "--report-only: tests/test_experiment_report.py",
     "emdlm experiment -c my_exp.yaml --only '*/ntil/seed4'": "my_exp.yaml stands for the "
