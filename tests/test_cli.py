@@ -274,6 +274,14 @@ def test_train_then_eval_end_to_end(tmp_path):
     result, text = _invoke("eval", out, "--data", data, "--out", tmp_path / "ev")
     assert result.exit_code == 0, text
     assert json.loads((tmp_path / "ev" / "metrics.json").read_text())["n"] == 5
+    # --n with --data keeps the file's first N (it used to set the generator's count only,
+    # which a file does not have, and score all 5)
+    result, text = _invoke("eval", out, "--data", data, "--n", 3, "--out", tmp_path / "ev3")
+    assert result.exit_code == 0, text
+    assert json.loads((tmp_path / "ev3" / "metrics.json").read_text())["n"] == 3
+    lines = (tmp_path / "ev3" / "predictions.jsonl").read_text().splitlines()
+    preds = [json.loads(x) for x in lines]
+    assert [r["prompt"] for r in preds] == ["0+1=", "1+1=", "2+1="]
 
     result, text = _invoke("eval", tmp_path / "nothing_here")
     assert result.exit_code == 2 and "not found" in text

@@ -63,6 +63,17 @@ def test_sample_writes_prompt_completion_rows(folder: Path, tmp_path: Path) -> N
     assert _read(out) == rows
 
 
+def test_sample_n_takes_the_first_prompts_of_a_file(folder: Path, tmp_path: Path) -> None:
+    """--n with --data keeps the file's first N prompts (its help says so): 2 of the 3."""
+    out = tmp_path / "corpus.jsonl"
+    args = ["sample", str(folder), "--data", str(_prompts(tmp_path)), "--n", "2",
+            "--out", str(out), "eval.max_new_tokens=3", "eval.seed=3"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert " from 2 prompts x 1 samples" in result.output
+    assert {r["prompt"] for r in _read(out)} <= {"0 + 0 =", "1 + 1 ="}
+
+
 def test_sample_text_format_and_empty_samples_are_counted(
     folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

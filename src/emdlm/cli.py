@@ -57,7 +57,11 @@ def _fail(message: str, code: int = 2) -> None:
 
 def _eval_data_overrides(data: str | None, task: str | None, n: int | None,
                          split: str) -> list[str]:
-    """data.eval overrides for the --data / --task / --n / --split flags of eval and sample."""
+    """data.eval overrides for the --data / --task / --n / --split flags of eval and sample.
+
+    ``--n`` sets both ``data.eval.n`` (a generator's count) and ``data.eval.limit`` (the first
+    N examples kept): N generated and the first N kept are the same N, and a file or folder,
+    which has no generator, is cut to its first N, so one flag means N examples either way."""
     if data is not None and task is not None:
         _fail("give --data or --task, not both")
     items: list[str] = []
@@ -66,7 +70,7 @@ def _eval_data_overrides(data: str | None, task: str | None, n: int | None,
     if task is not None:
         items += ["data.eval.path=null", f"data.eval.task={task}", f"data.eval.split={split}"]
     if n is not None:
-        items.append(f"data.eval.n={n}")
+        items += [f"data.eval.n={n}", f"data.eval.limit={n}"]
     return items
 
 
@@ -164,7 +168,10 @@ def eval_cmd(
         str | None, typer.Option(help="Test set: JSONL file or save_to_disk folder")
     ] = None,
     task: Annotated[str | None, typer.Option(help="Test set: a registered task name")] = None,
-    n: Annotated[int | None, typer.Option(help="Examples to generate for --task")] = None,
+    n: Annotated[
+        int | None,
+        typer.Option(help="Examples: --task generates N, a file / folder gives its first N"),
+    ] = None,
     split: Annotated[str, typer.Option(help="Split for --task / dataset folders")] = "test",
     kind: Annotated[str | None, typer.Option(help=KIND_HELP)] = None,
     oracle: Annotated[
@@ -212,7 +219,10 @@ def sample(
         str | None, typer.Option(help="Prompts: JSONL file or save_to_disk folder")
     ] = None,
     task: Annotated[str | None, typer.Option(help="Prompts: a registered task name")] = None,
-    n: Annotated[int | None, typer.Option(help="Prompts to take from --task / --data")] = None,
+    n: Annotated[
+        int | None,
+        typer.Option(help="Prompts: --task generates N, a file / folder gives its first N"),
+    ] = None,
     split: Annotated[str, typer.Option(help="Split for --task / dataset folders")] = "train",
     num_samples: Annotated[int, typer.Option(help="Continuations per prompt")] = 1,
     fmt: Annotated[
