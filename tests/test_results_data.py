@@ -128,6 +128,7 @@ QUOTED = [
     ("arithmetic_objectives/results_32k.csv", "ce", "ce_lr1e-3", "exact_match", 32000, 3),
     ("math_mixed/results.csv", "ce", "emd", "abs_error_mean", 1000, 3),
     ("arithmetic_how_far_replication/results.csv", "ce", "ntil", "log10_error_mean", 8000, 3),
+    ("objectives_at_tuned_lr_replication/results.csv", "ce", "ntil", "log10_error_mean", 8000, 3),
     ("arithmetic_tokenizers/results_llama3_like_16k.csv", "ce_lr1e-3", "ntil_static",
      "log10_error_mean", 16000, 5),
     ("arithmetic_objectives/results_16k.csv", "ce", "emd", "within_5pct", 16000, 5),
